@@ -1,0 +1,105 @@
+"""raykv: a distributed KV cache for LLM serving.
+
+This package is the pure core: it never imports ray. ``raykv.start`` and ``raykv.connect`` (the
+cluster entry points) live in ``actors.cluster`` and are re-exported lazily once that module exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raykv.config import BufferSpec, CacheConfig, KVLayout, LayerSpec, TierConfig
+from raykv.errors import (
+    CapacityError,
+    ConfigError,
+    CudaError,
+    ImportRejectedError,
+    IntegrityError,
+    InvalidArgumentError,
+    NotFoundError,
+    OutOfMemoryError,
+    OutOfPagesError,
+    RayKVError,
+    ResourceBusyError,
+    RoleNotFoundError,
+    StateError,
+    TransferError,
+)
+from raykv.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged, CacheEvent
+from raykv.eviction import EvictionPolicy, PriorityLRU
+from raykv.keys import MultimodalItem, ReuseScope, block_keys
+from raykv.kvcache import KvCache, Status
+from raykv.manager import CacheManager
+from raykv.records import CommittedBlockInfo, ExportedBlock, ImportResult, ProbeResult, page_checksum
+from raykv.stats import CacheStats, StatsDelta
+from raykv.testing import ContentOracle
+from raykv.types import BlockKey, PageId, Priority, RequestId, TierKind, TierLevel, TokenId, WorkerId
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllCleared",
+    "BlockKey",
+    "BlockRemoved",
+    "BlockStored",
+    "BlockTierChanged",
+    "BufferSpec",
+    "CacheConfig",
+    "CacheEvent",
+    "CacheManager",
+    "CacheStats",
+    "CapacityError",
+    "CommittedBlockInfo",
+    "ConfigError",
+    "ContentOracle",
+    "CudaError",
+    "EvictionPolicy",
+    "ExportedBlock",
+    "ImportRejectedError",
+    "ImportResult",
+    "IntegrityError",
+    "InvalidArgumentError",
+    "KVLayout",
+    "KvCache",
+    "LayerSpec",
+    "MultimodalItem",
+    "NotFoundError",
+    "OutOfMemoryError",
+    "OutOfPagesError",
+    "PageId",
+    "Priority",
+    "PriorityLRU",
+    "ProbeResult",
+    "RayKVError",
+    "RequestId",
+    "ResourceBusyError",
+    "ReuseScope",
+    "RoleNotFoundError",
+    "StateError",
+    "StatsDelta",
+    "Status",
+    "TierConfig",
+    "TierKind",
+    "TierLevel",
+    "TokenId",
+    "TransferError",
+    "WorkerId",
+    "block_keys",
+    "page_checksum",
+]
+
+_LAZY = {"start": "actors.cluster", "connect": "actors.cluster"}
+
+
+def __getattr__(name: str) -> Any:
+    """Lazily re-export the cluster entry points without importing ray at ``import raykv``."""
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'raykv' has no attribute {name!r}")
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise AttributeError(f"raykv.{name} needs {module_name} ({exc})") from None
+    return getattr(module, name)

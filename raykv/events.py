@@ -1,0 +1,110 @@
+"""Cache events: what changed in a manager's set of committed blocks.
+
+Each event carries a monotonic ``event_id`` (per manager, starting at 1, never reused). The queue is
+bounded: when it is full the oldest events are dropped, and a consumer sees the gap in ids (the
+cluster index then asks for a snapshot). Events are frozen, pickle, and compare by value.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+from typing import Union
+
+from raykv.types import BlockKey, TierKind
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """A block became committed and matchable on ``tier``. ``parent_key`` is the previous block's
+    key (the scope's root key for block 0); ``request_id`` is the committing request, if any."""
+
+    event_id: int
+    key: BlockKey
+    parent_key: BlockKey
+    tier: TierKind
+    num_tokens: int
+    request_id: int | None = None
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """A block is no longer cached anywhere on this manager (dropped from ``tier``)."""
+
+    event_id: int
+    key: BlockKey
+    tier: TierKind
+
+
+@dataclass(frozen=True)
+class BlockTierChanged:
+    """A committed block moved between tiers (demotion or promotion)."""
+
+    event_id: int
+    key: BlockKey
+    old_tier: TierKind
+    new_tier: TierKind
+
+
+@dataclass(frozen=True)
+class AllCleared:
+    """Every committed block was removed (clear_reusable or shutdown)."""
+
+    event_id: int
+
+
+CacheEvent = Union[BlockStored, BlockRemoved, BlockTierChanged, AllCleared]  # noqa: UP007
+
+
+class EventQueue:
+    """Bounded FIFO of events with monotonic ids. Thread-safe.
+
+    ``emit_*`` methods assign the next id; ``drain`` removes and returns queued events in order.
+    ``dropped`` counts events lost to the bound.
+    """
+
+    def __init__(self, max_events: int) -> None:
+        self._queue: collections.deque[CacheEvent] = collections.deque()
+        self._max = max_events
+        self._next_id = 1
+        self._lock = threading.Lock()
+        self.dropped = 0
+
+    @property
+    def last_event_id(self) -> int:
+        """Id of the most recently emitted event (0 before any)."""
+        return self._next_id - 1
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def _push(self, make: type, *fields: object) -> CacheEvent:
+        with self._lock:
+            event: CacheEvent = make(self._next_id, *fields)
+            self._next_id += 1
+            if len(self._queue) >= self._max:
+                self._queue.popleft()
+                self.dropped += 1
+            self._queue.append(event)
+            return event
+
+    def stored(
+        self, key: BlockKey, parent: BlockKey, tier: TierKind, num_tokens: int, request_id: int | None
+    ) -> CacheEvent:
+        return self._push(BlockStored, key, parent, tier, num_tokens, request_id)
+
+    def removed(self, key: BlockKey, tier: TierKind) -> CacheEvent:
+        return self._push(BlockRemoved, key, tier)
+
+    def tier_changed(self, key: BlockKey, old: TierKind, new: TierKind) -> CacheEvent:
+        return self._push(BlockTierChanged, key, old, new)
+
+    def cleared(self) -> CacheEvent:
+        return self._push(AllCleared)
+
+    def drain(self, max_events: int | None = None) -> list[CacheEvent]:
+        """Remove and return up to ``max_events`` (all when None) of the oldest queued events."""
+        with self._lock:
+            n = len(self._queue) if max_events is None else min(max_events, len(self._queue))
+            return [self._queue.popleft() for _ in range(n)]

@@ -1,0 +1,96 @@
+"""Slot allocation shared by every tier's page pool.
+
+A pool holds ``num_slots`` pages of ``page_bytes`` each; a slot index is a PageId. Allocation is
+LIFO over a free list (recently freed slots are warm in caches) and all-or-nothing per call.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import numpy as np
+import numpy.typing as npt
+
+from raykv.config import KVLayout, TierConfig
+from raykv.errors import OutOfPagesError, StateError
+from raykv.types import PageId, TierKind
+
+
+class PagePool(abc.ABC):
+    """Fixed-size page slots of one tier. Subclasses own the memory (host, disk or GPU)."""
+
+    kind: TierKind
+
+    def __init__(self, config: TierConfig, layout: KVLayout) -> None:
+        self.config = config
+        self.layout = layout
+        self.page_bytes = layout.page_bytes
+        self.num_slots = config.num_pages(self.page_bytes)
+        self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
+        self._used = np.zeros(self.num_slots, dtype=bool)
+        self._closed = False
+
+    # ---- slots -------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Usable bytes: ``num_slots * page_bytes`` (the configured capacity rounded down)."""
+        return self.num_slots * self.page_bytes
+
+    def allocate(self, count: int) -> list[PageId]:
+        """Take ``count`` free slots. Raises OutOfPagesError (nothing taken) if fewer are free."""
+        self._check_open()
+        if count > len(self._free):
+            raise OutOfPagesError(
+                f"{self.kind.name} tier has {len(self._free)} free pages, {count} needed",
+                tier=self.kind.name,
+            )
+        slots = [PageId(self._free.pop()) for _ in range(count)]
+        self._used[slots] = True
+        return slots
+
+    def release(self, slots: list[PageId]) -> None:
+        """Return slots to the free list. Raises StateError for a slot that is not in use."""
+        for slot in slots:
+            if not self._used[slot]:
+                raise StateError(f"{self.kind.name} slot {slot} released twice")
+        for slot in slots:
+            self._used[slot] = False
+            self._free.append(int(slot))
+
+    def is_used(self, slot: int) -> bool:
+        return bool(self._used[slot])
+
+    def used_slots(self) -> npt.NDArray[np.intp]:
+        return np.flatnonzero(self._used)
+
+    def check_slots(self) -> None:
+        """Raise AssertionError if the free list and the used bitmap disagree."""
+        free = self._free
+        assert len(set(free)) == len(free), f"{self.kind.name}: duplicate free slots"
+        assert not self._used[free].any() if free else True, "free slot marked used"
+        assert len(free) + int(self._used.sum()) == self.num_slots, "slot count mismatch"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError(f"{self.kind.name} tier is closed")
+
+    # ---- data --------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def read_pages(self, slots: list[PageId], out: npt.NDArray[np.uint8]) -> None:
+        """Copy pages ``slots`` into the rows of ``out`` (shape [len(slots), page_bytes], host)."""
+
+    @abc.abstractmethod
+    def write_pages(self, slots: list[PageId], data: npt.NDArray[np.uint8]) -> None:
+        """Copy the rows of ``data`` (host, [len(slots), page_bytes]) into pages ``slots``."""
+
+    def close(self) -> None:
+        """Release the tier's memory or files. Idempotent."""
+        self._closed = True
