@@ -31,7 +31,7 @@ from raykv.keys import MultimodalItem, ReuseScope, block_keys
 from raykv.kvcache import KvCache, Status
 from raykv.manager import CacheManager
 from raykv.records import CommittedBlockInfo, ExportedBlock, ImportResult, ProbeResult, page_checksum
-from raykv.stats import CacheStats, StatsDelta
+from raykv.stats import CacheStats, RequestStats, StatsDelta
 from raykv.testing import ContentOracle
 from raykv.types import BlockKey, PageId, Priority, RequestId, TierKind, TierLevel, TokenId, WorkerId
 
@@ -73,6 +73,7 @@ __all__ = [
     "RayKVError",
     "RequestId",
     "ResourceBusyError",
+    "RequestStats",
     "ReuseScope",
     "RoleNotFoundError",
     "StateError",

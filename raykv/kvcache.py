@@ -157,7 +157,7 @@ class KvCache:
         StateError when closed.
         """
         mgr = self._mgr
-        with mgr._lock:
+        with mgr.locked():
             self._check_not_closed()
             if self.status is Status.ACTIVE:
                 return True
@@ -182,7 +182,7 @@ class KvCache:
     def suspend(self) -> None:
         """ACTIVE -> SUSPENDED: unpin every page (they become evictable, may be demoted).
         No-op when already suspended; StateError when closed."""
-        with self._mgr._lock:
+        with self._mgr.locked():
             self._check_not_closed()
             if self.status is Status.ACTIVE:
                 for page in self._pages:
@@ -196,7 +196,7 @@ class KvCache:
         page can be evicted; in every case nothing changes.
         """
         mgr = self._mgr
-        with mgr._lock:
+        with mgr.locked():
             arr = tokens_to_array(tokens)
             if self.status is not Status.ACTIVE:
                 raise StateError(f"extend() needs an active cache (status {self.status.value})")
@@ -222,7 +222,7 @@ class KvCache:
         pending stats into the manager. Returns how many blocks were newly committed.
         """
         mgr = self._mgr
-        with mgr._lock:
+        with mgr.locked():
             self._check_not_closed()
             upto = self._len if num_tokens is None else num_tokens
             if isinstance(upto, bool) or not isinstance(upto, int) or not 0 <= upto <= self._len:
@@ -257,14 +257,10 @@ class KvCache:
     def close(self) -> None:
         """Release every page (committed blocks stay cached). Idempotent."""
         mgr = self._mgr
-        with mgr._lock:
+        with mgr.locked():
             if self.status is Status.CLOSED:
                 return
-            if self.status is Status.ACTIVE:
-                for page in self._pages:
-                    mgr.unpin(page)
-            for page in self._pages:
-                mgr.release_holder(page)
+            mgr.release_cache_pages(self._pages, self.status is Status.ACTIVE)
             self._fold_stats()
             self.status = Status.CLOSED
             self._pages = []
@@ -272,7 +268,7 @@ class KvCache:
 
     def _fold_stats(self) -> None:
         if self._pending is not None:
-            self._mgr.counters.fold(self._pending)
+            self._mgr.counters.fold(self._pending, self.request_id)
             self._pending = None
 
     def _check_not_closed(self) -> None:
@@ -286,21 +282,21 @@ class KvCache:
     # ---- page access ----------------------------------------------------------------------------
     def page_ids(self) -> list[PageId]:
         """Top-tier slot of every block, in order. ACTIVE only; valid until suspend/close."""
-        with self._mgr._lock:
+        with self._mgr.locked():
             self._check_active()
             return [p.slot for p in self._pages]
 
     def page(self, index: int) -> Any:
         """Writable view of block ``index``'s whole page: numpy uint8 on a host top tier, a
         torch uint8 tensor on a GPU top tier. ACTIVE only; valid until suspend/close."""
-        with self._mgr._lock:
+        with self._mgr.locked():
             self._check_active()
             return self._mgr.top_pool.page(self._page_at(index).slot)  # type: ignore[attr-defined]
 
     def buffer_view(self, index: int, layer_id: int, role: str) -> Any:
         """Typed view ``[tokens_per_block, *shape]`` of one (layer, role) buffer of block
         ``index``. Raises RoleNotFoundError for a (layer, role) the layout lacks."""
-        with self._mgr._lock:
+        with self._mgr.locked():
             self._check_active()
             slot = self._page_at(index).slot
             return self._mgr.top_pool.buffer_view(slot, layer_id, role)  # type: ignore[attr-defined]
@@ -321,16 +317,19 @@ class KvCache:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "status", Status.CLOSED) is not Status.CLOSED:
-            warnings.warn(
-                f"KvCache {self.cache_id} was garbage-collected while open; closing it",
-                ResourceWarning,
-                stacklevel=2,
-            )
-            try:
-                self.close()
-            except Exception:
-                pass
+        status = getattr(self, "status", Status.CLOSED)
+        if status is Status.CLOSED:
+            return
+        warnings.warn(
+            f"KvCache {self.cache_id} was garbage-collected while open; closing it",
+            ResourceWarning,
+            stacklevel=2,
+        )
+        # Only queue the release: a finalizer may run in the middle of another manager call.
+        self.status = Status.CLOSED
+        pending, self._pending = self._pending, None
+        self._mgr.defer_release(self.cache_id, self._pages, status is Status.ACTIVE, pending, self.request_id)
+        self._pages = []
 
     def __repr__(self) -> str:
         return (

@@ -11,11 +11,12 @@ rejected call raises a typed error and leaves the manager unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from raykv.config import CacheConfig
 from raykv.copy import CopyEngine
@@ -28,7 +29,7 @@ from raykv.page import Page
 from raykv.placement import RoomPlanner
 from raykv.radix import Block, BlockRadixTree
 from raykv.records import CommittedBlockInfo, ExportedBlock, ImportResult, ProbeResult
-from raykv.stats import CacheStats, Counters
+from raykv.stats import CacheStats, Counters, RequestStats, StatsDelta
 from raykv.tiers import PagePool, make_pool
 from raykv.transfer_blocks import export_blocks, import_blocks
 from raykv.types import (
@@ -76,6 +77,7 @@ class CacheManager:
         self.counters = Counters(len(pools))
         self._lock = threading.RLock()
         self._open: dict[int, weakref.ref[KvCache]] = {}
+        self._graveyard: list[tuple[int, list[Page], bool, StatsDelta | None, int | None]] = []
         self._cache_ids = itertools.count(1)
         self._pinned_top = 0
         self._closed = False
@@ -86,6 +88,43 @@ class CacheManager:
             self.layout.page_bytes,
         )
 
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the manager lock; first release requests that were garbage-collected while open.
+
+        (A KvCache finalizer only queues its pages here: it may run at any point, even inside
+        another call on this thread, so it must not touch the tree or queues itself.)
+        """
+        with self._lock:
+            while self._graveyard:
+                cache_id, pages, active, pending, request_id = self._graveyard.pop()
+                self.release_cache_pages(pages, active)
+                if pending is not None:
+                    self.counters.fold(pending, request_id)
+                self._open.pop(cache_id, None)
+            yield
+
+    def defer_release(
+        self,
+        cache_id: int,
+        pages: list[Page],
+        active: bool,
+        pending: StatsDelta | None,
+        request_id: int | None,
+    ) -> None:
+        """Queue a dead request's pages (and unfolded stats) for release at the next locked call.
+
+        Finalizer-safe: a list append is atomic and touches nothing else."""
+        self._graveyard.append((cache_id, pages, active, pending, request_id))
+
+    def release_cache_pages(self, pages: list[Page], active: bool) -> None:
+        """Unpin (if ``active``) and drop one request's references to ``pages``."""
+        if active:
+            for page in pages:
+                self.unpin(page)
+        for page in pages:
+            self.release_holder(page)
+
     # ---- properties ----------------------------------------------------------------------------
     @property
     def top_pool(self) -> PagePool:
@@ -94,7 +133,8 @@ class CacheManager:
 
     @property
     def num_open_requests(self) -> int:
-        return len(self._open)
+        with self.locked():
+            return len(self._open)
 
     @property
     def closed(self) -> bool:
@@ -122,7 +162,7 @@ class CacheManager:
         prio = check_priority(priority)
         if request_id is not None:
             check_u64("request_id", request_id)
-        with self._lock:
+        with self.locked():
             self._check_open()
             cache = KvCache(self, scope, tokens, prio, request_id, tuple(mm_items))
             self._open[cache.cache_id] = weakref.ref(cache)
@@ -142,13 +182,13 @@ class CacheManager:
             raise InvalidArgumentError("tokens", "give exactly one of tokens and keys")
         if keys is not None:
             checked = [check_block_key(k) for k in keys]
-            with self._lock:
+            with self.locked():
                 blocks = self.tree.match_keys(checked)
                 return self._probe_result(blocks)
         scope = DEFAULT_SCOPE if scope is None else scope
         assert tokens is not None
         chain = block_keys(tokens, self.tokens_per_block, scope, mm_items)
-        with self._lock:
+        with self.locked():
             return self._probe_result(self.tree.match(scope.root_key(), chain))
 
     def _probe_result(self, blocks: list[Block]) -> ProbeResult:
@@ -161,7 +201,7 @@ class CacheManager:
         order follows ``keys``). Pages stay where they are. Raises ValueError for a malformed key.
         """
         checked = [check_block_key(k) for k in keys]
-        with self._lock:
+        with self.locked():
             self._check_open()
             return export_blocks(self, checked)
 
@@ -177,13 +217,13 @@ class CacheManager:
         ImportResult.
         """
         prio = check_priority(priority)
-        with self._lock:
+        with self.locked():
             self._check_open()
             return import_blocks(self, list(blocks), prio)
 
     def committed_blocks(self) -> list[CommittedBlockInfo]:
         """Snapshot of every committed block (parents before children) with its tier."""
-        with self._lock:
+        with self.locked():
             blocks = sorted(self.tree.iter_blocks(), key=lambda b: b.ordinal)
             return [
                 CommittedBlockInfo(b.key, b.parent_key, self.tier_kinds[b.page.level], b.num_tokens)
@@ -193,7 +233,7 @@ class CacheManager:
     # ---- observation ---------------------------------------------------------------------------
     def stats(self) -> CacheStats:
         """A frozen snapshot of the counters and gauges (valid forever; it is a copy)."""
-        with self._lock:
+        with self.locked():
             return CacheStats(
                 **self.counters.counters(),  # type: ignore[arg-type]
                 tiers=self.tier_kinds,
@@ -202,6 +242,11 @@ class CacheManager:
                 pinned_pages=self._pinned_top,
                 open_requests=len(self._open),
             )
+
+    def request_stats(self) -> list[RequestStats]:
+        """Per-request lookup stats of the most recently finished requests (oldest first)."""
+        with self.locked():
+            return list(self.counters.recent)
 
     def drain_events(self, max_events: int | None = None) -> list[CacheEvent]:
         """Remove and return the oldest queued events (all when ``max_events`` is None)."""
@@ -217,7 +262,7 @@ class CacheManager:
 
         Raises ResourceBusyError (changing nothing) while requests are open.
         """
-        with self._lock:
+        with self.locked():
             self._check_open()
             self._refuse_if_open("clear_reusable()")
             return self._clear()
@@ -236,7 +281,7 @@ class CacheManager:
 
         Raises ResourceBusyError (changing nothing) while requests are open.
         """
-        with self._lock:
+        with self.locked():
             if self._closed:
                 return
             self._refuse_if_open("shutdown()")
@@ -245,15 +290,9 @@ class CacheManager:
             self._finalizer()
 
     def _refuse_if_open(self, api: str) -> None:
-        self._reap_dead_caches()
         if self._open:
             n = len(self._open)
             raise ResourceBusyError(f"{api} with {n} request(s) still open", num_open=n)
-
-    def _reap_dead_caches(self) -> None:
-        for cid, ref in list(self._open.items()):
-            if ref() is None:
-                self._open.pop(cid, None)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -361,7 +400,7 @@ class CacheManager:
         """Verify tree, pools, pins, holders, queues and counters; AssertionError on a violation."""
         from raykv.invariants import check_manager
 
-        with self._lock:
+        with self.locked():
             check_manager(self)
 
     def open_caches(self) -> list[KvCache]:

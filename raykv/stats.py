@@ -6,6 +6,7 @@ Per-tier tuples are indexed by tier level (0 = top). A snapshot is a frozen :cla
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -86,10 +87,22 @@ class CacheStats(StatsDelta):
         return "\n".join(rows)
 
 
-class Counters:
-    """Mutable counters owned by a manager; ``snapshot`` freezes them into CacheStats."""
+@dataclass(frozen=True)
+class RequestStats:
+    """One finished request's lookup accounting, tagged with its request id (None if untagged)."""
 
-    def __init__(self, num_tiers: int) -> None:
+    request_id: int | None
+    stats: StatsDelta
+
+
+class Counters:
+    """Mutable counters owned by a manager; ``snapshot`` freezes them into CacheStats.
+
+    ``recent`` keeps the last ``keep_requests`` per-request records folded into the totals.
+    """
+
+    def __init__(self, num_tiers: int, keep_requests: int = 1024) -> None:
+        self.recent: collections.deque[RequestStats] = collections.deque(maxlen=keep_requests)
         self.hit_blocks = [0] * num_tiers
         self.hit_tokens = [0] * num_tiers
         self.miss_blocks = 0
@@ -101,8 +114,9 @@ class Counters:
         self.exported_blocks = 0
         self.committed_blocks = 0
 
-    def fold(self, delta: StatsDelta) -> None:
-        """Add a (per-request) delta into the totals."""
+    def fold(self, delta: StatsDelta, request_id: int | None = None) -> None:
+        """Add a per-request delta into the totals and remember it in ``recent``."""
+        self.recent.append(RequestStats(request_id, delta))
         for i in range(len(self.hit_blocks)):
             self.hit_blocks[i] += delta.hit_blocks[i]
             self.hit_tokens[i] += delta.hit_tokens[i]

@@ -1,0 +1,84 @@
+"""GPU tier on a real CUDA device: pages as torch views, demotion/promotion through host and disk.
+
+Skipped without CUDA (CI has none); run on a GPU machine with ``pytest tests/gpu``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+import raykv  # noqa: E402
+from raykv.tiers.gpu import GpuPool  # noqa: E402
+
+
+def _manager(gpu_pages: int, host_pages: int, disk_pages: int) -> raykv.CacheManager:
+    layout = raykv.KVLayout.uniform(4, 2, 64, tokens_per_block=16, dtype="bfloat16")
+    page = layout.page_bytes
+    tiers = (
+        raykv.TierConfig.gpu(gpu_pages * page),
+        raykv.TierConfig.host(host_pages * page),
+        raykv.TierConfig.disk(disk_pages * page),
+    )
+    return raykv.CacheManager(raykv.CacheConfig(layout, tiers))
+
+
+def test_gpu_pages_are_device_views_and_round_trip_through_tiers() -> None:
+    mgr = _manager(gpu_pages=8, host_pages=8, disk_pages=32)
+    oracle = raykv.ContentOracle(mgr.layout)
+    assert isinstance(mgr.top_pool, GpuPool)
+    assert mgr.pools[1].pinned  # type: ignore[attr-defined]
+    prompts = [[1000 * i + t for t in range(64)] for i in range(6)]
+    for prompt in prompts:
+        kv = mgr.create(prompt)
+        assert kv.resume()
+        kv.extend(prompt)
+        page = kv.page(0)
+        assert page.is_cuda and page.dtype == torch.uint8
+        k = kv.buffer_view(0, 1, "k")
+        assert k.dtype == torch.bfloat16 and tuple(k.shape) == (16, 2, 64)
+        oracle.fill_cache(kv)
+        kv.commit()
+        kv.close()
+        mgr.check_invariants()
+    stats = mgr.stats()
+    assert stats.demotions[0] > 0 and stats.demotions[1] > 0  # GPU -> host -> disk happened
+    assert oracle.verify_manager(mgr) == len(mgr.committed_blocks())
+    first = prompts[0]
+    assert mgr.probe(first).tiers[0] is not raykv.TierKind.GPU
+    kv = mgr.create(first)
+    assert kv.num_reused_tokens == 64
+    assert kv.resume()
+    oracle.verify_cache(kv)  # promoted back onto the GPU, bytes intact
+    assert all(p.level == 0 for p in kv.pages())
+    kv.close()
+    mgr.check_invariants()
+    mgr.shutdown()
+
+
+def test_layer_view_indexes_pages_by_page_id() -> None:
+    mgr = _manager(gpu_pages=4, host_pages=4, disk_pages=4)
+    oracle = raykv.ContentOracle(mgr.layout)
+    kv = mgr.create([7] * 32)
+    assert kv.resume()
+    kv.extend([7] * 32)
+    oracle.fill_cache(kv)
+    pool = mgr.top_pool
+    assert isinstance(pool, GpuPool)
+    view = pool.layer_view(2, "v")
+    assert tuple(view.shape) == (pool.num_slots, 16, 2, 64)
+    for i, page_id in enumerate(kv.page_ids()):
+        assert torch.equal(view[page_id], kv.buffer_view(i, 2, "v"))
+    kv.close()
+    mgr.shutdown()
+
+
+def test_gpu_tier_larger_than_free_memory_fails_clearly() -> None:
+    free, _ = torch.cuda.mem_get_info()
+    layout = raykv.KVLayout.uniform(1, 1, 64, tokens_per_block=16)
+    config = raykv.CacheConfig(layout, (raykv.TierConfig.gpu(free * 2),))
+    with pytest.raises(raykv.OutOfMemoryError, match="GPU tier wants"):
+        raykv.CacheManager(config)
