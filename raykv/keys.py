@@ -161,11 +161,12 @@ def _check_tokens_per_block(tokens_per_block: object) -> int:
 
 def check_mm_items(items: Iterable[MultimodalItem], num_tokens: int | None) -> tuple[MultimodalItem, ...]:
     """Validate multimodal items: right type, sorted by start, non-overlapping, inside the tokens."""
-    out = tuple(sorted(items, key=lambda it: it.start))
+    listed = tuple(items)
+    if not all(isinstance(item, MultimodalItem) for item in listed):
+        raise InvalidArgumentError("mm_items", "every item must be a MultimodalItem")
+    out = tuple(sorted(listed, key=lambda it: it.start))
     prev_end = 0
     for item in out:
-        if not isinstance(item, MultimodalItem):
-            raise InvalidArgumentError("mm_items", "every item must be a MultimodalItem")
         if item.start < prev_end:
             raise InvalidArgumentError("mm_items", "multimodal items overlap")
         if num_tokens is not None and item.end > num_tokens:
