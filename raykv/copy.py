@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.tiers.base import PagePool
+from raykv.tiers.disk import DiskPool
 from raykv.tiers.host import HostPool
 from raykv.types import PageId, TierKind
 
@@ -55,7 +56,11 @@ class CopyEngine:
             return
         src, dst = self.pools[src_level], self.pools[dst_level]
         src_list, dst_list = list(src_slots), list(dst_slots)
-        if isinstance(src, HostPool):
+        if isinstance(src, HostPool) and isinstance(dst, DiskPool):
+            dst.write_rows(dst_list, [src.array[s] for s in src_list])
+        elif isinstance(src, DiskPool) and isinstance(dst, HostPool):
+            src.read_rows(src_list, [dst.array[d] for d in dst_list])
+        elif isinstance(src, HostPool):
             dst.write_pages(dst_list, src.array[src_list])
         elif isinstance(dst, HostPool) and _consecutive(dst_list):
             first = dst_list[0]

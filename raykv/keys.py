@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import array
 import hashlib
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final, Union
@@ -45,7 +44,6 @@ from raykv.types import BLOCK_KEY_BYTES, MAX_TOKEN_ID, BlockKey, check_u64
 
 MM_MARKER: Final = b"\xff\xff\xff\xffraykv-mm-v1\x00"
 _MM_CONTENT_DOMAIN: Final = b"raykv-mm-content-v1\x00"
-_LITTLE: Final = sys.byteorder == "little"
 
 TokenSeq = Union[Sequence[int], npt.NDArray[np.integer]]  # noqa: UP007
 
@@ -206,25 +204,45 @@ def chain_keys(
     ``allow_partial``, which also keys a trailing partial block (never shared; used for content
     ids of private pages).
     """
-    data = tokens if _LITTLE else tokens.byteswap()
-    raw = memoryview(np.ascontiguousarray(data).view(np.uint8))  # type: ignore[arg-type]
     n_tokens = len(tokens)
-    n_full = n_tokens // tokens_per_block
-    last = n_full + (1 if allow_partial and n_tokens % tokens_per_block else 0)
+    last = n_tokens // tokens_per_block
+    if allow_partial and n_tokens % tokens_per_block:
+        last += 1
+    if mm_items:
+        return _chain_keys_mm(parent, tokens, tokens_per_block, first_block, last, mm_items)
     step = tokens_per_block * 4
+    lo = first_block * tokens_per_block
+    data = tokens[lo : last * tokens_per_block].astype("<u4", copy=False).tobytes()
     keys: list[BlockKey] = []
+    append = keys.append
     prev = parent
     sha = hashlib.sha256
+    for off in range(0, len(data), step):
+        prev = sha(prev + data[off : off + step]).digest()
+        append(prev)  # type: ignore[arg-type]
+    return keys
+
+
+def _chain_keys_mm(
+    parent: bytes,
+    tokens: npt.NDArray[np.uint32],
+    tokens_per_block: int,
+    first_block: int,
+    last: int,
+    mm_items: tuple[MultimodalItem, ...],
+) -> list[BlockKey]:
+    """The per-block loop for sequences with multimodal items (see the module docstring)."""
+    n_tokens = len(tokens)
+    keys: list[BlockKey] = []
+    prev = parent
     for b in range(first_block, last):
         lo = b * tokens_per_block
         hi = min(lo + tokens_per_block, n_tokens)
-        if mm_items and any(it.start < hi and it.end > lo for it in mm_items):
-            body: bytes | memoryview = _mm_block_bytes(tokens[lo:hi], lo, mm_items)
+        if any(it.start < hi and it.end > lo for it in mm_items):
+            body = _mm_block_bytes(tokens[lo:hi], lo, mm_items)
         else:
-            body = raw[b * step : b * step + (hi - lo) * 4]
-        h = sha(prev)
-        h.update(body)
-        prev = h.digest()
+            body = tokens[lo:hi].astype("<u4", copy=False).tobytes()
+        prev = hashlib.sha256(prev + body).digest()
         keys.append(BlockKey(prev))
     return keys
 

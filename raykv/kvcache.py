@@ -75,6 +75,7 @@ class KvCache:
             page.holders += 1
             manager.policy.touch(page)
         self._pending: StatsDelta | None = self._lookup_stats(matched, len(input_keys), len(arr))
+        self._input = (arr, input_keys)  # reused at commit when the prompt is what was extended
         self.status = Status.SUSPENDED
 
     def _lookup_stats(self, matched: list[Block], n_full: int, n_tokens: int) -> StatsDelta:
@@ -141,6 +142,13 @@ class KvCache:
     def _full_keys(self, upto: int) -> list[BlockKey]:
         """Keys of full blocks ``0 .. upto-1`` (computed once, then cached)."""
         have = len(self._keys)
+        arr, input_keys = self._input
+        n = min(upto, len(input_keys))
+        if have < n:
+            tpb = self.tokens_per_block
+            if np.array_equal(self._buf[have * tpb : n * tpb], arr[have * tpb : n * tpb]):
+                self._keys += input_keys[have:n]
+                have = n
         if upto > have:
             parent = self._keys[-1] if have else self.root_key
             self._keys += chain_keys(

@@ -181,9 +181,12 @@ class CacheManager:
         if (tokens is None) == (keys is None):
             raise InvalidArgumentError("tokens", "give exactly one of tokens and keys")
         if keys is not None:
-            checked = [check_block_key(k) for k in keys]
+            if all(type(k) is bytes and len(k) == 32 for k in keys):
+                checked = list(keys)
+            else:
+                checked = [check_block_key(k) for k in keys]
             with self.locked():
-                blocks = self.tree.match_keys(checked)
+                blocks = self.tree.match_keys(checked)  # type: ignore[arg-type]
                 return self._probe_result(blocks)
         scope = DEFAULT_SCOPE if scope is None else scope
         assert tokens is not None

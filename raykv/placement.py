@@ -11,6 +11,7 @@ OutOfPagesError and ``resume() -> False`` leave state untouched.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,8 +41,10 @@ class RoomPlanner:
         self._dropped_children: dict[int, int] = {}
         self._arrivals: list[list[Page]] = [[] for _ in free]
         self._iters: list[Iterator[Page] | None] = [None] * self.levels
-        self._progress = [False] * self.levels
         self._stuck = [False] * self.levels
+        self._skip_order = itertools.count()
+        self._skipped: dict[int, int] = {}  # page uid -> order in which the walk passed it
+        self._revived: list[list[tuple[int, int, Page]]] = [[] for _ in free]
 
     def make_room(self, level: int, count: int) -> bool:
         """Plan until ``count`` slots are free on ``level``. False if impossible."""
@@ -56,20 +59,27 @@ class RoomPlanner:
         assert self.free[level] >= count
         self.free[level] -= count
 
-    def _candidates(self, level: int) -> Iterator[Page]:
-        while True:
-            it = self._iters[level]
-            if it is None:
-                it = itertools.chain(self.policy.candidates(level), list(self._arrivals[level]))
-                self._iters[level] = it
-                self._progress[level] = False
-            yield from it
-            if not self._progress[level]:
-                return
-            self._iters[level] = None
+    def _walk(self, level: int) -> Iterator[Page]:
+        yield from self.policy.candidates(level)
+        arrivals = self._arrivals[level]
+        i = 0
+        while i < len(arrivals):  # pages moved here earlier in this plan (the list may grow)
+            yield arrivals[i]
+            i += 1
+
+    def _next_candidate(self, level: int) -> Page | None:
+        """Next page in policy order. A page the walk passed over because it still had children
+        comes back (before anything not yet walked) once its last child is planned to drop."""
+        revived = self._revived[level]
+        if revived:
+            return heapq.heappop(revived)[2]
+        it = self._iters[level]
+        if it is None:
+            it = self._iters[level] = self._walk(level)
+        return next(it, None)
 
     def _evict_one(self, level: int) -> bool:
-        for page in self._candidates(level):
+        while (page := self._next_candidate(level)) is not None:
             if page.uid in self.exclude or page.pins:
                 continue
             step = self.steps.get(page.uid)
@@ -81,6 +91,7 @@ class RoomPlanner:
             if self._droppable(page):
                 self._plan(page, level, None)
                 return True
+            self._skipped[page.uid] = next(self._skip_order)
         return False
 
     def _droppable(self, page: Page) -> bool:
@@ -91,7 +102,6 @@ class RoomPlanner:
 
     def _plan(self, page: Page, level: int, dst: int | None) -> None:
         self.free[level] += 1
-        self._progress[level] = True
         previous = self.steps.get(page.uid)
         src = previous.src if previous is not None else level
         if dst is None:
@@ -99,10 +109,22 @@ class RoomPlanner:
             assert page.block is not None
             parent = page.block.parent
             self._dropped_children[id(parent)] = self._dropped_children.get(id(parent), 0) + 1
+            self._maybe_revive(parent)
         else:
             self.free[dst] -= 1
             self.steps[page.uid] = Step(page, src, dst)
             self._arrivals[dst].append(page)
+
+    def _maybe_revive(self, parent: object) -> None:
+        """Re-offer a passed-over parent page that just became a droppable leaf."""
+        page = getattr(parent, "page", None)
+        if page is None or page.uid not in self._skipped or not self._droppable(page):
+            return
+        step = self.steps.get(page.uid)
+        level = step.dst if step is not None else page.level
+        if level is not None:
+            order = self._skipped.pop(page.uid)
+            heapq.heappush(self._revived[level], (order, page.uid, page))
 
     def ordered_steps(self) -> tuple[list[Step], list[Step]]:
         """(drops, moves) in execution order.

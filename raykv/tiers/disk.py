@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -59,29 +60,30 @@ class DiskPool(PagePool):
             raise OutOfMemoryError(f"disk tier: cannot reserve {size} bytes: {exc}") from None
 
     def read_pages(self, slots: list[PageId], out: npt.NDArray[np.uint8]) -> None:
-        self._check_open()
-        for first, slot, n in _runs(slots):
-            views = [memoryview(out[first + j]) for j in range(n)]
-            if self.stride == self.page_bytes:
-                got = os.preadv(self._fd, views, slot * self.stride)
-                self._check_len(got, n * self.page_bytes)
-            else:
-                for j, view in enumerate(views):
-                    got = os.preadv(self._fd, [view], (slot + j) * self.stride)
-                    self._check_len(got, self.page_bytes)
+        self.read_rows(slots, [out[i] for i in range(len(slots))])
 
     def write_pages(self, slots: list[PageId], data: npt.NDArray[np.uint8]) -> None:
+        self.write_rows(slots, [data[i] for i in range(len(slots))])
+
+    def read_rows(self, slots: list[PageId], rows: Sequence[npt.NDArray[np.uint8]]) -> None:
+        """Read pages ``slots`` straight into ``rows`` (writable contiguous page-sized arrays)."""
+        self._io(slots, rows, write=False)
+
+    def write_rows(self, slots: list[PageId], rows: Sequence[npt.NDArray[np.uint8]]) -> None:
+        """Write ``rows`` (contiguous page-sized arrays, e.g. host tier rows) to pages ``slots``."""
+        self._io(slots, rows, write=True)
+
+    def _io(self, slots: list[PageId], rows: Sequence[npt.NDArray[np.uint8]], write: bool) -> None:
         self._check_open()
-        data = np.ascontiguousarray(data)
+        call = os.pwritev if write else os.preadv
+        page = self.page_bytes
         for first, slot, n in _runs(slots):
-            if self.stride == self.page_bytes:
-                views = [memoryview(data[first + j]) for j in range(n)]
-                got = os.pwritev(self._fd, views, slot * self.stride)
-                self._check_len(got, n * self.page_bytes)
+            views = [memoryview(rows[first + j]) for j in range(n)]  # type: ignore[arg-type]
+            if self.stride == page:
+                self._check_len(call(self._fd, views, slot * self.stride), n * page)
             else:
-                for j in range(n):
-                    got = os.pwrite(self._fd, memoryview(data[first + j]), (slot + j) * self.stride)
-                    self._check_len(got, self.page_bytes)
+                for j, view in enumerate(views):
+                    self._check_len(call(self._fd, [view], (slot + j) * self.stride), page)
 
     def _check_len(self, got: int, want: int) -> None:
         if got != want:

@@ -1,0 +1,204 @@
+"""Bring a raykv deployment up on a Ray cluster (or an embedded local one), or attach to it.
+
+``start()`` creates, in one Ray namespace, named detached actors: a registry (the deployment's
+spec), ``index_shards`` IndexShard actors and one CacheWorker per GPU (or ``num_workers`` CPU
+workers). ``connect()`` attaches from any other process through those names. Starting twice in
+one namespace raises StateError instead of creating a second deployment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from actors.index import IndexClient, IndexShard
+from actors.worker import CacheWorker
+from raykv.config import CacheConfig, KVLayout, TierConfig
+from raykv.errors import StateError
+from raykv.index import RouteMatch
+from raykv.keys import MultimodalItem, ReuseScope, TokenSeq, block_keys
+from raykv.stats import CacheStats
+from raykv.types import WorkerId
+
+log = logging.getLogger(__name__)
+
+REGISTRY = "raykv-registry"
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """What ``connect()`` needs to find a deployment's actors."""
+
+    namespace: str
+    config: CacheConfig
+    workers: tuple[tuple[str, int], ...]  # (actor name, lane)
+    shards: tuple[str, ...]
+    created_at: float = field(default_factory=time.time)
+
+
+class Registry:
+    """A tiny named actor holding the DeploymentSpec."""
+
+    def __init__(self, spec: DeploymentSpec) -> None:
+        self.spec = spec
+
+    def get(self) -> DeploymentSpec:
+        return self.spec
+
+
+def default_config(use_gpu: bool) -> CacheConfig:
+    """A modest default: 8 layers x 8 KV heads x 128 dims, 16 tokens per block."""
+    layout = KVLayout.uniform(num_layers=8, num_kv_heads=8, head_dim=128, tokens_per_block=16)
+    tiers: tuple[TierConfig, ...] = (TierConfig.host(512 << 20), TierConfig.disk(2 << 30))
+    if use_gpu:
+        tiers = (TierConfig.gpu(4 << 30), *tiers)
+    return CacheConfig(layout, tiers)
+
+
+class RayKVCluster:
+    """Handle on a running deployment: workers, the index client, routing, stats, shutdown."""
+
+    def __init__(self, spec: DeploymentSpec, owner: bool) -> None:
+        self.spec = spec
+        self.namespace = spec.namespace
+        self.config = spec.config
+        self.worker_ids = [WorkerId(name) for name, _ in spec.workers]
+        self.workers = {WorkerId(n): ray.get_actor(n, namespace=spec.namespace) for n, _ in spec.workers}
+        self.shards = [ray.get_actor(n, namespace=spec.namespace) for n in spec.shards]
+        self.index = IndexClient(self.shards, {lane: WorkerId(n) for n, lane in spec.workers})
+        self._owner = owner
+
+    def keys(
+        self, tokens: TokenSeq, scope: ReuseScope | None = None, mm_items: Sequence[MultimodalItem] = ()
+    ) -> list[bytes]:
+        """Block keys for this deployment's tokens_per_block (ValueError for bad tokens)."""
+        return list(block_keys(tokens, self.config.tokens_per_block, scope, mm_items))
+
+    def route(self, tokens: TokenSeq, scope: ReuseScope | None = None) -> dict[WorkerId, RouteMatch]:
+        """Per worker, the cached prefix of ``tokens`` (workers with none are omitted)."""
+        return self.index.route(self.keys(tokens, scope))
+
+    def route_keys(self, keys: Sequence[bytes]) -> dict[WorkerId, RouteMatch]:
+        return self.index.route(keys)
+
+    def flush(self) -> None:
+        """Publish every worker's pending events and wait until the shards applied them."""
+        ray.get([w.flush_and_wait.remote() for w in self.workers.values()])
+
+    def stats(self) -> dict[WorkerId, CacheStats]:
+        refs = {w: h.stats.remote() for w, h in self.workers.items()}
+        return {w: ray.get(r) for w, r in refs.items()}
+
+    def index_info(self) -> list[dict[str, Any]]:
+        return ray.get([s.info.remote() for s in self.shards])  # type: ignore[no-any-return]
+
+    def shutdown(self) -> None:
+        """Stop every actor of the deployment (workers release their tiers first)."""
+        for handle in self.workers.values():
+            try:
+                ray.get(handle.shutdown.remote(), timeout=30)
+            except Exception:
+                pass
+        names = [n for n, _ in self.spec.workers] + list(self.spec.shards) + [REGISTRY]
+        for name in names:
+            try:
+                ray.kill(ray.get_actor(name, namespace=self.namespace), no_restart=True)
+            except ValueError:
+                pass
+
+
+def _ensure_ray(address: str | None, namespace: str) -> None:
+    if ray.is_initialized():
+        return
+    target = address or os.environ.get("RAY_ADDRESS")
+    if target:
+        ray.init(address=target, namespace=namespace, log_to_driver=False)
+    else:
+        ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False)
+
+
+def _registry_exists(namespace: str) -> bool:
+    try:
+        ray.get_actor(REGISTRY, namespace=namespace)
+        return True
+    except ValueError:
+        return False
+
+
+def start(
+    num_workers: int | None = None,
+    config: CacheConfig | None = None,
+    index_shards: int = 1,
+    address: str | None = None,
+    namespace: str = "raykv",
+    worker_resources: Sequence[dict[str, float]] | None = None,
+    max_restarts: int = 0,
+) -> RayKVCluster:
+    """Start a deployment and return its handle.
+
+    Uses the cluster at ``address`` (or RAY_ADDRESS), else an embedded local Ray. One worker per
+    GPU by default (``num_gpus=1`` each), else ``num_workers`` CPU workers (default 2).
+    ``worker_resources[i]`` adds custom resources to worker i (e.g. to pin it to a node). Raises
+    StateError if a deployment already runs in ``namespace``, ValueError for bad counts.
+    """
+    if index_shards < 1:
+        raise ValueError(f"index_shards must be >= 1, got {index_shards}")
+    _ensure_ray(address, namespace)
+    if _registry_exists(namespace):
+        raise StateError(
+            f"a raykv deployment already runs in namespace {namespace!r}; "
+            "use raykv.connect() or shut it down first"
+        )
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    use_gpu = gpus > 0 and num_workers is None
+    n = gpus if use_gpu else (num_workers if num_workers is not None else 2)
+    if n < 1:
+        raise ValueError(f"num_workers must be >= 1, got {n}")
+    config = config or default_config(use_gpu)
+    workers = tuple((f"raykv-worker-{i}", i) for i in range(n))
+    shards = tuple(f"raykv-index-{i}" for i in range(index_shards))
+    spec = DeploymentSpec(namespace, config, workers, shards)
+    common = {"namespace": namespace, "lifetime": "detached"}
+    ray.remote(Registry).options(name=REGISTRY, num_cpus=0, **common).remote(spec)  # type: ignore[arg-type]
+    shard_cls = ray.remote(IndexShard)
+    for i, name in enumerate(shards):
+        shard_cls.options(
+            name=name,
+            num_cpus=0,
+            max_restarts=-1,
+            max_concurrency=64,  # type: ignore[arg-type]
+            **common,
+        ).remote(i, index_shards, namespace, workers)
+    worker_cls = ray.remote(CacheWorker)
+    for i, (name, lane) in enumerate(workers):
+        res = dict(worker_resources[i]) if worker_resources else {}
+        opts: dict[str, Any] = {
+            "name": name,
+            "max_concurrency": 8,
+            "max_restarts": max_restarts,
+            "resources": res,
+            **common,
+        }
+        opts.update({"num_gpus": 1} if use_gpu else {"num_cpus": 0})
+        worker_cls.options(**opts).remote(name, lane, config, attach_to=(namespace, shards))
+    handle = RayKVCluster(spec, owner=True)
+    ray.get([w.health.remote() for w in handle.workers.values()])
+    ray.get([s.ping.remote() for s in handle.shards])
+    log.info("raykv deployment %r up: %d workers, %d index shards", namespace, n, index_shards)
+    return handle
+
+
+def connect(namespace: str = "raykv", address: str | None = None) -> RayKVCluster:
+    """Attach to a running deployment (e.g. from a Serve replica). StateError if none runs."""
+    _ensure_ray(address, namespace)
+    try:
+        registry = ray.get_actor(REGISTRY, namespace=namespace)
+    except ValueError:
+        raise StateError(f"no raykv deployment in namespace {namespace!r}") from None
+    return RayKVCluster(ray.get(registry.get.remote()), owner=False)

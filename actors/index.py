@@ -1,0 +1,215 @@
+"""IndexShard actors (each wraps one raykv.index.PrefixIndex) and the client that fans out.
+
+A shard owns the keys whose digest maps to it (``raykv.index.shard_of``). Workers push per-shard
+event sub-batches; when a batch reveals a gap the shard pulls a snapshot from that worker. The
+shard watches every registered worker with a heartbeat and purges a worker's entries once Ray
+reports it dead. A shard restarted by Ray rebuilds from the snapshots of the workers named in its
+constructor arguments (Ray replays them on restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from raykv.index import ApplyResult, EventBatch, PrefixIndex, RouteMatch, merge_route, shard_of
+from raykv.types import WorkerId
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5
+
+
+class IndexShard:
+    """Async Ray actor around one PrefixIndex shard."""
+
+    def __init__(
+        self,
+        shard: int,
+        num_shards: int,
+        namespace: str,
+        workers: Sequence[tuple[str, int]] = (),
+        predict_ttl_s: float = 2.0,
+    ) -> None:
+        self.index = PrefixIndex(shard, num_shards, predict_ttl_s=predict_ttl_s)
+        self.namespace = namespace
+        self._expected = list(workers)
+        self._handles: dict[WorkerId, Any] = {}
+        self._watch: dict[WorkerId, asyncio.Task[None]] = {}
+        self._syncing: set[WorkerId] = set()
+        self._ready: asyncio.Task[None] | None = None
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+
+    async def _ensure_ready(self) -> None:
+        if self._ready is None:
+            self._ready = asyncio.get_running_loop().create_task(self._rebuild())
+        await self._ready
+
+    async def _rebuild(self) -> None:
+        """Register the expected workers that are alive and load their snapshots."""
+        for name, lane in self._expected:
+            try:
+                handle = ray.get_actor(name, namespace=self.namespace)
+                ident = await handle.identity.remote()
+            except Exception:
+                continue
+            await self._register(WorkerId(name), lane, ident[2], handle)
+            await self._resync(WorkerId(name))
+
+    async def register_worker(self, worker: str, lane: int, incarnation: int) -> None:
+        """Called by a worker when it starts (or restarts with a new incarnation)."""
+        await self._ensure_ready()
+        handle = ray.get_actor(worker, namespace=self.namespace)
+        await self._register(WorkerId(worker), lane, incarnation, handle)
+
+    async def _register(self, worker: WorkerId, lane: int, incarnation: int, handle: Any) -> None:
+        self.index.register_worker(worker, lane, incarnation)
+        self._handles[worker] = handle
+        if worker not in self._watch:
+            self._watch[worker] = asyncio.get_running_loop().create_task(self._heartbeat(worker))
+
+    async def _heartbeat(self, worker: WorkerId) -> None:
+        while worker in self._handles:
+            try:
+                await self._handles[worker].identity.remote()
+            except ray.exceptions.ActorDiedError:
+                self._purge(worker, "died")
+                return
+            except ray.exceptions.RayActorError:
+                pass  # restarting or unreachable: keep entries until Ray says it is dead
+            await asyncio.sleep(HEARTBEAT_S)
+
+    def _purge(self, worker: WorkerId, why: str) -> None:
+        dropped = self.index.remove_worker(worker)
+        self._handles.pop(worker, None)
+        self._watch.pop(worker, None)
+        self.index.counters["workers_purged"] += 1
+        log.info("index shard %d: %s %s, dropped %d entries", self.index.shard, worker, why, dropped)
+
+    async def remove_worker(self, worker: str) -> int:
+        await self._ensure_ready()
+        dropped = self.index.remove_worker(WorkerId(worker))
+        self._handles.pop(WorkerId(worker), None)
+        task = self._watch.pop(WorkerId(worker), None)
+        if task is not None:
+            task.cancel()
+        return dropped
+
+    async def apply_batch(self, batch: EventBatch) -> str:
+        """Apply one sub-batch; pulls a snapshot from the worker when the stream has a gap."""
+        await self._ensure_ready()
+        result = self.index.apply_batch(batch)
+        if result is ApplyResult.NEEDS_SNAPSHOT:
+            await self._resync(batch.worker)
+        return result.value
+
+    async def _resync(self, worker: WorkerId) -> None:
+        handle = self._handles.get(worker)
+        if handle is None or worker in self._syncing:
+            return
+        self._syncing.add(worker)
+        try:
+            snap = await handle.snapshot.remote()
+            self.index.apply_snapshot(worker, snap.incarnation, snap.last_event_id, snap.blocks)
+        except ray.exceptions.RayActorError:
+            pass
+        finally:
+            self._syncing.discard(worker)
+
+    async def lookup(self, keys: Sequence[bytes]) -> tuple[list[Any], list[int]]:
+        await self._ensure_ready()
+        return self.index.lookup(keys)
+
+    async def route(self, keys: Sequence[bytes]) -> dict[WorkerId, RouteMatch]:
+        await self._ensure_ready()
+        return self.index.route(keys)
+
+    async def predict(self, worker: str, keys: Sequence[bytes]) -> None:
+        await self._ensure_ready()
+        self.index.predict(WorkerId(worker), keys)
+
+    async def worker_blocks(self, worker: str) -> dict[bytes, int]:
+        await self._ensure_ready()
+        return {k: int(t) for k, t in self.index.worker_blocks(WorkerId(worker)).items()}
+
+    async def info(self) -> dict[str, Any]:
+        await self._ensure_ready()
+        return {
+            "shard": self.index.shard,
+            "entries": len(self.index),
+            "restarted": self.restarted,
+            "workers": self.index.workers,
+            "counters": dict(self.index.counters),
+        }
+
+    async def ping(self) -> bool:
+        await self._ensure_ready()
+        return True
+
+
+class IndexClient:
+    """Fans route/predict calls out to the shards and merges the answers.
+
+    ``lanes`` maps each worker's lane to its id (the same map the shards use).
+    """
+
+    def __init__(self, shards: Sequence[Any], lanes: dict[int, WorkerId]) -> None:
+        self.shards = list(shards)
+        self.lanes = dict(lanes)
+
+    def _split(self, keys: Sequence[bytes]) -> list[list[int]]:
+        n = len(self.shards)
+        parts: list[list[int]] = [[] for _ in range(n)]
+        for i, key in enumerate(keys):
+            parts[shard_of(key, n)].append(i)
+        return parts
+
+    def _merge(
+        self, keys: Sequence[bytes], parts: list[list[int]], answers: list[tuple[list[Any], list[int]]]
+    ) -> dict[WorkerId, RouteMatch]:
+        entries: list[Any] = [None] * len(keys)
+        predicted = [0] * len(keys)
+        for positions, (ents, preds) in zip(parts, answers):
+            for j, pos in enumerate(positions):
+                entries[pos] = ents[j]
+                if preds:
+                    predicted[pos] = preds[j]
+        return merge_route(entries, predicted, self.lanes)
+
+    def route(self, keys: Sequence[bytes]) -> dict[WorkerId, RouteMatch]:
+        """Blocking route (for plain Python callers)."""
+        if len(self.shards) == 1:
+            return ray.get(self.shards[0].route.remote(list(keys)))  # type: ignore[no-any-return]
+        parts = self._split(keys)
+        refs = [s.lookup.remote([keys[i] for i in p]) for s, p in zip(self.shards, parts)]
+        return self._merge(keys, parts, ray.get(refs))
+
+    async def route_async(self, keys: Sequence[bytes]) -> dict[WorkerId, RouteMatch]:
+        """Non-blocking route for event-loop callers (Serve routers)."""
+        if len(self.shards) == 1:
+            return await self.shards[0].route.remote(list(keys))  # type: ignore[no-any-return]
+        parts = self._split(keys)
+        answers = await asyncio.gather(
+            *[s.lookup.remote([keys[i] for i in p]) for s, p in zip(self.shards, parts)]
+        )
+        return self._merge(keys, parts, list(answers))
+
+    def predict(self, worker: WorkerId, keys: Sequence[bytes]) -> None:
+        """Credit ``worker`` with ``keys`` on every owning shard (fire and forget)."""
+        for shard, positions in zip(self.shards, self._split(keys)):
+            if positions:
+                shard.predict.remote(worker, [keys[i] for i in positions])
+
+
+def shard_sink(shards: Sequence[Any]) -> Any:
+    """An event sink for a CacheWorker actor: per-shard sub-batches, sent without waiting."""
+    n = len(shards)
+
+    def send(batch: EventBatch) -> list[Any]:
+        return [shard.apply_batch.remote(batch.for_shard(i, n)) for i, shard in enumerate(shards)]
+
+    return send

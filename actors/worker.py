@@ -1,0 +1,275 @@
+"""CacheWorker: one per GPU (or CPU slot). Wraps a CacheManager and publishes its events.
+
+The same class runs in-process (tests, benchmarks: pass ``sink`` to receive event batches) and as
+a Ray actor (``cluster.start`` wraps it with ``ray.remote``; the sink then sends per-shard
+sub-batches to the IndexShard actors). Requests live inside the worker, addressed by a handle id.
+
+Threading: the actor runs with several threads (publisher + calls); the manager's lock serializes
+cache operations, so every method is safe to call concurrently.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from raykv.config import CacheConfig
+from raykv.errors import InvalidArgumentError
+from raykv.index import EventBatch
+from raykv.keys import ReuseScope
+from raykv.kvcache import KvCache
+from raykv.manager import CacheManager
+from raykv.records import ExportedBlock, ImportResult, ProbeResult
+from raykv.testing import ContentOracle
+from raykv.types import TierKind, WorkerId
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    """What one simulated request did on a worker (the oracle stands in for the engine)."""
+
+    worker: WorkerId
+    prompt_tokens: int
+    reused_tokens: int
+    reused_by_tier: tuple[int, int, int]  # blocks reused from GPU, host, disk
+    committed_blocks: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every committed block of a worker, consistent with its event stream at ``last_event_id``."""
+
+    worker: WorkerId
+    incarnation: int
+    last_event_id: int
+    blocks: tuple[tuple[bytes, int], ...]  # (key, tier)
+
+
+class CacheWorker:
+    """A CacheManager plus event publishing, request handles and block exchange."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        lane: int,
+        config: CacheConfig,
+        sink: Callable[[EventBatch], None] | None = None,
+        publish_interval_s: float = 0.02,
+        incarnation: int | None = None,
+        attach_to: tuple[str, Sequence[str]] | None = None,
+    ) -> None:
+        self.worker_id = WorkerId(worker_id)
+        self.lane = lane
+        self.incarnation = incarnation if incarnation is not None else time.time_ns()
+        self.manager = CacheManager(config)
+        self.oracle = ContentOracle(config.layout)
+        self._sink = sink
+        self._requests: dict[int, KvCache] = {}
+        self._ids = itertools.count(1)
+        self._publish_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._interval = publish_interval_s
+        self._thread: threading.Thread | None = None
+        self.published_batches = 0
+        self._inflight: list[Any] = []
+        self._metrics: Any = None
+        if attach_to is not None:
+            self.attach(*attach_to)
+
+    # ---- attaching to a deployment (actor mode) -----------------------------------------------
+    def attach(self, namespace: str, shard_names: Sequence[str]) -> None:
+        """Actor mode: send events to the named IndexShard actors and register with them.
+
+        Called from ``__init__`` through ``attach_to`` so a worker restarted by Ray re-registers
+        with a new incarnation (the shards then drop the old incarnation's entries).
+        """
+        import ray
+
+        from actors.index import shard_sink
+
+        shards = [ray.get_actor(name, namespace=namespace) for name in shard_names]
+        sink = shard_sink(shards)
+
+        def send(batch: EventBatch) -> None:
+            self._inflight = sink(batch)
+
+        self._sink = send
+        from actors.metrics import WorkerMetrics
+
+        self._metrics = WorkerMetrics(self.worker_id)
+        for shard in shards:
+            shard.register_worker.remote(self.worker_id, self.lane, self.incarnation)
+        self.start_publisher()
+
+    def flush_and_wait(self) -> int:
+        """Publish queued events and wait until every shard has applied them."""
+        import ray
+
+        n = self.flush_events()
+        if self._inflight:
+            ray.get(self._inflight)
+        return n
+
+    # ---- publishing ----------------------------------------------------------------------------
+    def set_sink(self, sink: Callable[[EventBatch], None]) -> None:
+        self._sink = sink
+
+    def start_publisher(self) -> None:
+        """Publish events every ``publish_interval_s`` on a daemon thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._publish_loop, daemon=True, name=f"raykv-publish-{self.worker_id}"
+            )
+            self._thread.start()
+
+    def _publish_loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.flush_events()
+            except Exception:
+                log.exception("%s: publishing events failed", self.worker_id)
+
+    def flush_events(self) -> int:
+        """Drain queued events and hand them to the sink as one batch; returns how many."""
+        with self._publish_lock:
+            events = self.manager.drain_events()
+            if not events or self._sink is None:
+                return len(events)
+            batch = EventBatch.from_events(self.worker_id, self.incarnation, events)
+            self._sink(batch)
+            self.published_batches += 1
+            return len(events)
+
+    def snapshot(self) -> Snapshot:
+        """All committed blocks with their tiers, at the current last event id."""
+        with self.manager.locked():
+            last = self.manager.events.last_event_id
+            blocks = tuple((b.key, int(b.tier)) for b in self.manager.committed_blocks())
+        return Snapshot(self.worker_id, self.incarnation, last, blocks)
+
+    def identity(self) -> tuple[WorkerId, int, int]:
+        """(worker id, lane, incarnation)."""
+        return self.worker_id, self.lane, self.incarnation
+
+    # ---- engine-facing request lifecycle -------------------------------------------------------
+    def create(
+        self,
+        tokens: Sequence[int],
+        lora_id: int | None = None,
+        salt: int | None = None,
+        priority: int = 35,
+        request_id: int | None = None,
+    ) -> tuple[int, int]:
+        """Open a request; returns (handle, num_reused_tokens)."""
+        cache = self.manager.create(tokens, ReuseScope(lora_id, salt), priority, request_id)
+        handle = next(self._ids)
+        self._requests[handle] = cache
+        return handle, cache.num_reused_tokens
+
+    def _cache(self, handle: int) -> KvCache:
+        try:
+            return self._requests[handle]
+        except KeyError:
+            raise InvalidArgumentError("handle", f"no open request {handle}") from None
+
+    def resume(self, handle: int) -> bool:
+        return self._cache(handle).resume()
+
+    def suspend(self, handle: int) -> None:
+        self._cache(handle).suspend()
+
+    def extend(self, handle: int, tokens: Sequence[int]) -> None:
+        self._cache(handle).extend(tokens)
+
+    def page_ids(self, handle: int) -> list[int]:
+        return [int(p) for p in self._cache(handle).page_ids()]
+
+    def write_oracle(self, handle: int, first_block: int = 0) -> None:
+        """Stand-in for the engine: write oracle KV into blocks ``first_block ..``."""
+        self.oracle.fill_cache(self._cache(handle), first_block)
+
+    def commit(self, handle: int, num_tokens: int | None = None) -> int:
+        return self._cache(handle).commit(num_tokens)
+
+    def close(self, handle: int) -> None:
+        cache = self._requests.pop(handle, None)
+        if cache is not None:
+            cache.close()
+
+    def run_request(
+        self,
+        tokens: Sequence[int],
+        lora_id: int | None = None,
+        salt: int | None = None,
+        decode_tokens: Sequence[int] = (),
+    ) -> RequestOutcome:
+        """A whole request with the oracle as engine: reuse, prefill the rest, decode, commit.
+
+        Raises OutOfPagesError when the request cannot fit even after eviction.
+        """
+        scope = ReuseScope(lora_id, salt)
+        before = self.manager.probe(tokens, scope)
+        with self.manager.create(tokens, scope) as cache:
+            reused = cache.num_reused_tokens
+            if not cache.resume():
+                from raykv.errors import OutOfPagesError
+
+                raise OutOfPagesError(f"{self.worker_id}: request does not fit on the top tier")
+            cache.extend(list(tokens)[reused:])
+            self.oracle.fill_cache(cache, reused // cache.tokens_per_block)
+            for tok in decode_tokens:
+                cache.extend([tok])
+                self.oracle.fill_cache(cache, cache.num_blocks - 1)
+            committed = cache.commit()
+        tiers = before.tiers[: reused // self.manager.tokens_per_block]
+        by_tier = tuple(sum(1 for t in tiers if t is k) for k in TierKind)
+        return RequestOutcome(self.worker_id, len(tokens), reused, by_tier, committed)  # type: ignore[arg-type]
+
+    # ---- blocks --------------------------------------------------------------------------------
+    def probe(
+        self, tokens: Sequence[int], lora_id: int | None = None, salt: int | None = None
+    ) -> ProbeResult:
+        return self.manager.probe(tokens, ReuseScope(lora_id, salt))
+
+    def export_blocks(self, keys: Sequence[bytes]) -> list[ExportedBlock]:
+        return self.manager.export_blocks(keys)
+
+    def import_blocks(self, blocks: Sequence[ExportedBlock]) -> ImportResult:
+        return self.manager.import_blocks(blocks)
+
+    def verify_all(self) -> int:
+        """Oracle-verify every committed block; returns how many (AssertionError if bad)."""
+        return self.oracle.verify_manager(self.manager)
+
+    def clear(self) -> int:
+        return self.manager.clear_reusable()
+
+    def check(self) -> None:
+        self.manager.check_invariants()
+
+    # ---- health and stats ----------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        return {
+            "worker": self.worker_id,
+            "incarnation": self.incarnation,
+            "open_requests": self.manager.num_open_requests,
+            "blocks": len(self.manager.tree),
+        }
+
+    def stats(self) -> Any:
+        return self.manager.stats()
+
+    def shutdown(self) -> None:
+        """Stop publishing, close open requests and release the tiers."""
+        self._stop.set()
+        for handle in list(self._requests):
+            self.close(handle)
+        self.flush_events()
+        self.manager.shutdown()

@@ -1,0 +1,56 @@
+"""Micro-benchmarks with same-run baselines (``raykv bench <suite> [--quick]``).
+
+Each suite prints one table: benchmark, our figure, a baseline measured in the same run on the same
+data, the unit, and ``ratio = ours / baseline`` (every unit is higher-is-better). Ratios, not
+absolute figures, are what to compare across machines. Suites:
+
+``core``  block keys vs raw sha256, radix tree ops, host <-> disk copies (:mod:`raykv.bench.core`)
+
+Return codes: 0 when every benchmark ran, 1 when one raised (it is reported, the others still run).
+A slow figure is never a failure: noise must not break CI. An unknown suite name is a programming
+error and raises ValueError (:class:`raykv.errors.InvalidArgumentError`) before anything runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TextIO
+
+from raykv.bench.harness import Benchmark, Row, default_streams, run_suite
+from raykv.errors import InvalidArgumentError
+
+
+def _core(quick: bool) -> tuple[list[Benchmark], str]:
+    from raykv.bench.core import FULL, QUICK, core_benchmarks
+
+    settings = QUICK if quick else FULL
+    mode = "quick" if quick else "full"
+    desc = (
+        f"{mode} mode, median of {settings.key_repeats} (keys) / {settings.radix_repeats} (tree) / "
+        f"{settings.copy_repeats} (copies) / {settings.demote_repeats} (demotion) repeats "
+        f"after {settings.warmup} warmup"
+    )
+    return core_benchmarks(settings), desc
+
+
+SUITES: dict[str, Callable[[bool], tuple[list[Benchmark], str]]] = {"core": _core}
+"""Suite name -> builder of (benchmarks, description line). Later suites register here."""
+
+
+def run_benchmarks(
+    suite: str, quick: bool = False, out: TextIO | None = None, err: TextIO | None = None
+) -> int:
+    """Run one suite, print its table to ``out`` (stdout) and progress to ``err`` (stderr).
+
+    ``quick`` shortens every benchmark (CI: the core suite takes a few seconds). Returns 0 when
+    every benchmark ran, 1 when any raised. Raises ValueError for an unknown suite name.
+    """
+    builder = SUITES.get(suite)
+    if builder is None:
+        raise InvalidArgumentError("suite", f"unknown benchmark suite {suite!r}; known: {sorted(SUITES)}")
+    benchmarks, description = builder(bool(quick))
+    stdout, stderr = default_streams(out, err)
+    return run_suite(suite, benchmarks, description, stdout, stderr)
+
+
+__all__ = ["SUITES", "Benchmark", "Row", "run_benchmarks"]

@@ -1,0 +1,461 @@
+"""The global prefix index (pure data structure; the IndexShard actor wraps it).
+
+Which worker holds which block, on which tier. Keys are spread over shards by
+:func:`shard_of` (first 8 key bytes, big-endian, mod N). Each worker has a deployment-wide *lane*
+(a small int); an entry stores, per key, an immutable tuple of four lane-spread bitmasks
+``(all, gpu, host, disk)`` where worker ``w``'s bit is ``1 << (LANE_BITS * lane)``. Routing ANDs
+the masks of consecutive keys and adds the per-tier masks into 16-bit lanes, so one pass over the
+keys yields, for every worker at once, its cached prefix length and its blocks on each tier.
+
+Event stream contract: each worker numbers its events 1, 2, 3... per incarnation. A batch carries
+``(worker, incarnation, first_event_id, last_event_id)``; a shard applies batches in id order,
+buffers a few out-of-order ones, ignores duplicates and batches of dead incarnations, and flags the
+worker for a snapshot when a gap cannot be closed. A snapshot ``(last_event_id, blocks)`` replaces
+the worker's entries; batches up to that id are then stale. A batch that overlaps ids already
+applied is applied whole: every op is an upsert or removal of one key (or a clear), so replaying
+ops up to id N on top of the state at id N leaves it unchanged. Every rejected batch (unknown worker,
+malformed key, dead incarnation) is counted and changes nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from raykv.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged, CacheEvent
+from raykv.types import BLOCK_KEY_BYTES, TierKind, WorkerId
+
+LANE_BITS = 16
+MAX_ROUTE_BLOCKS = 2**LANE_BITS - 1
+MAX_LANES = 4096
+OP_STORE, OP_REMOVE, OP_CLEAR = 0, 1, 2
+REORDER_WINDOW = 64
+
+
+def shard_of(key: bytes, num_shards: int) -> int:
+    """The shard that owns ``key``: its first 8 bytes (big-endian) modulo ``num_shards``."""
+    return int.from_bytes(key[:8], "big") % num_shards
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    """A worker's events ``first_event_id ..= last_event_id`` as ordered ops ``(op, key, tier)``.
+
+    ``op`` is OP_STORE (stored or tier changed: the key is now on ``tier``), OP_REMOVE or OP_CLEAR
+    (key and tier unused). A per-shard sub-batch keeps the id range of the whole batch and only
+    the ops of keys that shard owns (plus clears).
+    """
+
+    worker: WorkerId
+    incarnation: int
+    first_event_id: int
+    last_event_id: int
+    ops: tuple[tuple[int, bytes, int], ...]
+
+    @classmethod
+    def from_events(cls, worker: WorkerId, incarnation: int, events: Sequence[CacheEvent]) -> EventBatch:
+        """Build a batch from consecutive manager events (ids must be contiguous)."""
+        if not events:
+            raise ValueError("an event batch needs at least one event")
+        ops: list[tuple[int, bytes, int]] = []
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                ops.append((OP_STORE, ev.key, int(ev.tier)))
+            elif isinstance(ev, BlockTierChanged):
+                ops.append((OP_STORE, ev.key, int(ev.new_tier)))
+            elif isinstance(ev, BlockRemoved):
+                ops.append((OP_REMOVE, ev.key, 0))
+            elif isinstance(ev, AllCleared):
+                ops.append((OP_CLEAR, b"", 0))
+        return cls(worker, incarnation, events[0].event_id, events[-1].event_id, tuple(ops))
+
+    def for_shard(self, shard: int, num_shards: int) -> EventBatch:
+        """The sub-batch of ops that ``shard`` owns (same id range)."""
+        if num_shards == 1:
+            return self
+        ops = tuple(op for op in self.ops if op[0] == OP_CLEAR or shard_of(op[1], num_shards) == shard)
+        return EventBatch(self.worker, self.incarnation, self.first_event_id, self.last_event_id, ops)
+
+
+class ApplyResult(enum.Enum):
+    APPLIED = "applied"
+    BUFFERED = "buffered"  # arrived early; applied once the gap before it closes
+    DUPLICATE = "duplicate"
+    STALE_INCARNATION = "stale_incarnation"
+    NEEDS_SNAPSHOT = "needs_snapshot"
+    UNKNOWN_WORKER = "unknown_worker"
+    MALFORMED = "malformed"
+
+
+@dataclass(frozen=True)
+class RouteMatch:
+    """One worker's cached prefix for a route query: ``blocks`` leading blocks, of which ``gpu``,
+    ``host`` and ``disk`` are on each tier and ``predicted`` are credited by a recent routing
+    decision but not yet reported by the worker."""
+
+    worker: WorkerId
+    blocks: int
+    gpu: int = 0
+    host: int = 0
+    disk: int = 0
+    predicted: int = 0
+
+
+@dataclass
+class _Worker:
+    lane: int
+    incarnation: int
+    last_event_id: int = 0
+    needs_snapshot: bool = False
+    keys: set[bytes] = field(default_factory=set)
+    pending: dict[int, EventBatch] = field(default_factory=dict)
+
+
+def _lane_bit(lane: int) -> int:
+    return 1 << (LANE_BITS * lane)
+
+
+Entry = tuple[int, int, int, int]  # (all, gpu, host, disk) lane-spread masks
+
+
+def merge_route(
+    entries: Sequence[Entry | None], predicted: Sequence[int], lane_names: Mapping[int, WorkerId]
+) -> dict[WorkerId, RouteMatch]:
+    """Per-worker prefix and tier counts from per-position entries (see module docstring).
+
+    ``entries[i]`` is the entry of key i (None if nobody holds it); ``predicted[i]`` (or an empty
+    list) a lane-spread mask of workers credited with key i. Workers with no prefix are omitted.
+    Runs of identical entries (a chain stored by the same workers on the same tiers) are counted
+    in one step.
+    """
+    n = min(len(entries), MAX_ROUTE_BLOCKS)
+    alive = -1
+    cg = ch = cp = 0
+    ends: list[tuple[int, int]] = []  # (prefix length, lanes whose prefix ends there)
+    i = 0
+    while i < n:
+        e = entries[i]
+        p = predicted[i] if predicted else 0
+        new = alive & ((e[0] if e is not None else 0) | p)
+        if new != alive:
+            if i:
+                ends.append((i, alive & ~new))
+            alive = new
+            if not alive:
+                break
+        j = i + 1
+        if predicted:
+            while j < n and entries[j] == e and predicted[j] == p:
+                j += 1
+        else:
+            while j < n and entries[j] == e:
+                j += 1
+        run = j - i
+        if e is not None:
+            cg += (e[1] & alive) * run
+            ch += (e[2] & alive) * run
+            if p:
+                cp += (p & ~e[0] & alive) * run
+        else:
+            cp += (p & alive) * run
+        i = j
+    if alive:
+        ends.append((i, alive))
+    return _collect(ends, (cg, ch, cp), lane_names)
+
+
+def _collect(
+    ends: list[tuple[int, int]], counters: tuple[int, int, int], lane_names: Mapping[int, WorkerId]
+) -> dict[WorkerId, RouteMatch]:
+    cg, ch, cp = counters
+    out: dict[WorkerId, RouteMatch] = {}
+    if sum(m.bit_count() for _, m in ends) > 8:
+        return _collect_many(ends, counters, lane_names)
+    for blocks, mask in ends:
+        while mask:
+            low = mask & -mask
+            mask ^= low
+            shift = low.bit_length() - 1
+            name = lane_names.get(shift // LANE_BITS)
+            if name is None:
+                continue
+            gpu = (cg >> shift) & 0xFFFF
+            host = (ch >> shift) & 0xFFFF
+            pred = (cp >> shift) & 0xFFFF
+            out[name] = RouteMatch(name, blocks, gpu, host, blocks - gpu - host - pred, pred)
+    return out
+
+
+def _collect_many(
+    ends: list[tuple[int, int]], counters: tuple[int, int, int], lane_names: Mapping[int, WorkerId]
+) -> dict[WorkerId, RouteMatch]:
+    """Vectorized lane extraction for routes that many workers match."""
+    width = (max(lane_names) + 1 if lane_names else 1) * LANE_BITS // 8
+    gpu, host, pred = (
+        np.frombuffer((c & ((1 << (8 * width)) - 1)).to_bytes(width, "little"), dtype="<u2") for c in counters
+    )
+    blocks = np.zeros(len(gpu), dtype=np.int64)
+    for length, mask in ends:
+        bits = np.frombuffer((mask & ((1 << (8 * width)) - 1)).to_bytes(width, "little"), dtype="<u2")
+        blocks[bits != 0] = length
+    out: dict[WorkerId, RouteMatch] = {}
+    for lane in np.flatnonzero(blocks).tolist():
+        name = lane_names.get(lane)
+        if name is not None:
+            b, g, h, p = int(blocks[lane]), int(gpu[lane]), int(host[lane]), int(pred[lane])
+            out[name] = RouteMatch(name, b, g, h, b - g - h - p, p)
+    return out
+
+
+class PrefixIndex:
+    """One shard of the global index. Not thread-safe (the actor serializes calls).
+
+    ``clock`` (seconds, monotonic) drives the TTL of predicted entries.
+    """
+
+    def __init__(
+        self,
+        shard: int = 0,
+        num_shards: int = 1,
+        predict_ttl_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard {shard} not in 0..{num_shards - 1}")
+        self.shard = shard
+        self.num_shards = num_shards
+        self.predict_ttl_s = predict_ttl_s
+        self._clock = clock
+        self._entries: dict[bytes, Entry] = {}
+        self._workers: dict[WorkerId, _Worker] = {}
+        self._lanes: dict[int, WorkerId] = {}
+        self._predicted: dict[bytes, dict[int, float]] = {}
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # ---- membership ----------------------------------------------------------------------------
+    def register_worker(self, worker: WorkerId, lane: int, incarnation: int) -> None:
+        """Add a worker (or a new incarnation of it, which drops the old one's entries)."""
+        if not 0 <= lane < MAX_LANES:
+            raise ValueError(f"lane must be in 0..{MAX_LANES - 1}, got {lane}")
+        owner = self._lanes.get(lane)
+        if owner is not None and owner != worker:
+            raise ValueError(f"lane {lane} already belongs to {owner!r}")
+        state = self._workers.get(worker)
+        if state is not None:
+            if incarnation <= state.incarnation:
+                return
+            self._drop_entries(worker, state)
+        self._workers[worker] = _Worker(lane=lane, incarnation=incarnation)
+        self._lanes[lane] = worker
+
+    def remove_worker(self, worker: WorkerId) -> int:
+        """Forget a worker (dead or gone) and all its entries; returns how many were dropped."""
+        state = self._workers.pop(worker, None)
+        if state is None:
+            return 0
+        self._lanes.pop(state.lane, None)
+        return self._drop_entries(worker, state)
+
+    def _drop_entries(self, worker: WorkerId, state: _Worker) -> int:
+        clear = ~_lane_bit(state.lane)
+        n = len(state.keys)
+        for key in state.keys:
+            self._clear_bit(key, clear)
+        state.keys = set()
+        for slots in self._predicted.values():
+            slots.pop(state.lane, None)
+        return n
+
+    def _clear_bit(self, key: bytes, clear: int) -> None:
+        e = self._entries.get(key)
+        if e is None:
+            return
+        held = e[0] & clear
+        if held:
+            self._entries[key] = (held, e[1] & clear, e[2] & clear, e[3] & clear)
+        else:
+            del self._entries[key]
+
+    @property
+    def workers(self) -> dict[WorkerId, int]:
+        """Registered workers and their lanes."""
+        return {w: s.lane for w, s in self._workers.items()}
+
+    def workers_needing_snapshot(self) -> list[WorkerId]:
+        return [w for w, s in self._workers.items() if s.needs_snapshot]
+
+    def last_event_id(self, worker: WorkerId) -> int:
+        return self._workers[worker].last_event_id
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # ---- event ingest --------------------------------------------------------------------------
+    def apply_batch(self, batch: EventBatch) -> ApplyResult:
+        """Apply one (sub-)batch in event-id order; see the module docstring for the rules."""
+        state = self._workers.get(batch.worker)
+        if state is None:
+            self.counters["rejected_unknown_worker"] += 1
+            return ApplyResult.UNKNOWN_WORKER
+        if batch.incarnation < state.incarnation:
+            self.counters["rejected_stale_incarnation"] += 1
+            return ApplyResult.STALE_INCARNATION
+        if batch.incarnation > state.incarnation:
+            self.register_worker(batch.worker, state.lane, batch.incarnation)
+            state = self._workers[batch.worker]
+            state.needs_snapshot = batch.first_event_id != 1
+        if not _well_formed(batch):
+            self.counters["rejected_malformed"] += 1
+            return ApplyResult.MALFORMED
+        if batch.last_event_id <= state.last_event_id:
+            self.counters["duplicate_batches"] += 1
+            return ApplyResult.DUPLICATE
+        if batch.first_event_id > state.last_event_id + 1:
+            if len(state.pending) >= REORDER_WINDOW:
+                state.needs_snapshot = True
+                self.counters["gaps"] += 1
+                return ApplyResult.NEEDS_SNAPSHOT
+            state.pending[batch.first_event_id] = batch
+            self.counters["buffered_batches"] += 1
+            return ApplyResult.BUFFERED
+        self._apply_ops(batch.worker, state, batch.ops)
+        state.last_event_id = batch.last_event_id
+        self.counters["applied_batches"] += 1
+        self.counters["applied_ops"] += len(batch.ops)
+        self._drain_pending(batch.worker, state)
+        return ApplyResult.NEEDS_SNAPSHOT if state.needs_snapshot else ApplyResult.APPLIED
+
+    def _drain_pending(self, worker: WorkerId, state: _Worker) -> None:
+        while state.pending:
+            ready = [fid for fid in state.pending if fid <= state.last_event_id + 1]
+            if not ready:
+                return
+            for fid in sorted(ready):
+                batch = state.pending.pop(fid)
+                if batch.last_event_id > state.last_event_id:
+                    self._apply_ops(worker, state, batch.ops)
+                    state.last_event_id = batch.last_event_id
+                    self.counters["applied_batches"] += 1
+
+    def _apply_ops(self, worker: WorkerId, state: _Worker, ops: Iterable[tuple[int, bytes, int]]) -> None:
+        bit = _lane_bit(state.lane)
+        clear = ~bit
+        fresh = ((bit, bit, 0, 0), (bit, 0, bit, 0), (bit, 0, 0, bit))
+        entries, keys = self._entries, state.keys
+        get, add = entries.get, keys.add
+        for op, key, tier in ops:
+            if op == OP_STORE:
+                e = get(key)
+                if e is None:
+                    entries[key] = fresh[tier]
+                else:
+                    f = fresh[tier]
+                    if e[0] & bit:
+                        e = (e[0], e[1] & clear, e[2] & clear, e[3] & clear)
+                    entries[key] = (e[0] | bit, e[1] | f[1], e[2] | f[2], e[3] | f[3])
+                add(key)
+            elif op == OP_REMOVE:
+                if key in keys:
+                    keys.discard(key)
+                    self._clear_bit(key, clear)
+            else:
+                self._drop_entries(worker, state)
+
+    def apply_snapshot(
+        self, worker: WorkerId, incarnation: int, last_event_id: int, blocks: Iterable[tuple[bytes, int]]
+    ) -> None:
+        """Replace a worker's entries with a snapshot taken at ``last_event_id``.
+
+        ``blocks`` are ``(key, tier)`` pairs of every committed block (only this shard's keys are
+        kept). Raises KeyError for an unknown worker and ValueError for a malformed key.
+        """
+        state = self._workers[worker]
+        if incarnation < state.incarnation:
+            self.counters["rejected_stale_incarnation"] += 1
+            return
+        mine = [
+            (k, t) for k, t in blocks if self.num_shards == 1 or shard_of(k, self.num_shards) == self.shard
+        ]
+        for k, t in mine:
+            if len(k) != BLOCK_KEY_BYTES or not 0 <= t <= 2:
+                raise ValueError("snapshot holds a malformed key or tier")
+        if incarnation > state.incarnation:
+            self.register_worker(worker, state.lane, incarnation)
+            state = self._workers[worker]
+        self._drop_entries(worker, state)
+        self._apply_ops(worker, state, ((OP_STORE, k, t) for k, t in mine))
+        state.last_event_id = last_event_id
+        state.needs_snapshot = False
+        state.pending = {f: b for f, b in state.pending.items() if b.last_event_id > last_event_id}
+        self._drain_pending(worker, state)
+        self.counters["snapshots"] += 1
+
+    # ---- queries -------------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> tuple[list[Entry | None], list[int]]:
+        """Raw entries and predicted masks for ``keys`` (a copy; valid until the next change)."""
+        now = self._clock()
+        entries = [self._entries.get(k) for k in keys]
+        predicted = [self._predicted_mask(k, now) for k in keys] if self._predicted else []
+        return entries, predicted
+
+    def _predicted_mask(self, key: bytes, now: float) -> int:
+        slots = self._predicted.get(key)
+        if not slots:
+            return 0
+        mask = 0
+        for lane, expiry in list(slots.items()):
+            if expiry <= now:
+                del slots[lane]
+            else:
+                mask |= _lane_bit(lane)
+        if not slots:
+            del self._predicted[key]
+        return mask
+
+    def route(self, keys: Sequence[bytes]) -> dict[WorkerId, RouteMatch]:
+        """Per worker, the cached prefix of ``keys`` (all keys must belong to this shard; with one
+        shard that is every key). Workers with no cached prefix are omitted."""
+        entries, predicted = self.lookup(keys)
+        return merge_route(entries, predicted, self._lanes)
+
+    def predict(self, worker: WorkerId, keys: Iterable[bytes]) -> None:
+        """Credit ``worker`` with ``keys`` for ``predict_ttl_s`` seconds (until its events land)."""
+        state = self._workers.get(worker)
+        if state is None:
+            return
+        expiry = self._clock() + self.predict_ttl_s
+        for key in keys:
+            self._predicted.setdefault(key, {})[state.lane] = expiry
+        if len(self._predicted) > 1_000_000:
+            now = self._clock()
+            for key in list(self._predicted):
+                self._predicted_mask(key, now)
+
+    def worker_blocks(self, worker: WorkerId) -> dict[bytes, TierKind]:
+        """Every key this shard lists for ``worker``, with its tier (for checks and tests)."""
+        state = self._workers[worker]
+        bit = _lane_bit(state.lane)
+        out: dict[bytes, TierKind] = {}
+        for key in state.keys:
+            e = self._entries[key]
+            tier = 0 if e[1] & bit else 1 if e[2] & bit else 2
+            out[key] = TierKind(tier)
+        return out
+
+
+def _well_formed(batch: EventBatch) -> bool:
+    if batch.first_event_id < 1 or batch.last_event_id < batch.first_event_id:
+        return False
+    for op, key, tier in batch.ops:
+        if op == OP_CLEAR:
+            continue
+        if op not in (OP_STORE, OP_REMOVE) or not isinstance(key, bytes) or len(key) != BLOCK_KEY_BYTES:
+            return False
+        if op == OP_STORE and not 0 <= tier <= 2:
+            return False
+    return True
