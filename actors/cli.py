@@ -2,6 +2,7 @@
 
 ``raykv demo``        run the in-process core demo (multi-turn workload, oracle-verified)
 ``raykv bench core``  core micro-benchmarks (block keys, tree ops, host<->disk copies)
+``raykv bench index`` prefix index: route latency, event ingest, route calls/s through Ray
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from raykv.bench import run_benchmarks
 
+    if args.suite == "index":
+        from actors.bench import register
+
+        register()
     return run_benchmarks(args.suite, quick=args.quick)
 
 
@@ -35,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
     bench = sub.add_parser("bench", help="micro-benchmarks with same-run baselines")
-    bench.add_argument("suite", nargs="?", default="core", choices=["core"])
+    bench.add_argument("suite", nargs="?", default="core", choices=["core", "index"])
     bench.add_argument("--quick", action="store_true", help="short run (CI)")
     bench.set_defaults(func=_bench)
     return parser

@@ -128,6 +128,21 @@ class IndexShard:
         await self._ensure_ready()
         return self.index.route(keys)
 
+    async def route_batch(self, queries: Sequence[Sequence[bytes]]) -> list[dict[WorkerId, RouteMatch]]:
+        """Route several queries in one call (amortizes the Ray round trip)."""
+        await self._ensure_ready()
+        return [self.index.route(keys) for keys in queries]
+
+    async def load_batches(self, batches: Sequence[EventBatch]) -> int:
+        """Apply many batches at once (benchmarks and bulk loading); returns how many applied."""
+        await self._ensure_ready()
+        return sum(self.index.apply_batch(b) is ApplyResult.APPLIED for b in batches)
+
+    async def register_lanes(self, workers: Sequence[tuple[str, int, int]]) -> None:
+        """Register workers without actors behind them (benchmarks only: no heartbeat)."""
+        for name, lane, incarnation in workers:
+            self.index.register_worker(WorkerId(name), lane, incarnation)
+
     async def predict(self, worker: str, keys: Sequence[bytes]) -> None:
         await self._ensure_ready()
         self.index.predict(WorkerId(worker), keys)

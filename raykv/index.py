@@ -24,6 +24,7 @@ import enum
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -92,8 +93,7 @@ class ApplyResult(enum.Enum):
     MALFORMED = "malformed"
 
 
-@dataclass(frozen=True)
-class RouteMatch:
+class RouteMatch(NamedTuple):
     """One worker's cached prefix for a route query: ``blocks`` leading blocks, of which ``gpu``,
     ``host`` and ``disk`` are on each tier and ``predicted`` are credited by a recent routing
     decision but not yet reported by the worker."""
@@ -203,11 +203,18 @@ def _collect_many(
     for length, mask in ends:
         bits = np.frombuffer((mask & ((1 << (8 * width)) - 1)).to_bytes(width, "little"), dtype="<u2")
         blocks[bits != 0] = length
+    lanes = np.flatnonzero(blocks)
     out: dict[WorkerId, RouteMatch] = {}
-    for lane in np.flatnonzero(blocks).tolist():
+    rows = zip(
+        lanes.tolist(),
+        blocks[lanes].tolist(),
+        gpu[lanes].tolist(),
+        host[lanes].tolist(),
+        pred[lanes].tolist(),
+    )
+    for lane, b, g, h, p in rows:
         name = lane_names.get(lane)
         if name is not None:
-            b, g, h, p = int(blocks[lane]), int(gpu[lane]), int(host[lane]), int(pred[lane])
             out[name] = RouteMatch(name, b, g, h, b - g - h - p, p)
     return out
 

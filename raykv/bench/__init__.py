@@ -5,6 +5,8 @@ data, the unit, and ``ratio = ours / baseline`` (every unit is higher-is-better)
 absolute figures, are what to compare across machines. Suites:
 
 ``core``  block keys vs raw sha256, radix tree ops, host <-> disk copies (:mod:`raykv.bench.core`)
+``index`` prefix-index route latency and event ingest, in-process (:mod:`raykv.bench.index`);
+          ``actors.bench`` adds the through-Ray rows when the CLI runs it
 
 Return codes: 0 when every benchmark ran, 1 when one raised (it is reported, the others still run).
 A slow figure is never a failure: noise must not break CI. An unknown suite name is a programming
@@ -33,7 +35,14 @@ def _core(quick: bool) -> tuple[list[Benchmark], str]:
     return core_benchmarks(settings), desc
 
 
-SUITES: dict[str, Callable[[bool], tuple[list[Benchmark], str]]] = {"core": _core}
+def _index(quick: bool) -> tuple[list[Benchmark], str]:
+    from raykv.bench.index import FULL, QUICK, index_benchmarks
+
+    settings = QUICK if quick else FULL
+    return index_benchmarks(settings), f"{settings.total_blocks} blocks, {settings.queries} queries"
+
+
+SUITES: dict[str, Callable[[bool], tuple[list[Benchmark], str]]] = {"core": _core, "index": _index}
 """Suite name -> builder of (benchmarks, description line). Later suites register here."""
 
 

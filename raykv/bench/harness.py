@@ -44,6 +44,7 @@ class Row:
     unit: str
     goal: float | None = None
     error: str | None = None
+    info: str = ""
 
     @property
     def ratio(self) -> float | None:
@@ -58,9 +59,9 @@ class Row:
             return self.error
         ratio = self.ratio
         if self.goal is None or ratio is None:
-            return ""
+            return self.info
         verdict = "met" if ratio >= self.goal else "BELOW"
-        return f"goal >= {self.goal:.2f}x: {verdict}"
+        return f"goal >= {self.goal:.2f}x: {verdict}" + (f"; {self.info}" if self.info else "")
 
 
 @dataclass(frozen=True)
