@@ -134,6 +134,8 @@ def merge_route(
     in one step.
     """
     n = min(len(entries), MAX_ROUTE_BLOCKS)
+    if n == 0:
+        return {}
     alive = -1
     cg = ch = cp = 0
     ends: list[tuple[int, int]] = []  # (prefix length, lanes whose prefix ends there)

@@ -39,8 +39,13 @@ def _check_refcounts(mgr: CacheManager, pages: dict[int, Page]) -> None:
             if cache.status is Status.ACTIVE:
                 pins[uid] += 1
         assert cache.num_committed_blocks <= cache.num_tokens // cache.tokens_per_block
+    leases: collections.Counter[int] = collections.Counter()
+    for leased in mgr._leases.values():
+        for page in leased:
+            leases[page.uid] += 1
     pinned_top = 0
     for uid, page in pages.items():
+        assert page.leases == leases[uid], f"{page!r}: leases {page.leases} != {leases[uid]}"
         assert page.pins == pins[uid], f"{page!r}: pins {page.pins} != {pins[uid]}"
         assert page.holders == holders[uid], f"{page!r}: holders {page.holders} != {holders[uid]}"
         if page.pins:

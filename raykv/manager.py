@@ -17,6 +17,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from raykv.config import CacheConfig
 from raykv.copy import CopyEngine
@@ -27,8 +28,15 @@ from raykv.keys import DEFAULT_SCOPE, MultimodalItem, ReuseScope, TokenSeq, bloc
 from raykv.kvcache import KvCache, Status
 from raykv.page import Page
 from raykv.placement import RoomPlanner
-from raykv.radix import Block, BlockRadixTree
-from raykv.records import CommittedBlockInfo, ExportedBlock, ImportResult, ProbeResult
+from raykv.radix import Block, BlockRadixTree, Root
+from raykv.records import (
+    BlockLease,
+    CommittedBlockInfo,
+    ExportedBlock,
+    ImportResult,
+    LeasedBlock,
+    ProbeResult,
+)
 from raykv.stats import CacheStats, Counters, RequestStats, StatsDelta
 from raykv.tiers import PagePool, make_pool
 from raykv.transfer_blocks import export_blocks, import_blocks
@@ -77,6 +85,8 @@ class CacheManager:
         self.counters = Counters(len(pools))
         self._lock = threading.RLock()
         self._open: dict[int, weakref.ref[KvCache]] = {}
+        self._leases: dict[int, list[Page]] = {}
+        self._lease_ids = itertools.count(1)
         self._graveyard: list[tuple[int, list[Page], bool, StatsDelta | None, int | None]] = []
         self._cache_ids = itertools.count(1)
         self._pinned_top = 0
@@ -224,6 +234,43 @@ class CacheManager:
             self._check_open()
             return import_blocks(self, list(blocks), prio)
 
+    def lease_blocks(self, keys: Sequence[bytes]) -> BlockLease:
+        """Hold the committed blocks among ``keys`` in place for a zero-copy sender.
+
+        Leased pages are neither moved nor dropped until :meth:`release_lease`; their bytes can be
+        read with :meth:`leased_page` meanwhile. Missing keys are skipped. ValueError for a
+        malformed key; ``clear_reusable``/``shutdown`` refuse while leases are open.
+        """
+        checked = [check_block_key(k) for k in keys]
+        with self.locked():
+            self._check_open()
+            found = [b for b in (self.tree.get(k) for k in checked) if b is not None]
+            pages = [b.page for b in found]
+            for page in pages:
+                page.leases += 1
+            lease_id = next(self._lease_ids)
+            self._leases[lease_id] = pages
+            blocks = tuple(
+                LeasedBlock(b.key, b.parent_key, isinstance(b.parent, Root), b.num_tokens,
+                            self.tier_kinds[b.page.level], b.page.level, int(b.page.slot))
+                for b in found
+            )
+            return BlockLease(lease_id, blocks)
+
+    def leased_page(self, block: LeasedBlock) -> Any:
+        """The page of a leased block, in place: a numpy (host) or torch (GPU) uint8 view; a
+        disk page is read into a new array. Valid until the lease is released."""
+        pool = self.pools[block.level]
+        if hasattr(pool, "page"):
+            return pool.page(PageId(block.slot))
+        return self.copy.read(block.level, [PageId(block.slot)])[0]
+
+    def release_lease(self, lease_id: int) -> None:
+        """Release a lease (idempotent); its pages become movable again."""
+        with self.locked():
+            for page in self._leases.pop(lease_id, []):
+                page.leases -= 1
+
     def committed_blocks(self) -> list[CommittedBlockInfo]:
         """Snapshot of every committed block (parents before children) with its tier."""
         with self.locked():
@@ -293,6 +340,9 @@ class CacheManager:
             self._finalizer()
 
     def _refuse_if_open(self, api: str) -> None:
+        if self._leases:
+            n = len(self._leases)
+            raise ResourceBusyError(f"{api} with {n} block lease(s) still open", num_open=n)
         if self._open:
             n = len(self._open)
             raise ResourceBusyError(f"{api} with {n} request(s) still open", num_open=n)

@@ -3,8 +3,9 @@
 A Page keeps its identity (``uid``) while it moves between tiers; ``level`` and ``slot`` say where
 it is now. ``pins`` counts active requests using it (a pinned page sits on the top tier and is never
 moved or dropped); ``holders`` counts requests (active or suspended) that reference it (a held page
-may be demoted but never dropped). ``block`` is the committed tree block it backs, or None for a
-page private to one request.
+may be demoted but never dropped). ``leases`` counts block leases (a sender reading the page in
+place): a leased page is neither moved nor dropped until released. ``block`` is the committed tree
+block it backs, or None for a page private to one request.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ _uids = itertools.count(1)
 
 
 class Page:
-    __slots__ = ("block", "holders", "level", "pins", "priority", "queued", "slot", "uid")
+    __slots__ = ("block", "holders", "leases", "level", "pins", "priority", "queued", "slot", "uid")
 
     def __init__(self, level: TierLevel, slot: PageId, priority: Priority) -> None:
         self.uid = next(_uids)
@@ -30,6 +31,7 @@ class Page:
         self.priority = priority
         self.block: Block | None = None
         self.pins = 0
+        self.leases = 0
         self.holders = 0
         self.queued = False
 

@@ -80,7 +80,7 @@ class RoomPlanner:
 
     def _evict_one(self, level: int) -> bool:
         while (page := self._next_candidate(level)) is not None:
-            if page.uid in self.exclude or page.pins:
+            if page.uid in self.exclude or page.pins or page.leases:
                 continue
             step = self.steps.get(page.uid)
             if step is not None and (step.dst != level):
@@ -96,7 +96,7 @@ class RoomPlanner:
 
     def _droppable(self, page: Page) -> bool:
         block = page.block
-        if block is None or page.holders or page.pins:
+        if block is None or page.holders or page.pins or page.leases:
             return False
         return len(block.children) - self._dropped_children.get(id(block), 0) == 0
 

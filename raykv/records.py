@@ -30,6 +30,27 @@ class ExportedBlock:
 
 
 @dataclass(frozen=True)
+class LeasedBlock:
+    """A committed block held in place for a sender: where its page is and how to re-key it."""
+
+    key: BlockKey
+    parent_key: BlockKey
+    parent_is_root: bool
+    num_tokens: int
+    tier: TierKind
+    level: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class BlockLease:
+    """Blocks that stay exactly where they are (not moved, not dropped) until released."""
+
+    lease_id: int
+    blocks: tuple[LeasedBlock, ...]
+
+
+@dataclass(frozen=True)
 class ProbeResult:
     """How many leading blocks are cached, and the tier of each (side-effect free lookup)."""
 
