@@ -275,7 +275,7 @@ class PrefixIndex:
         n = len(state.keys)
         for key in state.keys:
             self._clear_bit(key, clear)
-        state.keys = set()
+        state.keys.clear()
         for slots in self._predicted.values():
             slots.pop(state.lane, None)
         return n
@@ -314,13 +314,13 @@ class PrefixIndex:
         if batch.incarnation < state.incarnation:
             self.counters["rejected_stale_incarnation"] += 1
             return ApplyResult.STALE_INCARNATION
+        if not _well_formed(batch):
+            self.counters["rejected_malformed"] += 1
+            return ApplyResult.MALFORMED
         if batch.incarnation > state.incarnation:
             self.register_worker(batch.worker, state.lane, batch.incarnation)
             state = self._workers[batch.worker]
             state.needs_snapshot = batch.first_event_id != 1
-        if not _well_formed(batch):
-            self.counters["rejected_malformed"] += 1
-            return ApplyResult.MALFORMED
         if batch.last_event_id <= state.last_event_id:
             self.counters["duplicate_batches"] += 1
             return ApplyResult.DUPLICATE
@@ -384,8 +384,10 @@ class PrefixIndex:
         kept). Raises KeyError for an unknown worker and ValueError for a malformed key.
         """
         state = self._workers[worker]
-        if incarnation < state.incarnation:
-            self.counters["rejected_stale_incarnation"] += 1
+        if incarnation < state.incarnation or (
+            incarnation == state.incarnation and last_event_id < state.last_event_id
+        ):
+            self.counters["rejected_stale_snapshot"] += 1
             return
         mine = [
             (k, t) for k, t in blocks if self.num_shards == 1 or shard_of(k, self.num_shards) == self.shard
