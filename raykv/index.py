@@ -384,9 +384,10 @@ class PrefixIndex:
         kept). Raises KeyError for an unknown worker and ValueError for a malformed key.
         """
         state = self._workers[worker]
-        if incarnation < state.incarnation or (
-            incarnation == state.incarnation and last_event_id < state.last_event_id
-        ):
+        if incarnation < state.incarnation:
+            self.counters["rejected_stale_incarnation"] += 1
+            return
+        if incarnation == state.incarnation and last_event_id < state.last_event_id:
             self.counters["rejected_stale_snapshot"] += 1
             return
         mine = [
