@@ -23,6 +23,7 @@ from raykv.config import CacheConfig, KVLayout, TierConfig
 from raykv.errors import StateError
 from raykv.index import RouteMatch
 from raykv.keys import MultimodalItem, ReuseScope, TokenSeq, block_keys
+from raykv.routing import Decision, RoutingConfig, WorkerLoad, choose
 from raykv.stats import CacheStats
 from raykv.types import WorkerId
 
@@ -86,6 +87,28 @@ class RayKVCluster:
 
     def route_keys(self, keys: Sequence[bytes]) -> dict[WorkerId, RouteMatch]:
         return self.index.route(keys)
+
+    def pick_worker(
+        self,
+        tokens: TokenSeq,
+        scope: ReuseScope | None = None,
+        loads: Sequence[WorkerLoad] | None = None,
+        routing: RoutingConfig | None = None,
+    ) -> Decision:
+        """Route with the cost model and credit the chosen worker with the request's blocks.
+
+        ``loads`` defaults to every worker idle. The credit (a predicted index entry with a short
+        TTL) makes parallel requests with the same prefix follow the first one before its events
+        arrive. Raises ValueError for bad tokens.
+        """
+        keys = self.keys(tokens, scope)
+        matches = self.index.route(keys)
+        cfg = routing or RoutingConfig(tokens_per_block=self.config.tokens_per_block)
+        cands = list(loads) if loads is not None else [WorkerLoad(w) for w in self.worker_ids]
+        decision = choose(len(tokens), cands, matches, cfg)
+        if keys:
+            self.index.predict(decision.worker, keys)
+        return decision
 
     def flush(self) -> None:
         """Publish every worker's pending events and wait until the shards applied them."""
