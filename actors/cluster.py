@@ -110,9 +110,19 @@ class RayKVCluster:
             self.index.predict(decision.worker, keys)
         return decision
 
-    def flush(self) -> None:
-        """Publish every worker's pending events and wait until the shards applied them."""
-        ray.get([w.flush_and_wait.remote() for w in self.workers.values()])
+    def flush(self) -> list[WorkerId]:
+        """Publish every live worker's pending events and wait until the shards applied them.
+
+        Returns the workers that could not be flushed because they are dead or unreachable.
+        """
+        refs = {w: h.flush_and_wait.remote() for w, h in self.workers.items()}
+        failed = []
+        for worker, ref in refs.items():
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                failed.append(worker)
+        return failed
 
     def stats(self) -> dict[WorkerId, CacheStats]:
         refs = {w: h.stats.remote() for w, h in self.workers.items()}
