@@ -1,0 +1,719 @@
+"""Stateful (model-based) tests of CacheManager's core lifecycle.
+
+A hypothesis RuleBasedStateMachine drives two small managers (a host top tier, sometimes a disk
+tier below it) through create / resume / extend / commit / suspend / close, block export and
+import in both directions, probes and clear_reusable. An "engine" (the ContentOracle) writes the
+KV of every page an extend allocates. After every step both managers' invariants hold, every page
+of every active cache and every committed block (on whatever tier) holds the oracle's bytes, the
+event stream mirrors the committed set, and every committed block is matchable from its root.
+
+A second, smaller property test runs random operation sequences against a dict model of the keys
+that were committed (key -> scope and tokens) and checks the tree has no orphans and every
+committed chain is matchable from its root to at least its depth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+
+from raykv.config import CacheConfig, KVLayout, TierConfig
+from raykv.errors import ImportRejectedError, OutOfPagesError, ResourceBusyError, StateError
+from raykv.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged
+from raykv.keys import ReuseScope, block_keys
+from raykv.kvcache import KvCache, Status
+from raykv.manager import CacheManager
+from raykv.records import ExportedBlock
+from raykv.stats import CacheStats, StatsDelta
+from raykv.testing import ContentOracle
+from raykv.types import TierKind
+
+LAYOUT = KVLayout.uniform(2, 2, 8, tokens_per_block=4)
+TPB = LAYOUT.tokens_per_block
+PAGE = LAYOUT.page_bytes
+ORACLE = ContentOracle(LAYOUT)
+
+SCOPES = (ReuseScope(), ReuseScope(salt=1), ReuseScope(lora_id=7))
+ROOT_KEYS = {s.root_key(): s for s in SCOPES}
+
+# A few base prompts sharing prefixes with each other; requests take a prefix of one of them and
+# append tokens from a tiny alphabet, so blocks are reused (and committed twice) all the time.
+BASES = (
+    tuple(range(1, 17)),
+    (1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23, 24, 25),
+    (30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41),
+)
+SMALL_TOKEN = st.integers(0, 3)
+
+
+@st.composite
+def prompts(draw: st.DrawFn) -> tuple[int, ...]:
+    base = draw(st.sampled_from(BASES))
+    cut = draw(st.integers(0, len(base)))
+    suffix = draw(st.lists(SMALL_TOKEN, max_size=6))
+    return tuple(base[:cut]) + tuple(suffix)
+
+
+def make_config(host_pages: int, disk_pages: int | None, util: float) -> CacheConfig:
+    tiers = [TierConfig.host(host_pages * PAGE)]
+    if disk_pages is not None:
+        tiers.append(TierConfig.disk(disk_pages * PAGE))
+    return CacheConfig(layout=LAYOUT, tiers=tuple(tiers), max_util_for_resume=util)
+
+
+def live_pages(mgr: CacheManager) -> dict[int, Any]:
+    pages = {b.page.uid: b.page for b in mgr.tree.iter_blocks()}
+    for cache in mgr.open_caches():
+        for page in cache.pages():
+            pages[page.uid] = page
+    return pages
+
+
+def snapshot(mgr: CacheManager) -> tuple[Any, ...]:
+    """Everything a rejected call must leave untouched."""
+    pages = {
+        uid: (
+            p.level,
+            int(p.slot),
+            p.pins,
+            p.holders,
+            p.queued,
+            None if p.block is None else p.block.key,
+        )
+        for uid, p in live_pages(mgr).items()
+    }
+    caches = {
+        c.cache_id: (c.status, c.num_tokens, c.num_committed_blocks, tuple(p.uid for p in c.pages()))
+        for c in mgr.open_caches()
+    }
+    return (
+        mgr.committed_blocks(),
+        mgr.stats(),
+        tuple(p.num_used for p in mgr.pools),
+        mgr.events.last_event_id,
+        pages,
+        caches,
+    )
+
+
+def chain_depths(mgr: CacheManager) -> dict[bytes, int]:
+    """key -> number of blocks from its scope root (1 for block 0); asserts there are no orphans."""
+    depth: dict[bytes, int] = {}
+    for info in mgr.committed_blocks():  # parents are listed before children
+        if info.parent_key in ROOT_KEYS:
+            depth[info.key] = 1
+        else:
+            assert info.parent_key in depth, f"orphan block {info.key.hex()[:16]}: parent not committed"
+            depth[info.key] = depth[info.parent_key] + 1
+    return depth
+
+
+def check_matchable(mgr: CacheManager, model: dict[bytes, tuple[ReuseScope, tuple[int, ...]]]) -> None:
+    """Every committed block is known to the model and matchable from its root to its depth."""
+    depths = chain_depths(mgr)
+    for key, depth in depths.items():
+        assert key in model, f"committed block {key.hex()[:16]} was never committed nor imported"
+        scope, tokens = model[key]
+        assert len(tokens) == depth * TPB
+        by_tokens = mgr.probe(tokens, scope)
+        assert by_tokens.num_blocks >= depth, f"block at depth {depth} not matchable: {by_tokens}"
+        keys = block_keys(tokens, TPB, scope)
+        assert keys[-1] == key
+        assert mgr.probe(keys=keys).num_blocks == depth
+
+
+def record_keys(
+    model: dict[bytes, tuple[ReuseScope, tuple[int, ...]]], scope: ReuseScope, tokens: tuple[int, ...]
+) -> None:
+    """Remember the tokens behind every full block of ``tokens``."""
+    for i, key in enumerate(block_keys(tokens, TPB, scope)):
+        model[key] = (scope, tokens[: (i + 1) * TPB])
+
+
+class ExpectedStats:
+    """What one manager's cumulative counters must read, from what the test did and saw."""
+
+    def __init__(self, num_tiers: int) -> None:
+        self.hit_blocks = [0] * num_tiers
+        self.hit_tokens = [0] * num_tiers
+        self.miss_blocks = 0
+        self.miss_tokens = 0
+        self.imported = 0
+        self.exported = 0
+        self.committed = 0
+        self.removed_events = 0
+
+    def fold(self, delta: StatsDelta) -> None:
+        for i, (b, t) in enumerate(zip(delta.hit_blocks, delta.hit_tokens)):
+            self.hit_blocks[i] += b
+            self.hit_tokens[i] += t
+        self.miss_blocks += delta.miss_blocks
+        self.miss_tokens += delta.miss_tokens
+
+    def check(self, stats: CacheStats) -> None:
+        assert stats.hit_blocks == tuple(self.hit_blocks), (stats.hit_blocks, self.hit_blocks)
+        assert stats.hit_tokens == tuple(self.hit_tokens), (stats.hit_tokens, self.hit_tokens)
+        assert stats.miss_blocks == self.miss_blocks, (stats.miss_blocks, self.miss_blocks)
+        assert stats.miss_tokens == self.miss_tokens, (stats.miss_tokens, self.miss_tokens)
+        assert stats.imported_blocks == self.imported, (stats.imported_blocks, self.imported)
+        assert stats.exported_blocks == self.exported, (stats.exported_blocks, self.exported)
+        assert stats.committed_blocks == self.committed, (stats.committed_blocks, self.committed)
+        # Every drop of a committed block is one eviction and one BlockRemoved event.
+        assert sum(stats.evictions) == self.removed_events, (stats.evictions, self.removed_events)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    caches = Bundle("caches")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mgr: CacheManager | None = None
+        self.mgr2: CacheManager | None = None
+        self.open: dict[int, KvCache] = {}
+        self.model: dict[bytes, tuple[ReuseScope, tuple[int, ...]]] = {}
+        self.mirror: dict[int, dict[bytes, tuple[bytes, TierKind]]] = {}
+        self.expected: dict[int, ExpectedStats] = {}
+        self.unfolded: dict[int, tuple[KvCache, StatsDelta]] = {}
+
+    # ---- setup ---------------------------------------------------------------------------------
+    @initialize(
+        host=st.integers(6, 12),
+        disk=st.one_of(st.none(), st.integers(8, 16)),
+        util=st.sampled_from([1.0, 0.75]),
+        host2=st.integers(6, 12),
+        disk2=st.one_of(st.none(), st.integers(8, 16)),
+    )
+    def setup(self, host: int, disk: int | None, util: float, host2: int, disk2: int | None) -> None:
+        self.mgr = CacheManager(make_config(host, disk, util))
+        self.mgr2 = CacheManager(make_config(host2, disk2, 1.0))
+        for m in (self.mgr, self.mgr2):
+            assert m.top_pool.num_slots == (host if m is self.mgr else host2)
+            self.mirror[id(m)] = {}
+            self.expected[id(m)] = ExpectedStats(len(m.pools))
+
+    def managers(self) -> tuple[CacheManager, CacheManager]:
+        assert self.mgr is not None and self.mgr2 is not None
+        return self.mgr, self.mgr2
+
+    # ---- requests ------------------------------------------------------------------------------
+    def _create(
+        self, tokens: tuple[int, ...], scope: ReuseScope, priority: int, request_id: int | None = None
+    ) -> KvCache:
+        mgr, _ = self.managers()
+        probed = mgr.probe(tokens, scope)
+        cache = mgr.create(list(tokens), scope=scope, priority=priority, request_id=request_id)
+        self.open[cache.cache_id] = cache
+        # The lookup accounting, folded into the manager at the first commit or at close.
+        hits = [probed.tiers.count(kind) for kind in mgr.tier_kinds]
+        lookup = cache.pending_stats
+        assert lookup is not None
+        assert lookup.hit_blocks == tuple(hits)
+        assert lookup.hit_tokens == tuple(h * TPB for h in hits)
+        assert lookup.miss_blocks == len(tokens) // TPB - probed.num_blocks
+        assert lookup.miss_tokens == len(tokens) - probed.num_tokens
+        self.unfolded[cache.cache_id] = (cache, lookup)
+        # Reuse: a fresh request holds exactly the prefix probe() reported just before.
+        assert cache.num_reused_tokens == probed.num_tokens
+        assert cache.num_tokens == cache.num_reused_tokens
+        assert cache.num_blocks == probed.num_blocks
+        assert cache.num_committed_blocks == probed.num_blocks
+        assert tuple(int(t) for t in cache.tokens) == tokens[: cache.num_reused_tokens]
+        assert cache.status is Status.SUSPENDED
+        assert mgr.num_open_requests == len(self.open)
+        return cache
+
+    def _closed(self, cache: KvCache, call: Any) -> bool:
+        """For a cache closed by close_all (still in the bundle): ``call`` must raise StateError
+        and change nothing. Returns True when the cache was closed."""
+        if cache.status is not Status.CLOSED:
+            return False
+        mgr, _ = self.managers()
+        before = snapshot(mgr)
+        with pytest.raises(StateError):
+            call()
+        assert snapshot(mgr) == before
+        return True
+
+    def _resume(self, cache: KvCache) -> bool:
+        mgr, _ = self.managers()
+        was_active = cache.is_active
+        before = snapshot(mgr)
+        ok = cache.resume()
+        if was_active:
+            assert ok
+            assert snapshot(mgr) == before
+        elif not ok:
+            assert cache.status is Status.SUSPENDED
+            assert snapshot(mgr) == before, "resume() returned False but changed the manager"
+        else:
+            assert cache.is_active
+            assert all(p.level == 0 and p.pins >= 1 for p in cache.pages())
+            assert mgr.top_utilization() <= mgr.config.max_util_for_resume + 1e-9
+        return ok
+
+    def _extend(self, cache: KvCache, new: list[int]) -> bool:
+        """Extend an active cache and write the new KV. False (nothing changed) when out of pages."""
+        mgr, _ = self.managers()
+        old_len = cache.num_tokens
+        old_tokens = tuple(int(t) for t in cache.tokens)
+        before = snapshot(mgr)
+        try:
+            cache.extend(new)
+        except OutOfPagesError:
+            assert snapshot(mgr) == before, "extend() raised OutOfPagesError but changed the manager"
+            assert cache.num_tokens == old_len
+            return False
+        assert cache.num_tokens == old_len + len(new)
+        assert tuple(int(t) for t in cache.tokens) == old_tokens + tuple(new)
+        assert cache.num_blocks == -(-cache.num_tokens // TPB)
+        assert all(p.level == 0 and p.pins >= 1 for p in cache.pages())
+        # The engine writes KV for the new tokens; the previously partial last block's content
+        # (and so its private key) changed, so it is rewritten too.
+        ORACLE.fill_cache(cache, old_len // TPB)
+        return True
+
+    def _commit(self, cache: KvCache, num_tokens: int | None) -> None:
+        mgr, _ = self.managers()
+        upto = cache.num_tokens if num_tokens is None else num_tokens
+        last = upto // TPB
+        start = cache.num_committed_blocks
+        tokens = tuple(int(t) for t in cache.tokens)
+        self._mirror_events(mgr)
+        in_tree_before = {c.key for c in mgr.committed_blocks()}
+        got = cache.commit(num_tokens)
+        assert got == max(0, last - start)
+        assert cache.pending_stats is None
+        self.expected[id(mgr)].committed += got
+        # Every block this commit put in the tree is announced, tagged with this request's id.
+        stored = [ev for ev in self._mirror_events(mgr) if isinstance(ev, BlockStored)]
+        new_keys = {c.key for c in mgr.committed_blocks()} - in_tree_before
+        assert {ev.key for ev in stored} == new_keys
+        assert all(ev.request_id == cache.request_id and ev.num_tokens == TPB for ev in stored)
+        assert cache.num_committed_blocks == max(start, last)
+        record_keys(self.model, cache.scope, tokens[: last * TPB])
+        if last > start:
+            # The committed chain is complete and matchable right after the commit.
+            assert mgr.probe(tokens[: last * TPB], cache.scope).num_blocks == last
+            keys = block_keys(tokens[: last * TPB], TPB, cache.scope)
+            for i in range(start, last):
+                page = cache.pages()[i]
+                assert page.block is None or page.block.key == keys[i]
+
+    def _close(self, cache: KvCache) -> None:
+        mgr, _ = self.managers()
+        cache.close()
+        assert cache.status is Status.CLOSED
+        cache.close()  # idempotent
+        del self.open[cache.cache_id]
+        assert mgr.num_open_requests == len(self.open)
+
+    @rule(
+        target=caches,
+        tokens=prompts(),
+        scope=st.sampled_from(SCOPES),
+        priority=st.sampled_from([0, 35, 60, 100]),
+        request_id=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+    )
+    def create(
+        self, tokens: tuple[int, ...], scope: ReuseScope, priority: int, request_id: int | None
+    ) -> KvCache:
+        return self._create(tokens, scope, priority, request_id)
+
+    @rule(
+        target=caches,
+        tokens=prompts(),
+        scope=st.sampled_from(SCOPES),
+        priority=st.sampled_from([0, 35, 60, 100]),
+        end=st.sampled_from(["close", "close", "suspend", "active"]),
+        request_id=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+    )
+    def turn(
+        self, tokens: tuple[int, ...], scope: ReuseScope, priority: int, end: str, request_id: int | None
+    ) -> Any:
+        """A whole request, as an engine runs it: reuse, prefill the rest, commit."""
+        cache = self._create(tokens, scope, priority, request_id)
+        if self._resume(cache) and self._extend(cache, list(tokens[cache.num_reused_tokens :])):
+            self._commit(cache, None)
+        if end == "close":
+            self._close(cache)
+            return multiple()
+        if end == "suspend":
+            cache.suspend()
+        return cache
+
+    @rule(
+        target=caches,
+        tokens=prompts(),
+        scope=st.sampled_from(SCOPES),
+        priority=st.sampled_from([0, 35, 100]),
+    )
+    def twin(self, tokens: tuple[int, ...], scope: ReuseScope, priority: int) -> Any:
+        """Two requests prefill the same tokens; the second commits first, so the first one's
+        blocks stay private twins of the tree's (its later commits re-insert them once the
+        tree's twins are evicted)."""
+        first = self._create(tokens, scope, priority, 1)
+        if not (self._resume(first) and self._extend(first, list(tokens[first.num_reused_tokens :]))):
+            return first
+        second = self._create(tokens, scope, 0, 2)
+        if self._resume(second) and self._extend(second, list(tokens[second.num_reused_tokens :])):
+            self._commit(second, None)
+        self._close(second)
+        self._commit(first, None)
+        return first
+
+    @rule(cache=caches)
+    def resume(self, cache: KvCache) -> None:
+        if not self._closed(cache, cache.resume):
+            self._resume(cache)
+
+    @rule(cache=caches, data=st.data())
+    def extend(self, cache: KvCache, data: st.DataObject) -> None:
+        mgr, _ = self.managers()
+        old_len = cache.num_tokens
+        old_tokens = tuple(int(t) for t in cache.tokens)
+        continuing = [b for b in BASES if b[:old_len] == old_tokens and len(b) > old_len]
+        n = data.draw(st.integers(1, 10), label="n")
+        if continuing and data.draw(st.booleans(), label="continue_base"):
+            base = data.draw(st.sampled_from(continuing), label="base")
+            new = list(base[old_len : old_len + n])
+        else:
+            new = data.draw(st.lists(SMALL_TOKEN, min_size=n, max_size=n), label="tokens")
+        if not cache.is_active:
+            # Mostly resume first (as an engine would); sometimes check the not-active contract.
+            if cache.status is Status.CLOSED or data.draw(st.integers(0, 3), label="no_resume") == 0:
+                before = snapshot(mgr)
+                with pytest.raises(StateError):
+                    cache.extend(new)
+                assert snapshot(mgr) == before
+                assert cache.num_tokens == old_len
+                return
+            if not self._resume(cache):
+                return
+        if self._extend(cache, new) and data.draw(st.booleans(), label="then_commit"):
+            self._commit(cache, None)
+
+    @rule(cache=caches, data=st.data())
+    def commit(self, cache: KvCache, data: st.DataObject) -> None:
+        if self._closed(cache, cache.commit):
+            return
+        num_tokens = data.draw(st.one_of(st.none(), st.integers(0, cache.num_tokens)), label="num_tokens")
+        self._commit(cache, num_tokens)
+
+    @rule(cache=caches)
+    def suspend(self, cache: KvCache) -> None:
+        if self._closed(cache, cache.suspend):
+            return
+        cache.suspend()
+        assert cache.status is Status.SUSPENDED
+
+    @rule(cache=consumes(caches))
+    def close(self, cache: KvCache) -> None:
+        mgr, _ = self.managers()
+        if cache.status is Status.CLOSED:  # closed by close_all
+            before = snapshot(mgr)
+            cache.close()
+            assert snapshot(mgr) == before, "close() of a closed cache changed the manager"
+            return
+        self._close(cache)
+
+    # ---- block exchange ------------------------------------------------------------------------
+    def _exchange(self, src: CacheManager, dst: CacheManager, data: st.DataObject) -> None:
+        committed = src.committed_blocks()
+        if committed:
+            indices = st.integers(0, len(committed) - 1)
+            chosen = data.draw(st.sets(indices, min_size=1, max_size=8), label="subset")
+        else:
+            chosen = set()
+        keys = [committed[i].key for i in sorted(chosen)]
+        if data.draw(st.booleans(), label="with_ancestors"):
+            parent = {c.key: c.parent_key for c in committed}
+            closed: set[bytes] = set()
+            for key in keys:
+                k: bytes | None = key
+                while k is not None and k in parent and k not in closed:
+                    closed.add(k)
+                    k = parent[k]
+            keys = [c.key for c in committed if c.key in closed]
+        if data.draw(st.booleans(), label="reverse"):
+            keys.reverse()
+
+        src_before = snapshot(src)
+        exported = src.export_blocks(keys)
+        self.expected[id(src)].exported += len(exported)
+        src_after = snapshot(src)
+        # Export reads pages wherever they are: nothing but the export counter changes.
+        assert src_after[0] == src_before[0] and src_after[2:] == src_before[2:]
+        assert (src_after[1] - src_before[1]).exported_blocks == len(keys)
+        assert [b.key for b in exported] == keys
+        for rec in exported:
+            assert ORACLE.check(rec.data, rec.key), "exported block holds the wrong bytes"
+            assert rec.num_tokens == TPB
+            assert rec.parent_is_root == (rec.parent_key in ROOT_KEYS)
+
+        present = {c.key for c in dst.committed_blocks()}
+        seen: set[bytes] = set()
+        valid = True
+        for rec in exported:
+            if not (rec.parent_is_root or rec.parent_key in present or rec.parent_key in seen):
+                valid = False
+                break
+            seen.add(rec.key)
+        before = snapshot(dst)
+        if not valid:
+            with pytest.raises(ImportRejectedError):
+                dst.import_blocks(exported)
+            assert snapshot(dst) == before, "rejected import changed the manager"
+            return
+        priority = data.draw(st.sampled_from([0, 35, 100]), label="priority")
+        try:
+            result = dst.import_blocks(exported, priority=priority)
+        except OutOfPagesError:
+            assert snapshot(dst) == before, "import raising OutOfPagesError changed the manager"
+            return
+        self.expected[id(dst)].imported += len(result.imported)
+        assert result.imported == tuple(k for k in keys if k not in present)
+        stored = [ev for ev in self._mirror_events(dst) if isinstance(ev, BlockStored)]
+        assert [ev.key for ev in stored] == list(result.imported)
+        assert all(ev.request_id is None for ev in stored)
+        assert result.already_present == tuple(k for k in keys if k in present)
+        now = {c.key: c for c in dst.committed_blocks()}
+        for key in result.imported:
+            assert key in now, "imported block missing right after import"
+            assert now[key].tier is dst.tier_kinds[0], "imported block not on the top tier"
+
+    @rule(data=st.data())
+    def export_to_peer(self, data: st.DataObject) -> None:
+        mgr, mgr2 = self.managers()
+        self._exchange(mgr, mgr2, data)
+
+    @rule(data=st.data())
+    def import_from_peer(self, data: st.DataObject) -> None:
+        mgr, mgr2 = self.managers()
+        self._exchange(mgr2, mgr, data)
+
+    @precondition(lambda self: self.mgr is not None and len(self.mgr.tree) > 0)
+    @rule(data=st.data())
+    def corrupted_import(self, data: st.DataObject) -> None:
+        """A record whose bytes do not match its checksum rejects the whole batch."""
+        mgr, mgr2 = self.managers()
+        committed = mgr.committed_blocks()
+        if not committed:
+            return
+        roots = [c.key for c in committed if c.parent_key in ROOT_KEYS]
+        if not roots:
+            return
+        key = data.draw(st.sampled_from(roots), label="root_block")
+        (rec,) = mgr.export_blocks([key])
+        self.expected[id(mgr)].exported += 1
+        bad = bytearray(rec.data)
+        bad[data.draw(st.integers(0, PAGE - 1), label="byte")] ^= 0xFF
+        tampered = ExportedBlock(
+            rec.key, rec.parent_key, rec.parent_is_root, rec.num_tokens, rec.checksum, bytes(bad)
+        )
+        before = snapshot(mgr2)
+        with pytest.raises(ImportRejectedError):
+            mgr2.import_blocks([tampered])
+        assert snapshot(mgr2) == before
+
+    # ---- observation and global operations ----------------------------------------------------
+    @rule(tokens=prompts(), scope=st.sampled_from(SCOPES), which=st.booleans())
+    def probe(self, tokens: tuple[int, ...], scope: ReuseScope, which: bool) -> None:
+        mgr = self.managers()[0 if which else 1]
+        before = snapshot(mgr)
+        by_tokens = mgr.probe(tokens, scope)
+        keys = block_keys(tokens, TPB, scope)
+        by_keys = mgr.probe(keys=keys)
+        assert by_tokens == by_keys
+        assert by_tokens.num_tokens == by_tokens.num_blocks * TPB
+        assert len(by_tokens.tiers) == by_tokens.num_blocks
+        committed = {c.key: c.tier for c in mgr.committed_blocks()}
+        n = by_tokens.num_blocks
+        assert all(committed.get(k) is t for k, t in zip(keys[:n], by_tokens.tiers))
+        if n < len(keys):
+            assert keys[n] not in committed
+        assert snapshot(mgr) == before, "probe() changed the manager"
+
+    @rule(which=st.integers(0, 9))
+    def clear_reusable(self, which: int) -> None:
+        # Clearing wipes the tree, so mostly only the refusal (requests open) is exercised.
+        mgr = self.managers()[1 if which == 9 else 0]
+        if which < 8 and not mgr.num_open_requests:
+            return
+        before = snapshot(mgr)
+        if mgr.num_open_requests:
+            with pytest.raises(ResourceBusyError):
+                mgr.clear_reusable()
+            assert snapshot(mgr) == before
+            return
+        n = mgr.clear_reusable()
+        assert n == len(before[0])
+        assert mgr.committed_blocks() == []
+        assert all(p.num_used == 0 for p in mgr.pools)
+
+    @precondition(lambda self: len(self.open) >= 3)
+    @rule()
+    def close_all(self) -> None:
+        """Drop every request at once (so clear_reusable can succeed); the closed caches stay in
+        the bundle, where the lifecycle rules check the closed-cache contract."""
+        mgr, _ = self.managers()
+        for cache in list(self.open.values()):
+            cache.close()
+        self.open.clear()
+        assert mgr.num_open_requests == 0
+        assert sum(p.num_used for p in mgr.pools) == len(mgr.committed_blocks()), "pages leaked"
+
+    # ---- invariants ----------------------------------------------------------------------------
+    def _mirror_events(self, mgr: CacheManager) -> list[Any]:
+        """Apply the queued events to a mirror of the committed set; it must equal the tree."""
+        mirror = self.mirror[id(mgr)]
+        events = mgr.drain_events()
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                assert ev.key not in mirror, "BlockStored for a block already stored"
+                mirror[ev.key] = (ev.parent_key, ev.tier)
+            elif isinstance(ev, BlockRemoved):
+                assert ev.key in mirror, "BlockRemoved for an unknown block"
+                assert mirror.pop(ev.key)[1] is ev.tier, "BlockRemoved from the wrong tier"
+                self.expected[id(mgr)].removed_events += 1
+            elif isinstance(ev, BlockTierChanged):
+                assert ev.key in mirror, "BlockTierChanged for an unknown block"
+                parent, tier = mirror[ev.key]
+                assert tier is ev.old_tier, "BlockTierChanged from the wrong tier"
+                mirror[ev.key] = (parent, ev.new_tier)
+            elif isinstance(ev, AllCleared):
+                mirror.clear()
+        tree = {c.key: (c.parent_key, c.tier) for c in mgr.committed_blocks()}
+        assert mirror == tree, "events disagree with the committed blocks"
+        return events
+
+    @invariant()
+    def consistent(self) -> None:
+        if self.mgr is None:
+            return
+        for cid, (cache, lookup) in list(self.unfolded.items()):
+            if cache.pending_stats is None:
+                self.expected[id(self.mgr)].fold(lookup)
+                del self.unfolded[cid]
+        for mgr in self.managers():
+            mgr.check_invariants()
+            self.expected[id(mgr)].exported += ORACLE.verify_manager(mgr)
+            self._mirror_events(mgr)
+            self.expected[id(mgr)].check(mgr.stats())
+            check_matchable(mgr, self.model)
+        mgr = self.mgr
+        assert mgr.num_open_requests == len(self.open)
+        for cache in self.open.values():
+            if cache.is_active:
+                assert all(p.level == 0 for p in cache.pages()), "active page below the top tier"
+                ORACLE.verify_cache(cache)
+                assert len(cache.page_ids()) == cache.num_blocks
+            else:
+                # A suspended request's pages (maybe demoted) still hold what was written.
+                for i, page in enumerate(cache.pages()):
+                    data = mgr.copy.read(page.level, [page.slot])[0]
+                    key, n = cache.block_key(i), cache.block_num_tokens(i)
+                    assert ORACLE.check(data, key, n), f"{cache!r}: suspended block {i} corrupted"
+
+    def teardown(self) -> None:
+        try:
+            for cache in list(self.open.values()):
+                with contextlib.suppress(Exception):
+                    cache.close()
+            self.open.clear()
+            if self.mgr is not None:
+                self.mgr.check_invariants()
+                assert sum(p.num_used for p in self.mgr.pools) == len(self.mgr.committed_blocks())
+        finally:
+            for m in (self.mgr, self.mgr2):
+                if m is not None:
+                    with contextlib.suppress(Exception):
+                        m.shutdown()
+
+
+TestCacheManagerStateful = CacheMachine.TestCase
+TestCacheManagerStateful.settings = settings(
+    max_examples=200,
+    stateful_step_count=50,
+    deadline=None,
+)
+
+
+# ---- property test against a dict model of committed keys --------------------------------------
+OPS = st.one_of(
+    st.tuples(st.just("create"), prompts(), st.sampled_from(SCOPES), st.sampled_from([0, 35, 100])),
+    st.tuples(st.just("resume"), st.integers(0, 7)),
+    st.tuples(st.just("extend"), st.integers(0, 7), st.lists(SMALL_TOKEN, min_size=1, max_size=10)),
+    st.tuples(st.just("commit"), st.integers(0, 7), st.one_of(st.none(), st.integers(0, 40))),
+    st.tuples(st.just("suspend"), st.integers(0, 7)),
+    st.tuples(st.just("close"), st.integers(0, 7)),
+)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    host=st.integers(6, 12),
+    disk=st.one_of(st.none(), st.integers(8, 16)),
+    util=st.sampled_from([1.0, 0.75]),
+    ops=st.lists(OPS, max_size=40),
+)
+def test_committed_blocks_have_no_orphans(
+    host: int, disk: int | None, util: float, ops: list[tuple[Any, ...]]
+) -> None:
+    model: dict[bytes, tuple[ReuseScope, tuple[int, ...]]] = {}
+    mgr = CacheManager(make_config(host, disk, util))
+    caches: list[KvCache] = []
+    try:
+        for op in ops:
+            name = op[0]
+            if name == "create":
+                caches.append(mgr.create(list(op[1]), scope=op[2], priority=op[3]))
+                continue
+            live = [c for c in caches if c.status is not Status.CLOSED]
+            if not live:
+                continue
+            cache = live[op[1] % len(live)]
+            if name == "resume":
+                cache.resume()
+            elif name == "extend":
+                if not cache.is_active:
+                    continue
+                old = cache.num_tokens
+                with contextlib.suppress(OutOfPagesError):
+                    cache.extend(op[2])
+                    ORACLE.fill_cache(cache, old // TPB)
+            elif name == "commit":
+                n = None if op[2] is None else min(op[2], cache.num_tokens)
+                tokens = tuple(int(t) for t in cache.tokens)
+                upto = len(tokens) if n is None else n
+                cache.commit(n)
+                record_keys(model, cache.scope, tokens[: upto // TPB * TPB])
+            elif name == "suspend":
+                cache.suspend()
+            elif name == "close":
+                cache.close()
+            mgr.check_invariants()
+            check_matchable(mgr, model)
+        for cache in caches:
+            cache.close()
+        mgr.check_invariants()
+        check_matchable(mgr, model)
+        assert set(chain_depths(mgr)) <= set(model)
+        ORACLE.verify_manager(mgr)
+    finally:
+        for cache in caches:
+            cache.close()
+        mgr.shutdown()
