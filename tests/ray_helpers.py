@@ -1,0 +1,95 @@
+"""Shared helpers for the Ray integration and multinode tests (small configs, polling, views)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import ray
+
+import raykv
+from actors.cluster import RayKVCluster
+from raykv import CacheConfig, KVLayout, TierConfig
+from raykv.index import RouteMatch
+from raykv.types import WorkerId
+
+TPB = 4  # tokens per block of small_config()
+HOST_PAGES = 16
+DISK_PAGES = 32
+TIMEOUT_S = 60.0
+
+
+def small_config() -> CacheConfig:
+    """2 layers x 2 KV heads x head_dim 8, 4 tokens per block; host 16 pages, disk 32 pages."""
+    layout = KVLayout.uniform(num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=TPB)
+    page = layout.page_bytes
+    return CacheConfig(
+        layout, (TierConfig.host(HOST_PAGES * page, pin_memory=False), TierConfig.disk(DISK_PAGES * page))
+    )
+
+
+def tokens(seed: int, num_blocks: int) -> list[int]:
+    """``num_blocks`` full blocks of tokens that no other seed shares."""
+    return [seed * 100_000 + i for i in range(num_blocks * TPB)]
+
+
+def get(refs: Any, timeout: float = TIMEOUT_S) -> Any:
+    return ray.get(refs, timeout=timeout)
+
+
+@contextlib.contextmanager
+def running(prefix: str, **kwargs: Any) -> Iterator[RayKVCluster]:
+    """A deployment in a fresh namespace, shut down on exit."""
+    namespace = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    kwargs.setdefault("config", small_config())
+    dep = raykv.start(namespace=namespace, **kwargs)
+    try:
+        yield dep
+    finally:
+        dep.shutdown()
+
+
+def poll(check: Callable[[], Any], timeout: float = 20.0, interval: float = 0.1, what: str = "") -> Any:
+    """Call ``check`` until it returns a truthy value (exceptions count as falsy) or time is up."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = check()
+            if last:
+                return last
+        except Exception as exc:
+            last = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or check}: last={last!r}")
+        time.sleep(interval)
+
+
+def snapshot_view(handle: Any) -> dict[bytes, int]:
+    """A worker's committed blocks: key -> tier."""
+    return dict(get(handle.snapshot.remote()).blocks)
+
+
+def index_view(shards: Sequence[Any], worker: str) -> dict[bytes, int]:
+    """What the index lists for ``worker``: union over shards of worker_blocks (key -> tier)."""
+    out: dict[bytes, int] = {}
+    for part in get([s.worker_blocks.remote(worker) for s in shards]):
+        assert not set(part) & set(out), "a key is listed by two shards"
+        out.update(part)
+    return out
+
+
+def expected_route(snapshots: Mapping[WorkerId, Mapping[bytes, int]], keys: Sequence[bytes]) -> dict:
+    """Brute-force route from worker snapshots: leading keys each worker holds, counted by tier."""
+    out: dict[WorkerId, RouteMatch] = {}
+    for worker, blocks in snapshots.items():
+        n = 0
+        while n < len(keys) and keys[n] in blocks:
+            n += 1
+        if n:
+            tiers = [blocks[k] for k in keys[:n]]
+            out[worker] = RouteMatch(worker, n, tiers.count(0), tiers.count(1), tiers.count(2), 0)
+    return out
