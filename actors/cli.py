@@ -1,8 +1,14 @@
 """The ``raykv`` command.
 
-``raykv demo``        run the in-process core demo (multi-turn workload, oracle-verified)
+``raykv demo``        the main job: a Ray deployment, the built-in workload through every router
+``raykv demo --core`` the in-process core demo (multi-turn workload, oracle-verified)
+``raykv replay``      compare routers on a Mooncake trace or the built-in workload
+``raykv bench``       every suite, one combined table (``--quick``: CI)
 ``raykv bench core``  core micro-benchmarks (block keys, tree ops, host<->disk copies)
 ``raykv bench index`` prefix index: route latency, event ingest, route calls/s through Ray
+``raykv bench routing`` a routing decision (index + cost model) vs Ray Serve LLM's PrefixTree
+``raykv bench gpu``   GPU tier page copies vs raw CUDA copies (needs CUDA)
+``raykv bench transfer`` page pulls (shared memory, UCX) vs memcpy, raw ucxx, Ray's object store
 """
 
 from __future__ import annotations
@@ -13,20 +19,24 @@ import sys
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from raykv.demo import run_demo
+    from actors.demo import demo_main
 
-    result = run_demo(conversations=args.conversations, turns=args.turns, seed=args.seed)
-    print(f"demo finished in {result.seconds:.1f}s")
-    return 0
+    return demo_main(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from raykv.bench import run_benchmarks
+    from raykv.bench import run_all_benchmarks, run_benchmarks
 
-    if args.suite == "index":
+    if args.suite in ("index", None):
         from actors.bench import register
 
         register()
+    if args.suite in ("transfer", None):
+        from actors.transfer import register_bench
+
+        register_bench()
+    if args.suite is None:
+        return run_all_benchmarks(quick=args.quick)
     return run_benchmarks(args.suite, quick=args.quick)
 
 
@@ -34,13 +44,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raykv", description="raykv: distributed KV cache")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the demo workload and verify every cached block")
-    demo.add_argument("--conversations", type=int, default=12)
-    demo.add_argument("--turns", type=int, default=4)
-    demo.add_argument("--seed", type=int, default=0)
+    from actors.demo import add_demo_arguments
+    from actors.replay_cli import add_replay_parser
+
+    demo = sub.add_parser("demo", help="compare routers on a local Ray deployment (--core: core demo)")
+    add_demo_arguments(demo)
     demo.set_defaults(func=_demo)
+    add_replay_parser(sub)
     bench = sub.add_parser("bench", help="micro-benchmarks with same-run baselines")
-    bench.add_argument("suite", nargs="?", default="core", choices=["core", "index"])
+    bench.add_argument(
+        "suite",
+        nargs="?",
+        default=None,
+        choices=["core", "index", "routing", "gpu", "transfer"],
+        help="default: all",
+    )
     bench.add_argument("--quick", action="store_true", help="short run (CI)")
     bench.set_defaults(func=_bench)
     return parser

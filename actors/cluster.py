@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 import ray
 
 from actors.index import IndexClient, IndexShard
+from actors.transfer import deployment_transfer_config
 from actors.worker import CacheWorker
 from raykv.config import CacheConfig, KVLayout, TierConfig
 from raykv.errors import StateError
@@ -25,6 +27,7 @@ from raykv.index import RouteMatch
 from raykv.keys import MultimodalItem, ReuseScope, TokenSeq, block_keys
 from raykv.routing import Decision, RoutingConfig, WorkerLoad, choose
 from raykv.stats import CacheStats
+from raykv.transfer import TransferConfig
 from raykv.types import WorkerId
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,10 @@ class DeploymentSpec:
     workers: tuple[tuple[str, int], ...]  # (actor name, lane)
     shards: tuple[str, ...]
     created_at: float = field(default_factory=time.time)
+    # Page transfers: the deployment-wide secret every page server checks (never printed), and
+    # the transfer settings the workers started with (None: each worker binds its node's IP).
+    token: bytes = field(default=b"", repr=False)
+    transfer: TransferConfig | None = None
 
 
 class Registry:
@@ -172,6 +179,7 @@ def start(
     namespace: str = "raykv",
     worker_resources: Sequence[dict[str, float]] | None = None,
     max_restarts: int = 0,
+    transfer: TransferConfig | None = None,
 ) -> RayKVCluster:
     """Start a deployment and return its handle.
 
@@ -179,6 +187,9 @@ def start(
     GPU by default (``num_gpus=1`` each), else ``num_workers`` CPU workers (default 2).
     ``worker_resources[i]`` adds custom resources to worker i (e.g. to pin it to a node). Raises
     StateError if a deployment already runs in ``namespace``, ValueError for bad counts.
+    Every worker starts a page server (``CacheWorker.pull``) checking a fresh deployment token;
+    ``transfer`` sets where it binds and its limits (default: 127.0.0.1 when every Ray node is on
+    this machine, else each worker's node IP; see ``actors.transfer``).
     """
     if index_shards < 1:
         raise ValueError(f"index_shards must be >= 1, got {index_shards}")
@@ -194,9 +205,12 @@ def start(
     if n < 1:
         raise ValueError(f"num_workers must be >= 1, got {n}")
     config = config or default_config(use_gpu)
+    transfer = deployment_transfer_config(transfer)
     workers = tuple((f"raykv-worker-{i}", i) for i in range(n))
     shards = tuple(f"raykv-index-{i}" for i in range(index_shards))
-    spec = DeploymentSpec(namespace, config, workers, shards)
+    spec = DeploymentSpec(
+        namespace, config, workers, shards, token=secrets.token_bytes(32), transfer=transfer
+    )
     common = {"namespace": namespace, "lifetime": "detached"}
     ray.remote(Registry).options(name=REGISTRY, num_cpus=0, **common).remote(spec)  # type: ignore[arg-type]
     shard_cls = ray.remote(IndexShard)
@@ -219,7 +233,9 @@ def start(
             **common,
         }
         opts.update({"num_gpus": 1} if use_gpu else {"num_cpus": 0})
-        worker_cls.options(**opts).remote(name, lane, config, attach_to=(namespace, shards))
+        worker_cls.options(**opts).remote(
+            name, lane, config, attach_to=(namespace, shards), token=spec.token, transfer=transfer
+        )
     handle = RayKVCluster(spec, owner=True)
     ray.get([w.health.remote() for w in handle.workers.values()])
     ray.get([s.ping.remote() for s in handle.shards])

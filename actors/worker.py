@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from actors.transfer import PeerRef, WorkerTransfer
 from raykv.config import CacheConfig
 from raykv.errors import InvalidArgumentError
 from raykv.index import EventBatch
@@ -26,6 +27,7 @@ from raykv.kvcache import KvCache
 from raykv.manager import CacheManager
 from raykv.records import ExportedBlock, ImportResult, ProbeResult
 from raykv.testing import ContentOracle
+from raykv.transfer import PeerAddress, PullOutcome, TransferConfig
 from raykv.types import TierKind, WorkerId
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,8 @@ class CacheWorker:
         publish_interval_s: float = 0.02,
         incarnation: int | None = None,
         attach_to: tuple[str, Sequence[str]] | None = None,
+        token: bytes | None = None,
+        transfer: TransferConfig | None = None,
     ) -> None:
         self.worker_id = WorkerId(worker_id)
         self.lane = lane
@@ -80,6 +84,10 @@ class CacheWorker:
         self.published_batches = 0
         self._inflight: list[Any] = []
         self._metrics: Any = None
+        # Page transfers (actors/transfer.py): a page server starts when a token is given.
+        self.transfer = WorkerTransfer(self.worker_id, self.manager, attach_to[0] if attach_to else None)
+        if token is not None:
+            self.transfer.start(token, transfer)
         if attach_to is not None:
             self.attach(*attach_to)
 
@@ -222,7 +230,7 @@ class CacheWorker:
                 from raykv.errors import OutOfPagesError
 
                 raise OutOfPagesError(f"{self.worker_id}: request does not fit on the top tier")
-            cache.extend(list(tokens)[reused:])
+            cache.extend(tokens[reused:])
             self.oracle.fill_cache(cache, reused // cache.tokens_per_block)
             for tok in decode_tokens:
                 cache.extend([tok])
@@ -254,6 +262,31 @@ class CacheWorker:
     def check(self) -> None:
         self.manager.check_invariants()
 
+    # ---- page transfers (issue 4; the work happens in actors/transfer.py) ------------------------
+    def start_page_server(self, token: bytes, config: TransferConfig | None = None) -> PeerAddress:
+        """Start this worker's page server (idempotent; ``start`` does it for every worker)."""
+        return self.transfer.start(token, config)
+
+    def page_server_address(self) -> PeerAddress | None:
+        """Where peers pull this worker's committed pages (None before the server starts)."""
+        return self.transfer.address
+
+    def pull(self, peer: PeerRef, keys: Sequence[bytes], prefer_shm: bool = True) -> PullOutcome:
+        """Pull committed blocks ``keys`` from ``peer`` (a worker id or a page-server address) and
+        import them: checksums verified, they become committed and matchable here, and their
+        BlockStored events flow to the index like any other commit. TransferError (nothing
+        imported) when the transfer fails; the caller recomputes.
+        """
+        return self.transfer.pull(peer, keys, prefer_shm)
+
+    def transfer_stats(self) -> dict[str, Any]:
+        """Page-server and client counters per path (shm/ucx), and the server's open leases."""
+        return self.transfer.stats()
+
+    def set_transfer_faults(self, **faults: Any) -> None:
+        """Test hook: see :class:`raykv.transfer.ServerFaults`."""
+        self.transfer.set_faults(**faults)
+
     # ---- health and stats ----------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
         return {
@@ -269,6 +302,7 @@ class CacheWorker:
     def shutdown(self) -> None:
         """Stop publishing, close open requests and release the tiers."""
         self._stop.set()
+        self.transfer.close()  # ends the page server's leases before the tiers go
         for handle in list(self._requests):
             self.close(handle)
         self.flush_events()

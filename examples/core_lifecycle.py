@@ -20,9 +20,9 @@ def main() -> None:
     scope = raykv.ReuseScope.from_cache_salt("example-tenant")
     system = list(range(100, 132))  # 4 full blocks
     with raykv.CacheManager(config) as mgr:
-        first = mgr.create(system + [1, 2, 3], scope=scope, request_id=1)
+        first = mgr.create([*system, 1, 2, 3], scope=scope, request_id=1)
         assert first.num_reused_tokens == 0 and first.resume()
-        first.extend(system + [1, 2, 3])
+        first.extend([*system, 1, 2, 3])
         oracle.fill_cache(first)
         assert first.commit() == 4
         first.close()
@@ -35,7 +35,7 @@ def main() -> None:
             other.close()
         probe = mgr.probe(system, scope=scope)
         assert probe.num_blocks == 4 and raykv.TierKind.DISK in probe.tiers, probe
-        second = mgr.create(system + [9, 9], scope=scope, request_id=2)
+        second = mgr.create([*system, 9, 9], scope=scope, request_id=2)
         assert second.num_reused_tokens == 32
         assert second.resume()  # promoted back to the top tier
         oracle.verify_cache(second)

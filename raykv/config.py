@@ -216,6 +216,9 @@ class TierConfig:
     ``capacity_bytes`` is rounded down to whole pages by the manager (a tier smaller than one page
     is a ConfigError from CacheConfig). ``path`` is the disk tier's directory (None: a fresh
     temporary directory, removed on close); ``device`` is the CUDA device index of a GPU tier.
+    ``shared`` (host tier only, default False) backs the host pages with a file under /dev/shm so
+    that a peer process on the same node can map it read-only and copy leased pages directly
+    (:mod:`raykv.transfer`); a shared host tier is never pinned.
     """
 
     kind: TierKind
@@ -223,6 +226,7 @@ class TierConfig:
     path: str | None = None
     device: int = 0
     pin_memory: bool = True
+    shared: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -234,6 +238,10 @@ class TierConfig:
             raise ConfigError("path", f"only a disk tier takes a path, not {self.kind.name}")
         if isinstance(self.device, bool) or not isinstance(self.device, int) or self.device < 0:
             raise ConfigError("device", f"must be a CUDA device index >= 0, got {self.device!r}")
+        if not isinstance(self.shared, bool):
+            raise ConfigError("shared", f"must be a bool, got {self.shared!r}")
+        if self.shared and self.kind is not TierKind.HOST:
+            raise ConfigError("shared", f"only a host tier can be shared, not {self.kind.name}")
         if self.kind is TierKind.DISK and self.path is not None:
             _check_writable_dir(self.path)
 
@@ -242,8 +250,8 @@ class TierConfig:
         return cls(TierKind.GPU, capacity_bytes, device=device)
 
     @classmethod
-    def host(cls, capacity_bytes: int, pin_memory: bool = True) -> TierConfig:
-        return cls(TierKind.HOST, capacity_bytes, pin_memory=pin_memory)
+    def host(cls, capacity_bytes: int, pin_memory: bool = True, shared: bool = False) -> TierConfig:
+        return cls(TierKind.HOST, capacity_bytes, pin_memory=pin_memory, shared=shared)
 
     @classmethod
     def disk(cls, capacity_bytes: int, path: str | None = None) -> TierConfig:

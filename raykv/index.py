@@ -410,10 +410,14 @@ class PrefixIndex:
     # ---- queries -------------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> tuple[list[Entry | None], list[int]]:
         """Raw entries and predicted masks for ``keys`` (a copy; valid until the next change)."""
+        get = self._entries.get
+        entries = [get(k) for k in keys]
+        pred = self._predicted
+        if not pred:
+            return entries, []
         now = self._clock()
-        entries = [self._entries.get(k) for k in keys]
-        predicted = [self._predicted_mask(k, now) for k in keys] if self._predicted else []
-        return entries, predicted
+        predicted = [self._predicted_mask(k, now) if k in pred else 0 for k in keys]
+        return entries, predicted if any(predicted) else []
 
     def _predicted_mask(self, key: bytes, now: float) -> int:
         slots = self._predicted.get(key)

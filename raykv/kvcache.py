@@ -131,8 +131,9 @@ class KvCache:
         if not 0 <= index < len(self._pages):
             raise InvalidArgumentError("index", f"block {index} not in 0..{len(self._pages) - 1}")
         parent = self.root_key if index == 0 else self._full_keys(index)[index - 1]
+        end = min(self._len, (index + 1) * self.tokens_per_block)  # hash this block only
         return chain_keys(
-            parent, self._buf[: self._len], self.tokens_per_block, index, self.mm_items, allow_partial=True
+            parent, self._buf[:end], self.tokens_per_block, index, self.mm_items, allow_partial=True
         )[0]
 
     def block_num_tokens(self, index: int) -> int:

@@ -251,8 +251,15 @@ class CacheManager:
             lease_id = next(self._lease_ids)
             self._leases[lease_id] = pages
             blocks = tuple(
-                LeasedBlock(b.key, b.parent_key, isinstance(b.parent, Root), b.num_tokens,
-                            self.tier_kinds[b.page.level], b.page.level, int(b.page.slot))
+                LeasedBlock(
+                    b.key,
+                    b.parent_key,
+                    isinstance(b.parent, Root),
+                    b.num_tokens,
+                    self.tier_kinds[b.page.level],
+                    b.page.level,
+                    int(b.page.slot),
+                )
                 for b in found
             )
             return BlockLease(lease_id, blocks)
@@ -262,6 +269,7 @@ class CacheManager:
         disk page is read into a new array. Valid until the lease is released."""
         pool = self.pools[block.level]
         if hasattr(pool, "page"):
+            self.copy.settle(block.level, [PageId(block.slot)])  # a copy into it may be in flight
             return pool.page(PageId(block.slot))
         return self.copy.read(block.level, [PageId(block.slot)])[0]
 

@@ -21,6 +21,7 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from raykv.errors import InvalidArgumentError
 from raykv.index import RouteMatch
@@ -72,8 +73,7 @@ class WorkerLoad:
         return self.queued_prefill_tokens + decode_weight * self.running_decodes
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     """The chosen worker, its cost, the blocks it already holds, and any pull it should do."""
 
     worker: WorkerId
@@ -84,17 +84,6 @@ class Decision:
     costs: tuple[tuple[WorkerId, float], ...]
 
 
-def _credit(match: RouteMatch | None, cfg: RoutingConfig) -> float:
-    if match is None:
-        return 0.0
-    return (
-        cfg.w_gpu * match.gpu
-        + cfg.w_host * match.host
-        + cfg.w_disk * match.disk
-        + cfg.w_predicted * match.predicted
-    )
-
-
 def choose(
     num_tokens: int,
     candidates: Sequence[WorkerLoad],
@@ -103,27 +92,49 @@ def choose(
     rng: random.Random | None = None,
 ) -> Decision:
     """Pick the lowest-cost candidate. Raises InvalidArgumentError when there is none."""
-    if not candidates:
+    dw = cfg.decode_weight
+    return choose_loads(
+        num_tokens,
+        [c.worker for c in candidates],
+        [c.queued_prefill_tokens + dw * c.running_decodes for c in candidates],
+        matches,
+        cfg,
+        rng,
+    )
+
+
+def choose_loads(
+    num_tokens: int,
+    workers: Sequence[WorkerId],
+    loads: Sequence[float],
+    matches: Mapping[WorkerId, RouteMatch],
+    cfg: RoutingConfig,
+    rng: random.Random | None = None,
+) -> Decision:
+    """:func:`choose` with the candidates as parallel lists: ``workers[i]`` has ``loads[i]``
+    outstanding tokens (no per-call objects: the hot path of a router). Same result as choose."""
+    if not workers:
         raise InvalidArgumentError("candidates", "no candidate workers")
-    loads = {c.worker: c.tokens(cfg.decode_weight) for c in candidates}
-    floor = min(loads.values())
-    limit = cfg.imbalance_factor * floor + cfg.imbalance_slack
-    eligible = [c for c in candidates if loads[c.worker] <= limit] or list(candidates)
+    floor = min(loads)
+    limit = max(floor, cfg.imbalance_factor * floor + cfg.imbalance_slack)  # the floor always stays
+    wg, wh, wd, wp = cfg.w_gpu, cfg.w_host, cfg.w_disk, cfg.w_predicted
     best_holder, best_blocks = None, 0
-    for worker, held in matches.items():
-        if held.blocks > best_blocks:
-            best_holder, best_blocks = worker, held.blocks
-    tpb = cfg.tokens_per_block
+    held: dict[WorkerId, tuple[int, float]] = {}
+    for worker, m in matches.items():
+        if m.blocks > best_blocks:
+            best_holder, best_blocks = worker, m.blocks
+        held[worker] = (m.blocks, wg * m.gpu + wh * m.host + wd * m.disk + wp * m.predicted)
+    tpb, pulls, w_remote = cfg.tokens_per_block, cfg.allow_pulls, cfg.w_remote
+    pc, lc = cfg.prefill_cost, cfg.load_cost
+    nothing = (0, 0.0)
     costs: list[tuple[WorkerId, float, int, int]] = []
-    for cand in eligible:
-        match = matches.get(cand.worker)
-        own = match.blocks if match is not None else 0
-        credit = _credit(match, cfg)
-        pull = best_blocks - own if cfg.allow_pulls and best_holder != cand.worker else 0
-        credit += cfg.w_remote * max(0, pull)
-        left = max(0.0, num_tokens - tpb * credit)
-        cost = cfg.prefill_cost * left + cfg.load_cost * loads[cand.worker]
-        costs.append((cand.worker, cost, own, max(0, pull)))
+    for worker, load in zip(workers, loads):
+        if load > limit:
+            continue
+        own, credit = held.get(worker, nothing)
+        pull = best_blocks - own if pulls and best_blocks > own and best_holder != worker else 0
+        left = num_tokens - tpb * (credit + w_remote * pull)
+        costs.append((worker, pc * left + lc * load if left > 0 else lc * load, own, pull))
     low = min(c[1] for c in costs)
     ties = [c for c in costs if c[1] <= low + 1e-9]
     pick = ties[0] if len(ties) == 1 else (rng or random.Random(cfg.seed)).choice(ties)

@@ -7,6 +7,12 @@ absolute figures, are what to compare across machines. Suites:
 ``core``  block keys vs raw sha256, radix tree ops, host <-> disk copies (:mod:`raykv.bench.core`)
 ``index`` prefix-index route latency and event ingest, in-process (:mod:`raykv.bench.index`);
           ``actors.bench`` adds the through-Ray rows when the CLI runs it
+``routing`` a routing decision (index route + cost model) vs Ray Serve LLM's PrefixTree
+          (:mod:`raykv.bench.routing`; imports ray.llm lazily)
+``gpu``   GPU tier page copies (GPU <-> pinned host, within the pool) vs raw CUDA copies of the
+          same bytes (:mod:`raykv.bench.gpu`; needs CUDA)
+``transfer`` page pulls (shared memory, UCX) vs memcpy and raw ucxx between two processes
+          (:mod:`raykv.bench.transfer`); ``actors.transfer`` adds the Ray object-store row
 
 Return codes: 0 when every benchmark ran, 1 when one raised (it is reported, the others still run).
 A slow figure is never a failure: noise must not break CI. An unknown suite name is a programming
@@ -16,6 +22,7 @@ error and raises ValueError (:class:`raykv.errors.InvalidArgumentError`) before 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TextIO
 
 from raykv.bench.harness import Benchmark, Row, default_streams, run_suite
@@ -42,7 +49,37 @@ def _index(quick: bool) -> tuple[list[Benchmark], str]:
     return index_benchmarks(settings), f"{settings.total_blocks} blocks, {settings.queries} queries"
 
 
-SUITES: dict[str, Callable[[bool], tuple[list[Benchmark], str]]] = {"core": _core, "index": _index}
+def _transfer(quick: bool) -> tuple[list[Benchmark], str]:
+    from raykv.bench.transfer import transfer_suite
+
+    return transfer_suite(quick)
+
+
+def _gpu(quick: bool) -> tuple[list[Benchmark], str]:
+    from raykv.bench.gpu import FULL, QUICK, describe, gpu_benchmarks
+
+    settings = QUICK if quick else FULL
+    desc = (
+        f"{'quick' if quick else 'full'} mode, {settings.total_bytes >> 20} MiB per host batch, "
+        f"{settings.d2d_bytes >> 20} MiB per device batch, median of {settings.repeats}; {describe()}"
+    )
+    return gpu_benchmarks(settings), desc
+
+
+def _routing(quick: bool) -> tuple[list[Benchmark], str]:
+    from raykv.bench.routing import FULL, QUICK, routing_benchmarks
+
+    settings = QUICK if quick else FULL
+    return routing_benchmarks(settings), f"{settings.requests} built-in requests, {settings.passes} passes"
+
+
+SUITES: dict[str, Callable[[bool], tuple[list[Benchmark], str]]] = {
+    "core": _core,
+    "index": _index,
+    "routing": _routing,
+    "transfer": _transfer,
+    "gpu": _gpu,
+}
 """Suite name -> builder of (benchmarks, description line). Later suites register here."""
 
 
@@ -62,4 +99,37 @@ def run_benchmarks(
     return run_suite(suite, benchmarks, description, stdout, stderr)
 
 
-__all__ = ["SUITES", "Benchmark", "Row", "run_benchmarks"]
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def run_all_benchmarks(quick: bool = False, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run every registered suite (``gpu`` only when CUDA is present) and print one combined table.
+
+    Each row's name is prefixed with its suite (``[core] ...``). Returns 0 when every benchmark
+    ran, 1 when any raised.
+    """
+    benchmarks: list[Benchmark] = []
+    descriptions: list[str] = []
+    for name, builder in SUITES.items():
+        if name == "gpu" and not _cuda_available():
+            continue
+        benches, desc = builder(bool(quick))
+        descriptions.append(f"{name}: {desc}")
+        benchmarks += [_prefixed(name, b) for b in benches]
+    stdout, stderr = default_streams(out, err)
+    return run_suite("all", benchmarks, "; ".join(descriptions), stdout, stderr)
+
+
+def _prefixed(suite: str, bench: Benchmark) -> Benchmark:
+    def run() -> list[Row]:
+        return [replace(row, name=f"[{suite}] {row.name}") for row in bench.run()]
+
+    return Benchmark(f"[{suite}] {bench.name}", run)
+
+
+__all__ = ["SUITES", "Benchmark", "Row", "run_all_benchmarks", "run_benchmarks"]

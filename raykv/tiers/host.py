@@ -1,8 +1,17 @@
-"""Host tier: one numpy array of page slots (pinned through torch when a GPU tier exists)."""
+"""Host tier: one numpy array of page slots (pinned through torch when a GPU tier exists).
+
+A *shared* host tier (``TierConfig.shared``) keeps the same array in a file under /dev/shm
+(``raykv-host-<pid>-*``, mode 0600) so a peer process on the same node can map it read-only and copy
+leased pages with one memcpy (:mod:`raykv.transfer`). The file is reserved up front (no SIGBUS on
+a full /dev/shm later) and unlinked on close; a process killed with SIGKILL leaves it behind.
+"""
 
 from __future__ import annotations
 
 import logging
+import mmap
+import os
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -15,12 +24,16 @@ from raykv.types import PageId, TierKind
 
 log = logging.getLogger(__name__)
 
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "raykv-host-"
+
 
 class HostPool(PagePool):
     """Pages live in ``self.array`` (uint8, shape [num_slots, page_bytes]).
 
     ``pin`` asks for page-locked memory through torch (only meaningful with CUDA); when pinning is
-    impossible the pool falls back to pageable memory and logs it.
+    impossible the pool falls back to pageable memory and logs it. With ``config.shared`` the
+    array lives in a /dev/shm file named by :attr:`shm_path` (never pinned).
     """
 
     kind = TierKind.HOST
@@ -29,7 +42,32 @@ class HostPool(PagePool):
         super().__init__(config, layout)
         self.pinned = False
         self._torch_buffer: Any = None
-        self.array = self._allocate(pin)
+        self._mmap: mmap.mmap | None = None
+        self.shm_path: str | None = None
+        """Path of the backing /dev/shm file of a shared tier (None when not shared or closed)."""
+        if config.shared:
+            self.array = self._allocate_shared()
+        else:
+            self.array = self._allocate(pin)
+
+    def _allocate_shared(self) -> npt.NDArray[np.uint8]:
+        """Map a fresh, fully reserved /dev/shm file (a temp dir where /dev/shm is missing)."""
+        size = self.num_slots * self.page_bytes
+        directory = SHM_DIR if os.path.isdir(SHM_DIR) else tempfile.gettempdir()
+        fd, path = tempfile.mkstemp(prefix=f"{SHM_PREFIX}{os.getpid()}-", dir=directory)
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+            else:  # pragma: no cover - non-Linux
+                os.ftruncate(fd, size)
+            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        except OSError as exc:
+            os.unlink(path)
+            raise OutOfMemoryError(f"host tier: cannot reserve {size} bytes in {directory}: {exc}") from None
+        finally:
+            os.close(fd)
+        self.shm_path = path
+        return np.frombuffer(self._mmap, dtype=np.uint8).reshape(self.num_slots, self.page_bytes)
 
     def _allocate(self, pin: bool) -> npt.NDArray[np.uint8]:
         shape = (self.num_slots, self.page_bytes)
@@ -75,3 +113,16 @@ class HostPool(PagePool):
     def close(self) -> None:
         super().close()
         self._torch_buffer = None
+        if self.shm_path is not None:
+            try:
+                os.unlink(self.shm_path)
+            except FileNotFoundError:
+                pass
+            self.shm_path = None
+        if self._mmap is not None:
+            self.array = np.zeros((0, self.page_bytes), dtype=np.uint8)
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # a view is still exported (e.g. a send in flight): unmapped when it goes
+            self._mmap = None

@@ -14,8 +14,7 @@ QUICK = ["core_lifecycle.py"]
 
 @pytest.mark.parametrize("name", QUICK)
 def test_example_runs(name: str) -> None:
-    proc = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("OK")
 

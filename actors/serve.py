@@ -1,0 +1,390 @@
+"""Ray Serve integration: cache-aware request routing and prefill/decode pairing.
+
+- :class:`CacheAwareRouter` is a ``ray.serve.request_router.RequestRouter`` (Ray 2.60). Attach it
+  with ``@serve.deployment(request_router_config=RequestRouterConfig(request_router_class=
+  CacheAwareRouter, request_router_kwargs={"namespace": "raykv", ...}))`` to the deployment that
+  runs the model (not to an HTTP ingress: the router needs token ids, see :func:`parse_request`).
+  Its logic lives in :class:`CacheRanker`, which needs no Serve and is unit-tested directly.
+- :class:`actors.serve_kv.ReplicaCache` is the replica side: it pairs the replica with one raykv
+  CacheWorker, moves pages between them, and keeps the load numbers the replica reports.
+- :class:`actors.serve_kv.PDPairer` picks a (prefill worker, decode worker) pair for a PD proxy
+  (:func:`raykv.pd.choose_pair`); the proxy sends each phase with ``target_worker`` set, and the
+  CacheAwareRouter of each phase's deployment honors it.
+
+Replica <-> worker mapping: replica ``rank`` (Serve's replica rank, 0..N-1) pairs with worker
+``pool[rank % len(pool)]`` of the raykv deployment (``pool``: all workers by default, or the
+subset given to that Serve deployment, e.g. prefill workers 0-1 and decode workers 2-3). The
+replica announces its worker id as ``"raykv_worker"`` both in ``record_replica_metadata`` (static,
+known to routers as soon as the replica is up) and in ``record_routing_stats`` (with its load:
+``queued_prefill_tokens``, ``running_decodes``, ``ts``). The router translates the index's
+per-worker RouteMatch into per-replica costs through that id; a replica without one gets no
+cache credit. Pages move between a replica and its worker as ExportedBlock records through Ray's
+object store (the worker is another process); a pull between workers goes worker to worker.
+
+Failure policy: routing never fails a request because of raykv. The index connection and every
+route query run within ``time_budget_s`` with async calls only (no ``ray.get`` on the event
+loop); on error or timeout the router falls back to power-of-two choices on reported load and
+skips the index for ``retry_after_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import ray
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from actors.cluster import REGISTRY
+from actors.index import IndexClient
+from raykv.index import RouteMatch
+from raykv.keys import ReuseScope, block_keys
+from raykv.routing import RoutingConfig, WorkerLoad, choose
+from raykv.types import WorkerId
+
+log = logging.getLogger(__name__)
+
+TOKEN_FIELDS = ("tokens", "prompt_token_ids", "token_ids")
+WORKER_FIELD = "raykv_worker"
+_MAX_TRACKED = 10_000
+_INFLIGHT_TTL_S = 600.0
+
+
+# ---- requests -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RoutedRequest:
+    """What routing reads from a request: token ids, reuse scope, and an optional worker the
+    caller already chose (a PD proxy sets ``target_worker``)."""
+
+    tokens: tuple[int, ...]
+    scope: ReuseScope
+    target: WorkerId | None = None
+
+
+def scope_of(lora_id: Any = None, cache_salt: Any = None) -> ReuseScope:
+    """The ReuseScope of a request: a str ``cache_salt`` is hashed (ReuseScope.from_cache_salt),
+    an int one is the salt itself. Raises ValueError for bad values."""
+    if isinstance(cache_salt, str):
+        return ReuseScope.from_cache_salt(cache_salt, lora_id)
+    return ReuseScope(lora_id, cache_salt)
+
+
+def _get(source: Any, name: str) -> Any:
+    if isinstance(source, Mapping):
+        return source.get(name)
+    return getattr(source, name, None)
+
+
+def parse_request(args: Sequence[Any], kwargs: Mapping[str, Any]) -> RoutedRequest | None:
+    """Find token ids (``tokens``, ``prompt_token_ids`` or ``token_ids``) in the keyword arguments
+    or in a positional argument (a mapping or an object with attributes), with ``lora_id``,
+    ``cache_salt`` and ``target_worker`` from the same place. None when there are none or they
+    are malformed (the request is then routed without the cache, never rejected)."""
+    for source in (kwargs, *args):
+        for name in TOKEN_FIELDS:
+            tokens = _get(source, name)
+            if tokens is None:
+                continue
+            try:
+                ids = tuple(int(t) for t in tokens)
+                scope = scope_of(_get(source, "lora_id"), _get(source, "cache_salt"))
+            except (TypeError, ValueError):
+                return None
+            target = _get(source, "target_worker")
+            return RoutedRequest(ids, scope, WorkerId(str(target)) if target else None)
+    return None
+
+
+def worker_of(replica: Any) -> WorkerId | None:
+    """The raykv worker a replica announced (replica metadata first, then routing stats)."""
+    for source in (getattr(replica, "replica_metadata", None), getattr(replica, "routing_stats", None)):
+        name = source.get(WORKER_FIELD) if isinstance(source, Mapping) else None
+        if name:
+            return WorkerId(str(name))
+    return None
+
+
+# ---- the index, seen from a router ----------------------------------------------------------------
+@dataclass(frozen=True)
+class IndexView:
+    """A connected index (``route_async(keys)``, ``predict(worker, keys)``) and the deployment's
+    tokens_per_block."""
+
+    index: Any
+    tokens_per_block: int
+
+
+async def connect_index(namespace: str) -> IndexView:
+    """Attach to a raykv deployment's index shards without blocking the event loop."""
+    loop = asyncio.get_running_loop()
+    registry = await loop.run_in_executor(None, lambda: ray.get_actor(REGISTRY, namespace=namespace))
+    spec = await registry.get.remote()
+    shards = await loop.run_in_executor(
+        None, lambda: [ray.get_actor(n, namespace=namespace) for n in spec.shards]
+    )
+    lanes = {lane: WorkerId(name) for name, lane in spec.workers}
+    return IndexView(IndexClient(shards, lanes), spec.config.tokens_per_block)
+
+
+class IndexLink:
+    """Lazily connects to the index in the background, and stays away for ``retry_after_s``
+    after a failure. ``get()`` waits at most ``budget_s`` and returns None when not connected."""
+
+    def __init__(self, connect: Callable[[], Awaitable[IndexView]], retry_after_s: float) -> None:
+        self._connect = connect
+        self.retry_after_s = retry_after_s
+        self.view: IndexView | None = None
+        self._task: asyncio.Future[IndexView] | None = None
+        self._retry_at = 0.0
+
+    async def get(self, budget_s: float) -> IndexView | None:
+        if self.view is not None:
+            return self.view
+        if self._task is None:
+            if time.monotonic() < self._retry_at:
+                return None
+            self._task = asyncio.ensure_future(self._connect())
+        try:
+            self.view = await asyncio.wait_for(asyncio.shield(self._task), budget_s)
+        except asyncio.TimeoutError:
+            return None
+        except Exception as exc:
+            log.warning("raykv index unreachable (%s); no cache routing for %.0fs", exc, self.retry_after_s)
+            self.failed()
+        return self.view
+
+    def failed(self) -> None:
+        """Forget the connection; reconnect (afresh) no sooner than ``retry_after_s`` from now."""
+        self.view = None
+        self._task = None
+        self._retry_at = time.monotonic() + self.retry_after_s
+
+
+# ---- the router logic -----------------------------------------------------------------------------
+@dataclass
+class _Sent:
+    replica: Any
+    at: float
+    tokens: int
+
+
+class CacheRanker:
+    """Ranks replicas for a request: cache-aware cost model, or power of two choices.
+
+    ``routing`` overrides RoutingConfig fields (tokens_per_block comes from the deployment).
+    Replicas are any objects with ``replica_id``, ``routing_stats`` and ``replica_metadata``.
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], Awaitable[IndexView]],
+        routing: Mapping[str, Any] | None = None,
+        time_budget_s: float = 0.05,
+        retry_after_s: float = 5.0,
+        seed: int = 0,
+    ) -> None:
+        known = {f.name for f in fields(RoutingConfig)}
+        self._overrides = {k: v for k, v in (routing or {}).items() if k in known}
+        self._decode_weight = self.config(1).decode_weight  # validates the overrides now
+        self.link = IndexLink(connect, retry_after_s)
+        self.time_budget_s = time_budget_s
+        self.rng = random.Random(seed)
+        self._pending: collections.OrderedDict[str, tuple[WorkerId | None, list[bytes], int]] = (
+            collections.OrderedDict()
+        )
+        self._sent: collections.OrderedDict[str, _Sent] = collections.OrderedDict()
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    def config(self, tokens_per_block: int) -> RoutingConfig:
+        return RoutingConfig(**{**self._overrides, "tokens_per_block": tokens_per_block})
+
+    async def rank(
+        self, replicas: Sequence[Any], request: RoutedRequest | None, request_id: str | None = None
+    ) -> list[list[Any]]:
+        """Ranked replica lists, best first. Never raises for index trouble (falls back)."""
+        if not replicas:
+            return []
+        self.counters["decisions"] += 1
+        if request is not None and request.target is not None:
+            hit = [r for r in replicas if worker_of(r) == request.target]
+            if hit:
+                self.counters["targeted"] += 1
+                return [hit, [r for r in replicas if worker_of(r) != request.target]]
+        if request is None or not request.tokens:
+            return self.fallback(replicas)
+        start = time.monotonic()
+        view = await self.link.get(self.time_budget_s)
+        if view is None:
+            return self.fallback(replicas)
+        try:
+            keys = block_keys(request.tokens, view.tokens_per_block, request.scope)
+        except ValueError:  # token ids out of range: no cache routing for this request
+            return self.fallback(replicas)
+        try:
+            left = max(0.001, self.time_budget_s - (time.monotonic() - start))
+            matches = await asyncio.wait_for(view.index.route_async(keys), left)
+        except Exception as exc:
+            self.counters["index_timeouts" if isinstance(exc, asyncio.TimeoutError) else "index_errors"] += 1
+            self.link.failed()
+            return self.fallback(replicas)
+        ranks, worker, cached = self._by_cost(replicas, len(request.tokens), matches, view.tokens_per_block)
+        if request_id is not None:
+            self._remember(self._pending, request_id, (worker, keys, len(request.tokens) - cached))
+        self.counters["cache_routed"] += 1
+        self.counters["decision_us_total"] += int((time.monotonic() - start) * 1e6)
+        return ranks
+
+    def _by_cost(
+        self, replicas: Sequence[Any], num_tokens: int, matches: Mapping[WorkerId, RouteMatch], tpb: int
+    ) -> tuple[list[list[Any]], WorkerId | None, int]:
+        ids = {WorkerId(f"replica-{i}"): r for i, r in enumerate(replicas)}
+        per_replica: dict[WorkerId, RouteMatch] = {}
+        for cid, r in ids.items():
+            m = matches.get(worker_of(r) or WorkerId(""))
+            if m is not None:
+                per_replica[cid] = m._replace(worker=cid)
+        loads = [self._load(cid, r) for cid, r in ids.items()]
+        decision = choose(num_tokens, loads, per_replica, self.config(tpb), self.rng)
+        costs = dict(decision.costs)
+        order = sorted(costs, key=lambda c: (c != decision.worker, costs[c]))
+        ranks = [[ids[c]] for c in order]
+        rest = [ids[c] for c in ids if c not in costs]
+        if rest:
+            ranks.append(rest)
+        return ranks, worker_of(ids[decision.worker]), decision.cached_blocks * tpb
+
+    def _load(self, cid: WorkerId, replica: Any) -> WorkerLoad:
+        stats = replica.routing_stats if isinstance(replica.routing_stats, Mapping) else {}
+        since = float(stats.get("ts", 0.0))
+        queued = int(stats.get("queued_prefill_tokens", 0))
+        rid = replica.replica_id
+        queued += sum(s.tokens for s in self._sent.values() if s.replica == rid and s.at > since)
+        return WorkerLoad(cid, queued, int(stats.get("running_decodes", 0)))
+
+    def fallback(self, replicas: Sequence[Any]) -> list[list[Any]]:
+        """Power of two choices: two random replicas, the less loaded (as reported) first."""
+        self.counters["fallback"] += 1
+        picks = list(replicas) if len(replicas) <= 2 else self.rng.sample(list(replicas), 2)
+        self.rng.shuffle(picks)
+        picks.sort(key=lambda r: self._load(WorkerId(""), r).tokens(self._decode_weight))
+        return [picks]
+
+    def routed(self, request_id: str, replica_id: Any, worker: WorkerId | None = None) -> None:
+        """A request went to ``replica_id``: credit its worker in the index, count its load."""
+        worker_, keys, tokens = self._pending.pop(request_id, (None, [], 0))
+        worker = worker or worker_
+        view = self.link.view
+        if keys and worker is not None and view is not None:
+            try:
+                view.index.predict(worker, keys)
+            except Exception as exc:
+                log.debug("raykv predict failed: %s", exc)
+        self._remember(self._sent, request_id, _Sent(replica_id, time.time(), tokens))
+
+    def completed(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+
+    def forget_replica(self, replica_id: Any) -> None:
+        for rid in [k for k, s in self._sent.items() if s.replica == replica_id]:
+            del self._sent[rid]
+
+    @staticmethod
+    def _remember(table: collections.OrderedDict[str, Any], key: str, value: Any) -> None:
+        table[key] = value
+        while len(table) > _MAX_TRACKED:
+            table.popitem(last=False)
+        if isinstance(value, _Sent):
+            while table and time.time() - next(iter(table.values())).at > _INFLIGHT_TTL_S:
+                table.popitem(last=False)
+
+
+_COUNTERS: dict[str, collections.Counter[str]] = {}
+
+
+def router_counters() -> dict[str, dict[str, int]]:
+    """Decision counters of the CacheAwareRouters living in this process (a Serve router runs in
+    each caller: the proxy, an upstream replica, or a driver holding a handle), by deployment:
+    ``decisions``, ``cache_routed``, ``targeted``, ``fallback``, ``index_timeouts``,
+    ``index_errors``, ``decision_us_total``."""
+    return {dep: dict(c) for dep, c in list(_COUNTERS.items())}
+
+
+class CacheAwareRouter(RequestRouter):
+    """Serve request router that sends each request where its prefix is cached (see module doc).
+
+    ``request_router_kwargs``: ``namespace`` (raykv deployment, default "raykv"), ``routing``
+    (RoutingConfig overrides), ``time_budget_s`` (per decision, default 0.05), ``retry_after_s``
+    (index back-off, default 5) and ``seed`` (tie-breaks and fallback choices).
+    """
+
+    def initialize_state(  # type: ignore[override]
+        self,
+        namespace: str = "raykv",
+        routing: Mapping[str, Any] | None = None,
+        time_budget_s: float = 0.05,
+        retry_after_s: float = 5.0,
+        seed: int = 0,
+        **_: Any,
+    ) -> None:
+        self.ranker = CacheRanker(
+            lambda: connect_index(namespace), routing, time_budget_s, retry_after_s, seed
+        )
+        # Serve pickles a router's module by value, so this class may be a copy with its own
+        # globals: register the counters in the imported module, which router_counters() reads.
+        import actors.serve as home
+
+        home._COUNTERS[str(self._deployment_id)] = self.ranker.counters
+
+    def _ranker(self) -> CacheRanker:
+        if getattr(self, "ranker", None) is None:
+            self.initialize_state()
+        return self.ranker
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        ranker = self._ranker()
+        try:
+            if pending_request is None:
+                return await ranker.rank(candidate_replicas, None)
+            request = parse_request(pending_request.args, pending_request.kwargs)
+            rid = pending_request.metadata.internal_request_id
+            return await ranker.rank(candidate_replicas, request, rid)
+        except Exception:
+            log.exception("cache-aware routing failed; using power of two choices")
+            return ranker.fallback(candidate_replicas)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        try:
+            worker = worker_of(self.curr_replicas.get(replica_id))
+            self._ranker().routed(pending_request.metadata.internal_request_id, replica_id, worker)
+        except Exception:
+            log.exception("raykv: on_request_routed failed")
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._ranker().completed(internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._ranker().forget_replica(replica_id)
+
+
+def router_config(namespace: str = "raykv", stats_period_s: float = 1.0, **kwargs: Any) -> Any:
+    """A ``RequestRouterConfig`` that attaches :class:`CacheAwareRouter` to a deployment, for the
+    raykv deployment in ``namespace``; ``kwargs`` go to ``initialize_state`` (``routing``,
+    ``time_budget_s``, ``retry_after_s``, ``seed``). Replicas report routing stats every
+    ``stats_period_s`` seconds."""
+    from ray.serve.config import RequestRouterConfig
+
+    fields: dict[str, Any] = {
+        "request_router_class": CacheAwareRouter,
+        "request_router_kwargs": {"namespace": namespace, **kwargs},
+        "request_routing_stats_period_s": stats_period_s,
+    }
+    return RequestRouterConfig(**fields)

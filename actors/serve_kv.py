@@ -1,0 +1,225 @@
+"""The deployments' side of raykv in Ray Serve: model replicas and PD proxies.
+
+- :class:`ReplicaCache`: a model replica's paired CacheWorker (``pool[rank % len(pool)]``, see
+  :mod:`actors.serve`), page moves between them as ExportedBlock records, and the load numbers
+  the replica reports through ``record_routing_stats``.
+- :class:`PDPairer`: a prefill/decode proxy's choice of (prefill worker, decode worker) by cache
+  location (:func:`raykv.pd.choose_pair`) and the load it has in flight.
+
+Everything here degrades instead of failing a request: a fetch that fails returns no blocks (the
+model recomputes), a store or pull that fails stores nothing, a slow index means load-only
+pairing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from actors.serve import WORKER_FIELD, IndexLink, RoutedRequest, connect_index
+from raykv.index import RouteMatch
+from raykv.integrations.hf import leading_blocks
+from raykv.keys import ReuseScope, block_keys
+from raykv.pd import PDConfig, PDDecision, choose_pair
+from raykv.records import ExportedBlock
+from raykv.routing import RoutingConfig, WorkerLoad
+from raykv.types import WorkerId
+
+log = logging.getLogger(__name__)
+
+
+def replica_rank() -> int:
+    """This Serve replica's rank (0..N-1). Raises RayServeException outside a replica."""
+    from ray import serve
+
+    rank: Any = serve.get_replica_context().rank
+    return int(getattr(rank, "rank", rank) or 0)
+
+
+class ReplicaCache:
+    """A Serve replica's side of raykv: its paired CacheWorker, page moves and load numbers.
+
+    ``worker`` names the worker explicitly; otherwise the replica takes ``pool[rank % len(pool)]``
+    (``pool``: every worker of the deployment by default). Every async method has a
+    ``timeout_s`` bound and degrades instead of raising: a fetch that fails returns no blocks (the
+    model recomputes), a store or pull that fails stores nothing.
+    """
+
+    def __init__(
+        self,
+        namespace: str = "raykv",
+        pool: Sequence[str] | None = None,
+        worker: str | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        from actors.cluster import connect
+
+        self.cluster = connect(namespace)
+        names = [str(w) for w in (pool or self.cluster.worker_ids)]
+        self.worker_id = WorkerId(worker or names[replica_rank() % len(names)])
+        self.worker: Any = self.cluster.workers[self.worker_id]
+        self.tokens_per_block = self.cluster.config.tokens_per_block
+        self.timeout_s = timeout_s
+        self.queued_prefill_tokens = 0
+        self.running_decodes = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    def metadata(self) -> dict[str, Any]:
+        """For ``record_replica_metadata``."""
+        return {WORKER_FIELD: str(self.worker_id)}
+
+    def routing_stats(self) -> dict[str, Any]:
+        """For ``record_routing_stats``."""
+        return {
+            WORKER_FIELD: str(self.worker_id),
+            "queued_prefill_tokens": self.queued_prefill_tokens,
+            "running_decodes": self.running_decodes,
+            "ts": time.time(),
+        }
+
+    @contextlib.contextmanager
+    def prefilling(self, tokens: int) -> Iterator[None]:
+        self.queued_prefill_tokens += tokens
+        try:
+            yield
+        finally:
+            self.queued_prefill_tokens -= tokens
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        self.running_decodes += 1
+        try:
+            yield
+        finally:
+            self.running_decodes -= 1
+
+    async def fetch(self, keys: Sequence[bytes]) -> list[ExportedBlock]:
+        """The leading cached blocks of ``keys`` from the paired worker ([] on any failure)."""
+        if not keys:
+            return []
+        try:
+            blocks = await asyncio.wait_for(self.worker.export_blocks.remote(list(keys)), self.timeout_s)
+        except Exception as exc:
+            self.counters["fetch_errors"] += 1
+            log.warning("raykv fetch from %s failed: %s", self.worker_id, exc)
+            return []
+        return leading_blocks(blocks, keys)
+
+    async def held(self, tokens: Sequence[int], scope: ReuseScope | None = None) -> int:
+        """How many leading full blocks of ``tokens`` the paired worker holds (0 on failure)."""
+        scope = scope or ReuseScope()
+        try:
+            probe = self.worker.probe.remote(list(tokens), scope.lora_id, scope.salt)
+            return int((await asyncio.wait_for(probe, self.timeout_s)).num_blocks)
+        except Exception as exc:
+            log.warning("raykv probe of %s failed: %s", self.worker_id, exc)
+            return 0
+
+    async def store(self, blocks: Sequence[ExportedBlock]) -> int:
+        """Import ``blocks`` into the paired worker; returns how many were new (0 on failure)."""
+        if not blocks:
+            return 0
+        try:
+            result = await asyncio.wait_for(self.worker.import_blocks.remote(list(blocks)), self.timeout_s)
+        except Exception as exc:
+            self.counters["store_errors"] += 1
+            log.warning("raykv store into %s failed: %s", self.worker_id, exc)
+            return 0
+        return len(result.imported)
+
+    async def pull(self, source: WorkerId, keys: Sequence[bytes], prefer_shm: bool = True) -> tuple[int, str]:
+        """Bring the blocks of ``keys`` that ``source`` holds into the paired worker.
+
+        Uses ``CacheWorker.pull`` (the worker's page client: shared memory on one node when both
+        host tiers are shared and ``prefer_shm``, else UCX); if that fails, copies worker to worker
+        through Ray's object store (export, then import). Returns ``(blocks, path)``: how many
+        requested blocks the paired worker now holds from this pull, and "ucx", "shm",
+        "object-store", "local" (source is the paired worker) or "failed".
+        """
+        if not keys or source == self.worker_id:
+            return 0, "local"
+        try:
+            outcome = await asyncio.wait_for(
+                self.worker.pull.remote(str(source), list(keys), prefer_shm), self.timeout_s
+            )
+            self.counters[f"pull_{outcome.path}"] += 1
+            return len(outcome.imported) + len(outcome.already_present), str(outcome.path)
+        except Exception as exc:
+            self.counters["pull_fallbacks"] += 1
+            log.warning(
+                "raykv pull %s -> %s failed (%s); copying through the object store",
+                source,
+                self.worker_id,
+                exc,
+            )
+        try:
+            source_handle: Any = self.cluster.workers[source]
+            exported = source_handle.export_blocks.remote(list(keys))
+            result = await asyncio.wait_for(self.worker.import_blocks.remote(exported), self.timeout_s)
+        except Exception as exc:
+            self.counters["pull_errors"] += 1
+            log.warning("raykv pull %s -> %s failed: %s", source, self.worker_id, exc)
+            return 0, "failed"
+        return len(result.imported) + len(result.already_present), "object-store"
+
+
+# ---- prefill/decode pairing -----------------------------------------------------------------------
+class PDPairer:
+    """Chooses (prefill worker, decode worker) pairs for a PD proxy from the index and the load
+    this proxy has in flight on each worker. Falls back to load only when the index is slow."""
+
+    def __init__(
+        self,
+        prefill_workers: Sequence[str],
+        decode_workers: Sequence[str],
+        namespace: str = "raykv",
+        config: PDConfig | None = None,
+        nodes: Mapping[str, str] | None = None,
+        time_budget_s: float = 0.05,
+        seed: int = 0,
+    ) -> None:
+        self.prefill = [WorkerId(w) for w in prefill_workers]
+        self.decode = [WorkerId(w) for w in decode_workers]
+        self.config = config
+        self.nodes = {WorkerId(k): v for k, v in (nodes or {}).items()}
+        self.link = IndexLink(lambda: connect_index(namespace), 5.0)
+        self.time_budget_s = time_budget_s
+        self.rng = random.Random(seed)
+        self.queued: collections.Counter[WorkerId] = collections.Counter()
+        self.decodes: collections.Counter[WorkerId] = collections.Counter()
+
+    async def pair(self, request: RoutedRequest) -> PDDecision:
+        """The pair for ``request`` (credits the prefill worker with the prompt's blocks)."""
+        view = await self.link.get(self.time_budget_s)
+        tpb = view.tokens_per_block if view is not None else 16
+        keys = block_keys(request.tokens, tpb, request.scope)
+        matches: Mapping[WorkerId, RouteMatch] = {}
+        if view is not None:
+            try:
+                matches = await asyncio.wait_for(view.index.route_async(keys), self.time_budget_s)
+            except Exception:
+                self.link.failed()
+        cfg = self.config or PDConfig(RoutingConfig(tokens_per_block=tpb))
+        pre = [WorkerLoad(w, self.queued[w], self.decodes[w]) for w in self.prefill]
+        dec = [WorkerLoad(w, self.queued[w], self.decodes[w]) for w in self.decode]
+        decision = choose_pair(len(request.tokens), pre, dec, matches, cfg, self.nodes, self.rng)
+        if view is not None and keys:
+            view.index.predict(decision.prefill, keys)
+        return decision
+
+    @contextlib.contextmanager
+    def running(self, decision: PDDecision, num_tokens: int) -> Iterator[None]:
+        """Count a request against its pair's load while it runs."""
+        self.queued[decision.prefill] += num_tokens
+        self.decodes[decision.decode] += 1
+        try:
+            yield
+        finally:
+            self.queued[decision.prefill] -= num_tokens
+            self.decodes[decision.decode] -= 1

@@ -1,0 +1,291 @@
+"""Page transfers for CacheWorker actors, the prefill/decode flow, and the Ray benchmark rows.
+
+Imports ray lazily (like actors/worker.py), so an in-process CacheWorker works without it.
+
+:class:`WorkerTransfer` is the transfer side of one CacheWorker: a page server on its manager
+(started with the deployment's token), a client, and peer resolution (a worker id becomes that
+worker's page-server address through Ray; addresses are cached and re-resolved once when a
+connection fails, e.g. after the peer restarted). In a Ray worker the node id is Ray's node id,
+so only workers of the same Ray node use the shared-memory path. ``start()`` binds every page
+server to 127.0.0.1 (UCX on ``lo``) when all Ray nodes run on one machine, else to each worker's
+node IP, unless a TransferConfig says otherwise (:func:`deployment_transfer_config`).
+
+:func:`disaggregated_request` is the prefill/decode flow: prefill on one worker, pull exactly the
+committed prompt blocks into the decode worker, continue there.
+
+:func:`register_bench` adds the through-Ray rows to ``raykv bench transfer``: the shared-memory
+pull against Ray's object store between the same two processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from raykv.errors import TransferError
+from raykv.manager import CacheManager
+from raykv.transfer import (
+    AuthToken,
+    PageClient,
+    PageServer,
+    PeerAddress,
+    PullOutcome,
+    TransferConfig,
+    get_runtime,
+    pull_into,
+)
+
+log = logging.getLogger(__name__)
+
+PeerRef = str | PeerAddress | tuple[str, int]
+
+
+def actor_transfer_config(config: TransferConfig | None) -> TransferConfig:
+    """``config`` with this Ray node's id (and, when ``config`` is None, the node's IP as host).
+
+    Outside Ray (an in-process worker) ``config`` is used as given (default: 127.0.0.1).
+    """
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - ray is a dependency of actors/
+        return config or TransferConfig()
+    node = None
+    host = None
+    if ray.is_initialized():
+        node = ray.get_runtime_context().get_node_id()
+        host = ray.util.get_node_ip_address()
+    if config is None:
+        config = TransferConfig(host=host or "127.0.0.1")
+    if config.node_id is None and node is not None:
+        config = config.replace(node_id=node)
+    return config
+
+
+def deployment_transfer_config(config: TransferConfig | None) -> TransferConfig | None:
+    """The transfer settings ``start()`` gives its workers.
+
+    An explicit ``config`` wins. Otherwise, when every Ray node runs on one machine (a local or
+    ``cluster_utils`` cluster), page servers bind 127.0.0.1 and UCX stays on ``lo``: every peer is
+    local. On a real multi-machine cluster, None: each worker binds its node's IP.
+    """
+    if config is not None:
+        return config
+    import ray
+
+    addresses = {n.get("NodeManagerAddress") for n in ray.nodes() if n.get("Alive")}
+    return TransferConfig.loopback() if len(addresses) <= 1 else None
+
+
+class WorkerTransfer:
+    """Page server + client of one worker. Methods are thread-safe (they run on the runtime loop)."""
+
+    def __init__(self, worker_id: str, manager: CacheManager, namespace: str | None = None) -> None:
+        self.worker_id = worker_id
+        self.manager = manager
+        self.namespace = namespace
+        self.server: PageServer | None = None
+        self.client: PageClient | None = None
+        self._peers: dict[str, PeerAddress] = {}
+
+    def start(self, token: AuthToken | bytes, config: TransferConfig | None = None) -> PeerAddress:
+        """Start the page server (idempotent) and the client; returns the server's address."""
+        if self.server is not None and self.server.address is not None:
+            return self.server.address
+        cfg = actor_transfer_config(config)
+        self.server = PageServer(self.manager, token, cfg)
+        address = self.server.start()
+        self.client = PageClient(token, cfg)
+        log.info("%s: page server on %s", self.worker_id, address)
+        return address
+
+    @property
+    def address(self) -> PeerAddress | None:
+        return self.server.address if self.server is not None else None
+
+    def resolve(self, peer: PeerRef, refresh: bool = False) -> PeerAddress:
+        """The page-server address of a worker id (through Ray), or ``peer`` itself."""
+        if isinstance(peer, PeerAddress):
+            return peer
+        if isinstance(peer, tuple):
+            return PeerAddress(str(peer[0]), int(peer[1]))
+        if refresh or peer not in self._peers:
+            import ray
+
+            handle = ray.get_actor(peer, namespace=self.namespace)
+            address = ray.get(handle.page_server_address.remote(), timeout=30)
+            if address is None:
+                raise TransferError(f"worker {peer} runs no page server", reason="unavailable")
+            self._peers[peer] = address
+        return self._peers[peer]
+
+    def pull(self, peer: PeerRef, keys: Sequence[bytes], prefer_shm: bool = True) -> PullOutcome:
+        """Pull ``keys`` from ``peer`` into this worker's manager (committed, matchable blocks).
+
+        TransferError (nothing imported) when the transfer fails; the caller recomputes.
+        """
+        if self.client is None:
+            raise TransferError(f"{self.worker_id}: page transfers not started", reason="unavailable")
+        address = self.resolve(peer)
+        try:
+            return self._pull(address, keys, prefer_shm)
+        except TransferError as exc:
+            if getattr(exc, "reason", "") != "connect" or not isinstance(peer, str):
+                raise
+        return self._pull(self.resolve(peer, refresh=True), keys, prefer_shm)
+
+    def _pull(self, address: PeerAddress, keys: Sequence[bytes], prefer_shm: bool) -> PullOutcome:
+        assert self.client is not None
+        coro = pull_into(self.client, address, self.manager, keys, prefer_shm)
+        return get_runtime().run(coro, self.client.config.timeout_s + 10)
+
+    def stats(self) -> dict[str, Any]:
+        """Server and client counters (per path), the leases the server holds right now, and the
+        shared host tier's file (None without one)."""
+        out: dict[str, Any] = {"address": self.address}
+        if self.server is not None:
+            out["server"] = self.server.stats.as_dict()
+            out["open_leases"] = self.server.open_leases
+            out["shm_path"] = self.server.shm_path
+        if self.client is not None:
+            out["client"] = self.client.stats.as_dict()
+        return out
+
+    def set_faults(self, **faults: Any) -> None:
+        """Test hook: set :class:`raykv.transfer.ServerFaults` fields on the page server."""
+        if self.server is None:
+            raise TransferError("no page server", reason="unavailable")
+        for name, value in faults.items():
+            if not hasattr(self.server.faults, name):
+                raise ValueError(f"unknown fault {name!r}")
+            setattr(self.server.faults, name, value)
+
+    def close(self) -> None:
+        """Stop the page server (ending its leases) and drop the client's connections."""
+        if self.server is not None:
+            self.server.close()
+        if self.client is not None:
+            self.client.close()
+
+
+# ---- prefill / decode ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DisaggregatedOutcome:
+    """One request split over a prefill and a decode worker."""
+
+    prefill: Any  # RequestOutcome on the prefill worker
+    pull: PullOutcome | None  # None when the pull failed and the decode worker recomputed
+    decode: Any  # RequestOutcome on the decode worker
+    seconds: float
+
+
+def disaggregated_request(
+    prefill: Any,
+    decode: Any,
+    prefill_name: str,
+    keys: Sequence[bytes],
+    prompt: Sequence[int],
+    decode_tokens: Sequence[int] = (),
+    timeout_s: float = 120.0,
+) -> DisaggregatedOutcome:
+    """Prefill ``prompt`` on actor ``prefill``, pull its blocks ``keys`` into actor ``decode``,
+    then run the request there (its ``create`` reuses the pulled blocks).
+
+    ``keys`` are the prompt's block keys (``RayKVCluster.keys(prompt)``). A failed pull is not
+    fatal: the decode worker recomputes (``pull`` is None then).
+    """
+    import ray
+
+    start = time.perf_counter()
+    first = ray.get(prefill.run_request.remote(list(prompt)), timeout=timeout_s)
+    try:
+        pulled = ray.get(decode.pull.remote(prefill_name, list(keys)), timeout=timeout_s)
+    except TransferError as exc:
+        log.warning("pull from %s failed (%s); decode worker recomputes", prefill_name, exc)
+        pulled = None
+    second = ray.get(
+        decode.run_request.remote(list(prompt), decode_tokens=list(decode_tokens)), timeout=timeout_s
+    )
+    return DisaggregatedOutcome(first, pulled, second, time.perf_counter() - start)
+
+
+# ---- benchmark rows through Ray ---------------------------------------------------------------
+def _object_store_rows(quick: bool) -> list[Any]:
+    """Shared-memory pull vs ``ray.get`` of the same pages returned by the same peer actor."""
+    import functools
+    import secrets
+
+    import numpy as np
+    import ray
+
+    from raykv.bench.harness import Row, paired_seconds, timed
+    from raykv.bench.transfer import FULL, QUICK, BenchPeer, bench_config, label
+
+    settings = QUICK if quick else FULL
+    started = not ray.is_initialized()
+    if started:
+        ray.init(include_dashboard=False, log_to_driver=False, namespace="raykv-bench")
+    token, config = secrets.token_bytes(32), bench_config()
+    peer = (
+        ray.remote(BenchPeer)
+        .options(num_cpus=0)
+        .remote(settings.page_sizes, max(settings.counts), token, config)
+    )
+    client = PageClient(token, config)
+    rows = []
+    try:
+        info = ray.get(peer.info.remote(), timeout=300)
+        for page in settings.page_sizes:
+            address, keys, _ = info[page]
+            out = np.zeros((max(settings.counts), page), dtype=np.uint8)
+            for count in settings.counts:
+                pull = functools.partial(_pull_into_buffer, client, address, keys[:count], out[:count])
+                fetch = functools.partial(_object_store_get, peer, page, count)
+                ours, base = paired_seconds(timed(pull), timed(fetch), settings.repeats, settings.warmup)
+                nbytes = count * page
+                rows.append(
+                    Row(
+                        f"shm pull {label(count, page)} (Ray)",
+                        nbytes / ours / 1e6,
+                        nbytes / base / 1e6,
+                        "MB/s",
+                        goal=1.0,
+                        info="vs ray.get from the same actor",
+                    )
+                )
+    finally:
+        client.close()
+        ray.get(peer.close.remote(), timeout=60)
+        ray.kill(peer)
+        if started:
+            ray.shutdown()
+    return rows
+
+
+def _pull_into_buffer(client: PageClient, address: PeerAddress, keys: list[bytes], out: Any) -> None:
+    pulled = client.runtime.run(client.pull(address, keys, True, out=out), 300)
+    assert pulled.path == "shm" and len(pulled.keys) == len(keys), pulled.path
+
+
+def _object_store_get(peer: Any, page: int, count: int) -> None:
+    import ray
+
+    array = ray.get(peer.array.remote(page, count), timeout=300)
+    assert array.shape == (count, page)
+
+
+def register_bench() -> None:
+    """Add the through-Ray object-store rows to the ``transfer`` suite (called by the CLI)."""
+    from raykv.bench import SUITES
+    from raykv.bench.harness import Benchmark
+
+    base = SUITES["transfer"]
+
+    def combined(quick: bool) -> tuple[list[Benchmark], str]:
+        benches, desc = base(quick)
+        ray_rows = Benchmark("pull vs Ray object store (peer actor)", lambda: _object_store_rows(quick))
+        return [*benches, ray_rows], desc
+
+    SUITES["transfer"] = combined

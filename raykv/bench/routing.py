@@ -1,0 +1,133 @@
+"""Routing decision benchmarks: raykv's index + cost model vs Ray Serve LLM's prefix tree.
+
+Setup (same for both): the built-in replay workload, each session pinned to one of 8 workers
+(the state a cache-aware router converges to). raykv: a :class:`~raykv.index.PrefixIndex` holding
+every request's block keys on its worker; a decision is ``route(keys)`` + ``choose_loads``.
+Baseline: Ray's own ``PrefixTree`` (``ray.llm``, imported lazily) holding the same requests as
+text; a decision is ``prefix_match(text, replicas)`` plus ``get_smallest_tenants()`` when the match
+rate is under 10% (PrefixCacheAffinityRouter's calls). Text is 16 characters per 512-token block
+(the replay's encoding) and, in a second row, 2048 characters per block (about 4 characters per
+token, what Ray's character-level tree sees with real prompts). Figures are decisions/s (median
+over passes, higher is better); ``info`` gives the median per-decision latency.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from raykv.bench.harness import Benchmark, Row, gc_paused
+from raykv.index import OP_STORE, EventBatch, PrefixIndex
+from raykv.keys import ReuseScope, block_keys
+from raykv.replay.trace import BLOCK_TOKENS, Request, block_text, tokens_for
+from raykv.replay.workload import WorkloadSpec, generate
+from raykv.routing import RoutingConfig, choose_loads
+from raykv.types import WorkerId
+
+WORKERS = 8
+
+
+@dataclass(frozen=True)
+class RoutingSettings:
+    requests: int
+    passes: int
+
+
+QUICK = RoutingSettings(requests=300, passes=3)
+FULL = RoutingSettings(requests=1500, passes=5)
+
+
+def _placed(n: int) -> tuple[list[Request], list[list[bytes]], list[int]]:
+    reqs = generate(WorkloadSpec(requests=n, seed=7))
+    keys: list[list[bytes]] = [
+        list(block_keys(tokens_for(r), BLOCK_TOKENS, ReuseScope(salt=r.salt) if r.salt is not None else None))
+        for r in reqs
+    ]
+    return reqs, keys, [r.session % WORKERS for r in reqs]
+
+
+def _raykv(
+    reqs: Sequence[Request], keys: Sequence[list[bytes]], owner: Sequence[int]
+) -> Callable[[int], Any]:
+    index = PrefixIndex()
+    workers = [WorkerId(f"w{i}") for i in range(WORKERS)]
+    for lane, w in enumerate(workers):
+        index.register_worker(w, lane, 1)
+    ids = [0] * WORKERS
+    for ks, lane in zip(keys, owner):
+        ids[lane] += 1
+        ops = tuple((OP_STORE, k, 0) for k in ks)
+        index.apply_batch(EventBatch(workers[lane], 1, ids[lane], ids[lane], ops))
+    cfg = RoutingConfig(tokens_per_block=BLOCK_TOKENS, w_host=1.0, load_cost=0.1, imbalance_slack=1e5)
+    loads = [float(1000 * i) for i in range(WORKERS)]
+    rng = random.Random(0)
+
+    def decide(i: int) -> Any:
+        return choose_loads(reqs[i].input_length, workers, loads, index.route(keys[i]), cfg, rng)
+
+    return decide
+
+
+def _ray(reqs: Sequence[Request], owner: Sequence[int], chars_per_block: int) -> Callable[[int], Any]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
+
+    reps = chars_per_block // 16
+    texts = ["".join(block_text(h) * reps for h in r.hash_ids) for r in reqs]
+    tree = PrefixTree()
+    tenants = [f"replica-{i}" for i in range(WORKERS)]
+    tree.add_tenants(tenants, 0.0)
+    for i, (text, w) in enumerate(zip(texts, owner)):
+        tree.insert(text, tenants[w], float(i))
+
+    def decide(i: int) -> Any:
+        matched, _ = tree.prefix_match(texts[i], tenants)
+        if len(matched) / len(texts[i]) < 0.1:
+            return tree.get_smallest_tenants()
+        return matched
+
+    return decide
+
+
+def _rate(decide: Callable[[int], Any], n: int, passes: int) -> tuple[float, float]:
+    """(decisions/s, median us per decision) over ``passes`` passes of ``n`` decisions."""
+    rates, lat = [], []
+    with gc_paused():
+        for _ in range(passes):
+            start = time.perf_counter()
+            for i in range(n):
+                t0 = time.perf_counter_ns()
+                decide(i)
+                lat.append(time.perf_counter_ns() - t0)
+            rates.append(n / (time.perf_counter() - start))
+    return statistics.median(rates), statistics.median(lat) / 1000.0
+
+
+def _rows(settings: RoutingSettings) -> list[Row]:
+    reqs, keys, owner = _placed(settings.requests)
+    n, passes = len(reqs), settings.passes
+    ours, ours_us = _rate(_raykv(reqs, keys, owner), n, passes)
+    rows = []
+    for chars in (16, 2048):
+        base, base_us = _rate(_ray(reqs, owner, chars), n, passes if chars == 16 else 1)
+        rows.append(
+            Row(
+                f"routing decision vs Ray PrefixTree, {chars} chars/block",
+                ours,
+                base,
+                "decisions/s",
+                info=f"p50 raykv {ours_us:.1f} us vs Ray tree {base_us:.1f} us ({WORKERS} workers)",
+            )
+        )
+    return rows
+
+
+def routing_benchmarks(settings: RoutingSettings) -> list[Benchmark]:
+    """One benchmark producing both rows (the workload is built once)."""
+    return [Benchmark("routing decision", lambda: _rows(settings))]

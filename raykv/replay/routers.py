@@ -1,0 +1,321 @@
+"""The routing policies a replay compares (pure; ``ray_prefix`` imports ray.llm lazily).
+
+random
+    Uniform random worker.
+pow2
+    Two distinct random workers, the shorter queue wins (first of the pair on a tie): the shape of
+    Ray Serve's default PowerOfTwoChoicesRequestRouter, which compares ongoing-request counts.
+ray_prefix
+    Ray Serve LLM's PrefixCacheAffinityRouter (ray 2.60) on Ray's own PrefixTree
+    (``ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree``), fed with
+    :func:`~raykv.replay.trace.block_text` of each hash id. Per request: draw the pow2 pair (the
+    fallback); if max-min queue length > ``imbalanced_threshold`` use the pair; else
+    ``prefix_match(text, all replicas)``; below ``match_rate_threshold`` take
+    ``get_smallest_tenants()``, else the tenants of the deepest match; then the shortest queue
+    among them, first wins ties (Ray's ``_select_from_candidate_replicas``); after routing
+    ``insert(text, replica, now)``. Ray's defaults: imbalanced_threshold = inf,
+    match_rate_threshold = 0.1, no eviction. The tree is called in-process (Ray calls it through
+    an actor, adding RPC latency not counted here). Ray's router does not know cache salts.
+raykv
+    The global index (``PrefixIndex.route`` over the request's block keys) scored by
+    :func:`raykv.routing.choose_loads`: uncached prefill tokens + ``load_cost`` x outstanding
+    work, a load guard, seeded ties; optionally (``RaykvTuning.predict``) the index is credited
+    with the request's keys until the worker's events land.
+raykv_pull
+    raykv with ``allow_pulls``: a worker may pull the part of the prefix another worker holds; the
+    pull's credit ``w_remote`` comes from the timing model (1 - pull time / prefill time).
+pooled
+    The ideal: one cache of the same total capacity shared by every server, served by the least
+    outstanding work (ties random); an upper bound on hits and an anchor for TTFT.
+
+Every router is seeded and replays identically. ``choose`` is what the replay times as the
+routing decision; ``routed`` is the router's own state update afterwards (timed separately).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from raykv.errors import InvalidArgumentError
+from raykv.index import RouteMatch
+from raykv.replay.timing import ServerQueues, TimingConfig
+from raykv.replay.trace import BLOCK_TOKENS, Request, block_text
+from raykv.routing import RoutingConfig, choose_loads
+from raykv.types import WorkerId
+
+ROUTERS = ("random", "pow2", "ray_prefix", "raykv", "raykv_pull", "pooled")
+
+
+class Prepared(NamedTuple):
+    """Request number ``seq`` with its block keys (full blocks, in its salt's scope)."""
+
+    seq: int
+    req: Request
+    keys: Sequence[bytes]
+
+
+class Choice(NamedTuple):
+    """The server a request goes to, and an optional pull of ``keys[own:own + pull_blocks]``."""
+
+    server: int
+    pull_from: int | None = None
+    own_blocks: int = 0
+    pull_blocks: int = 0
+
+
+@dataclass
+class RouterContext:
+    """What a router may use: servers, their cache workers, the index, clock and timing."""
+
+    servers: int
+    worker_ids: list[WorkerId]
+    route: Callable[[Sequence[bytes]], dict[WorkerId, RouteMatch]]
+    predict: Callable[[WorkerId, Sequence[bytes]], None]
+    speed: float
+    timing: TimingConfig
+    mean_work: float
+    seed: int = 0
+    clock: Callable[[], float] = field(default=lambda: 0.0)
+
+
+class Router:
+    """Base class: a named, seeded policy over ``ctx.servers`` servers."""
+
+    name = "base"
+    pooled = False
+
+    def start(self, ctx: RouterContext) -> None:
+        """Reset all state for a new run."""
+        self.ctx = ctx
+        self.rng = random.Random(ctx.seed)
+
+    def choose(self, p: Prepared, queues: ServerQueues) -> Choice:
+        raise NotImplementedError
+
+    def routed(self, p: Prepared, choice: Choice) -> None:
+        """State update after the request was dispatched (no-op by default)."""
+
+
+class RandomRouter(Router):
+    name = "random"
+
+    def choose(self, p: Prepared, queues: ServerQueues) -> Choice:
+        return Choice(self.rng.randrange(self.ctx.servers))
+
+
+def _shortest(cands: Sequence[int], qlens: Sequence[int]) -> int:
+    """Lowest queue length; the first candidate wins ties (Ray's selection rule)."""
+    best = cands[0]
+    for c in cands[1:]:
+        if qlens[c] < qlens[best]:
+            best = c
+    return best
+
+
+class Pow2Router(Router):
+    name = "pow2"
+
+    def pair(self) -> list[int]:
+        n = self.ctx.servers
+        return self.rng.sample(range(n), 2) if n > 1 else [0]
+
+    def choose(self, p: Prepared, queues: ServerQueues) -> Choice:
+        return Choice(_shortest(self.pair(), queues.queue_lengths()))
+
+
+class PooledRouter(Router):
+    """Least outstanding work over all servers; the engine gives it one pooled cache."""
+
+    name = "pooled"
+    pooled = True
+
+    def choose(self, p: Prepared, queues: ServerQueues) -> Choice:
+        work = queues.outstanding()
+        low = min(work)
+        ties = [i for i, w in enumerate(work) if w <= low + 1e-9]
+        return Choice(ties[0] if len(ties) == 1 else self.rng.choice(ties))
+
+
+class RayPrefixRouter(Pow2Router):
+    """Ray Serve LLM's PrefixCacheAffinityRouter logic on Ray's PrefixTree (module docstring)."""
+
+    name = "ray_prefix"
+
+    def __init__(self, imbalanced_threshold: float = math.inf, match_rate_threshold: float = 0.1) -> None:
+        self.imbalanced_threshold = imbalanced_threshold
+        self.match_rate_threshold = match_rate_threshold
+        self.stats = {"prefix": 0, "smallest": 0, "fallback": 0}
+
+    def start(self, ctx: RouterContext) -> None:
+        super().start(ctx)
+        with warnings.catch_warnings():  # Ray's imports emit pydantic deprecation warnings
+            warnings.simplefilter("ignore")
+            from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
+
+        self.tree: Any = PrefixTree()
+        names = [f"replica-{i}" for i in range(ctx.servers)]
+        self.rng.shuffle(names)  # Ray iterates its replica set in a fixed, arbitrary order
+        self.tenants = names
+        self.server_of = {name: int(name.rsplit("-", 1)[1]) for name in names}
+        self.tree.add_tenants(names, ctx.clock())
+        self._texts: dict[int, str] = {}
+        self._last = ""
+        self.stats = {"prefix": 0, "smallest": 0, "fallback": 0}
+
+    def text(self, req: Request) -> str:
+        cache = self._texts
+        parts = []
+        for h in req.hash_ids:
+            t = cache.get(h)
+            if t is None:
+                t = cache[h] = block_text(h)
+            parts.append(t)
+        return "".join(parts)
+
+    def choose(self, p: Prepared, queues: ServerQueues) -> Choice:
+        fallback = self.pair()
+        qlens = queues.queue_lengths()
+        text = self._last = self.text(p.req)
+        chosen: list[str] | None = None
+        if max(qlens) - min(qlens) <= self.imbalanced_threshold:
+            matched_text, matched = self.tree.prefix_match(text, self.tenants)
+            if len(matched_text) / len(text) < self.match_rate_threshold:
+                chosen, kind = self.tree.get_smallest_tenants(), "smallest"
+            else:
+                chosen, kind = matched, "prefix"
+        if not chosen:
+            self.stats["fallback"] += 1
+            return Choice(_shortest(fallback, qlens))
+        self.stats[kind] += 1
+        return Choice(_shortest([self.server_of[t] for t in chosen], qlens))
+
+    def routed(self, p: Prepared, choice: Choice) -> None:
+        self.tree.insert(self._last, f"replica-{choice.server}", self.ctx.clock())
+
+
+@dataclass(frozen=True)
+class RaykvTuning:
+    """raykv's knobs for the replay: load weight, load guard, and tier weights.
+
+    ``load_cost`` weighs outstanding work (units) against uncached prefill tokens (0.1: a worker
+    holding 10 more blocks of the prompt wins unless it has ~51k more units queued). The guard
+    drops workers whose outstanding work exceeds the least-loaded one's by more than
+    ``guard_requests`` mean no-cache requests. ``w_lower`` credits a block on a lower tier. ``w_remote``
+    caps the credit of a block another worker holds (None: 1 - pull time / prefill time from the
+    timing model; lower values pull only when the holder is much busier, which keeps fewer
+    duplicate copies).
+
+    ``predict`` credits the chosen worker with the request's keys in the index until its events
+    land (what a live router does, since events lag). Off by default here: the replay applies
+    every worker's events before the next decision, so the index is already exact and a
+    prediction could only add a stale credit (in Ray mode it would live 2 s of wall time, hundreds
+    of replayed requests). In-process results are identical either way; it only costs time.
+    """
+
+    load_cost: float = 0.1
+    guard_requests: float = 8.0
+    w_lower: float = 0.9
+    predict: bool = False
+    w_remote: float | None = None
+
+
+class RaykvRouter(Router):
+    """Cache-aware routing on the global index with :func:`raykv.routing.choose`."""
+
+    name = "raykv"
+
+    def __init__(self, allow_pulls: bool = False, tuning: RaykvTuning | None = None) -> None:
+        self.allow_pulls = allow_pulls
+        self.tuning = tuning or RaykvTuning()
+        if allow_pulls:
+            self.name = "raykv_pull"
+
+    def start(self, ctx: RouterContext) -> None:
+        super().start(ctx)
+        t = self.tuning
+        prefill_block_s = BLOCK_TOKENS / ctx.speed
+        w_remote = max(0.0, 1.0 - ctx.timing.pull_s(BLOCK_TOKENS) / prefill_block_s)
+        if t.w_remote is not None:
+            w_remote = min(w_remote, t.w_remote)
+        self.cfg = RoutingConfig(
+            tokens_per_block=BLOCK_TOKENS,
+            w_gpu=1.0,
+            w_host=1.0,  # the replay workers' top tier (host memory) plays the engine's GPU memory
+            w_disk=t.w_lower,
+            w_predicted=1.0,
+            w_remote=min(1.0, w_remote),
+            allow_pulls=self.allow_pulls,
+            load_cost=t.load_cost,
+            decode_weight=0.0,
+            imbalance_factor=1.0,
+            imbalance_slack=t.guard_requests * ctx.mean_work,
+            seed=ctx.seed,
+        )
+        self.server_of = {w: i for i, w in enumerate(ctx.worker_ids)}
+        self.guard_fired = 0
+
+    def choose(self, p: Prepared, queues: ServerQueues) -> Choice:
+        matches = self.ctx.route(p.keys)
+        d = choose_loads(
+            p.req.input_length, self.ctx.worker_ids, queues.outstanding(), matches, self.cfg, self.rng
+        )
+        server = self.server_of[d.worker]
+        if d.pull_from is None:
+            return Choice(server, None, d.cached_blocks, 0)
+        return Choice(server, self.server_of[d.pull_from], d.cached_blocks, d.pull_blocks)
+
+    def routed(self, p: Prepared, choice: Choice) -> None:
+        if self.tuning.predict and p.keys:
+            self.ctx.predict(self.ctx.worker_ids[choice.server], p.keys)
+
+
+def make_router(name: str, tuning: RaykvTuning | None = None) -> Router:
+    """A fresh router by name (one of :data:`ROUTERS`). Raises InvalidArgumentError otherwise."""
+    if name == "random":
+        return RandomRouter()
+    if name == "pow2":
+        return Pow2Router()
+    if name == "ray_prefix":
+        return RayPrefixRouter()
+    if name in ("raykv", "raykv_pull"):
+        return RaykvRouter(allow_pulls=name == "raykv_pull", tuning=tuning)
+    if name == "pooled":
+        return PooledRouter()
+    raise InvalidArgumentError("router", f"unknown router {name!r}; known: {', '.join(ROUTERS)}")
+
+
+def parse_routers(text: str | Sequence[str]) -> list[str]:
+    """Router names from ``"a,b"`` or a list (``all`` = every router), order kept, no duplicates."""
+    names = text.split(",") if isinstance(text, str) else list(text)
+    out: list[str] = []
+    for name in (n.strip() for n in names):
+        for one in ROUTERS if name == "all" else (name,):
+            if one not in ROUTERS:
+                raise InvalidArgumentError("routers", f"unknown router {one!r}; known: {', '.join(ROUTERS)}")
+            if one not in out:
+                out.append(one)
+    if not out:
+        raise InvalidArgumentError("routers", "no router named")
+    return out
+
+
+__all__ = [
+    "ROUTERS",
+    "Choice",
+    "PooledRouter",
+    "Pow2Router",
+    "Prepared",
+    "RandomRouter",
+    "RayPrefixRouter",
+    "RaykvRouter",
+    "RaykvTuning",
+    "Router",
+    "RouterContext",
+    "make_router",
+    "parse_routers",
+]

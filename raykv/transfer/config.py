@@ -1,0 +1,138 @@
+"""Transfer settings (frozen, validated) and the peer address record.
+
+Every limit is explicit: a control message (msgpack) larger than ``max_header_bytes``, a request
+naming more than ``max_keys`` keys, or a reply payload above ``max_payload_bytes`` is refused with
+a :class:`raykv.errors.TransferError` before any memory is allocated for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import socket
+from dataclasses import dataclass
+
+from raykv.errors import ConfigError
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(name, f"must be a positive int, got {value!r}")
+    return value
+
+
+def _positive_seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(name, f"must be a number of seconds, got {value!r}")
+    if math.isnan(value) or math.isinf(value) or value <= 0:
+        raise ConfigError(name, f"must be finite and > 0, got {value!r}")
+    return float(value)
+
+
+def _optional_str(name: str, value: object) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(name, f"must be None or a non-empty str, got {value!r}")
+
+
+def default_node_id() -> str:
+    """This machine's identity: hostname plus the kernel boot id (same for every process here).
+
+    Two processes use the shared-memory path only when their node ids are equal; Ray workers pass
+    Ray's node id instead (logical nodes of one test machine then count as different nodes).
+    """
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = str(os.getppid() if os.name != "posix" else os.getuid())
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Page-server and client settings.
+
+    ``host``/``port``: where the page server's control listener binds (port 0: any free port).
+    ``max_header_bytes``, ``max_keys``, ``max_payload_bytes``: wire limits (see module docstring).
+    ``server_inflight_bytes`` / ``client_inflight_bytes``: backpressure, the most payload bytes a
+    server sends (or a client receives) at once, over all peers; each is at least
+    ``max_payload_bytes`` so one request always fits. ``chunk_bytes``: payload message size (the
+    payload of one request goes as ``ceil(bytes / chunk_bytes)`` UCX messages, no per-page round
+    trip). ``connect_timeout_s``: connecting plus authenticating; ``timeout_s``: one whole pull.
+    ``ucx_net_devices`` / ``ucx_tls``: UCX_NET_DEVICES / UCX_TLS for this process when UCX starts
+    (None: leave UCX's default or the environment). ``node_id``: see :func:`default_node_id`.
+    ``use_shm``: allow the same-node shared-memory path.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_header_bytes: int = 1 << 20
+    max_keys: int = 4096
+    max_payload_bytes: int = 1 << 30
+    server_inflight_bytes: int = 2 << 30
+    client_inflight_bytes: int = 2 << 30
+    chunk_bytes: int = 8 << 20
+    connect_timeout_s: float = 10.0
+    timeout_s: float = 120.0
+    ucx_net_devices: str | None = None
+    ucx_tls: str | None = None
+    node_id: str | None = None
+    use_shm: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError("host", f"must be a non-empty str, got {self.host!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ConfigError("port", f"must be an int in 0..65535, got {self.port!r}")
+        _positive_int("max_header_bytes", self.max_header_bytes)
+        if self.max_header_bytes < 4096:
+            raise ConfigError("max_header_bytes", f"must be >= 4096, got {self.max_header_bytes}")
+        for name in ("max_keys", "max_payload_bytes", "chunk_bytes"):
+            _positive_int(name, getattr(self, name))
+        for name in ("server_inflight_bytes", "client_inflight_bytes"):
+            if _positive_int(name, getattr(self, name)) < self.max_payload_bytes:
+                raise ConfigError(name, "must be >= max_payload_bytes (one request must fit)")
+        # Worst case header: per key 32 + 32 (parent) bytes, a bool, an int and a checksum.
+        if self.max_keys * 96 + 1024 > self.max_header_bytes:
+            raise ConfigError("max_keys", f"{self.max_keys} keys cannot fit in max_header_bytes")
+        object.__setattr__(
+            self, "connect_timeout_s", _positive_seconds("connect_timeout_s", self.connect_timeout_s)
+        )
+        object.__setattr__(self, "timeout_s", _positive_seconds("timeout_s", self.timeout_s))
+        for name in ("ucx_net_devices", "ucx_tls", "node_id"):
+            _optional_str(name, getattr(self, name))
+        if not isinstance(self.use_shm, bool):
+            raise ConfigError("use_shm", f"must be a bool, got {self.use_shm!r}")
+
+    @classmethod
+    def loopback(cls, **changes: object) -> TransferConfig:
+        """Bind to 127.0.0.1 and keep UCX's TCP transport on ``lo`` (tests, one machine)."""
+        base = cls(host="127.0.0.1", ucx_net_devices="lo")
+        return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+    def replace(self, **changes: object) -> TransferConfig:
+        """``dataclasses.replace`` with validation."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @property
+    def node(self) -> str:
+        """The node id in effect (``node_id`` or :func:`default_node_id`)."""
+        return self.node_id if self.node_id is not None else default_node_id()
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """Where a page server listens, and the node it runs on (for the shared-memory fast path)."""
+
+    host: str
+    port: int
+    node_id: str = ""
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"

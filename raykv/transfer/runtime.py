@@ -1,0 +1,302 @@
+"""The process-wide transfer runtime: one asyncio loop thread that owns every UCX call.
+
+ucxx keeps one application context per process and ties its progress to an event loop, so every
+page server and client of a process shares :func:`get_runtime`'s loop (a daemon thread). Blocking
+callers use :meth:`TransferRuntime.run`; async callers already on the loop await directly.
+
+UCX is imported lazily, on first use, after this module has put the configured UCX_* settings in
+the environment (UCX reads them once, when its context starts). :func:`ucx_context` then logs the
+active transports and warns loudly when device memory would have to go over TCP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from raykv.errors import StateError, TransferError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEVICE_TRANSPORTS = ("cuda_ipc", "cuda_copy", "gdr_copy", "rc", "dc", "ud", "rocm_ipc", "rocm_copy")
+_RESOURCE = re.compile(r"resource\s+\d+\s*:\s*md\s+\d+\s+dev\s+\d+\s+flags\s+\S+\s+(\S+)")
+
+
+class TransferRuntime:
+    """An event loop on a daemon thread. ``run``/``submit`` schedule coroutines on it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name="raykv-transfer", daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    @property
+    def on_loop(self) -> bool:
+        """True when called from the runtime's own thread."""
+        return threading.current_thread() is self._thread
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop; returns a thread-safe future."""
+        if not self.loop.is_running() and not self._thread.is_alive():
+            coro.close()
+            raise StateError("the transfer runtime has stopped")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for it (from any thread but the loop's own).
+
+        On ``timeout`` the coroutine is cancelled (its cleanup runs) and TransferError is raised.
+        """
+        if self.on_loop:
+            coro.close()
+            raise StateError("TransferRuntime.run() called from the runtime's own loop; await instead")
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TransferError(f"transfer did not finish within {timeout}s", reason="timeout") from None
+
+
+_runtime: TransferRuntime | None = None
+_runtime_lock = threading.Lock()
+
+
+def get_runtime() -> TransferRuntime:
+    """The process's transfer runtime (started on first use)."""
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None:
+            _runtime = TransferRuntime()
+        return _runtime
+
+
+INLINE_BYTES = 256 << 10
+"""Copies and checksums of at most this many bytes run on the loop itself (a thread hop costs
+more than they do); larger ones run in the default executor (zlib and numpy release the GIL)."""
+
+
+async def offload(nbytes: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``: inline when ``nbytes`` is small, else in the loop's default executor."""
+    if nbytes <= INLINE_BYTES:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+PIECE_BYTES = 4 << 20
+"""Row-wise work (copies, checksums) of more than this is split over the copy threads."""
+_copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _copy_threads() -> concurrent.futures.ThreadPoolExecutor:
+    global _copy_pool
+    with _runtime_lock:
+        if _copy_pool is None:
+            workers = max(2, min(8, os.cpu_count() or 2))
+            _copy_pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="raykv-copy")
+        return _copy_pool
+
+
+async def map_rows(row_bytes: int, count: int, fn: Callable[[int, int], list[T]]) -> list[T]:
+    """``fn(first, last)`` over rows ``0 .. count``, results concatenated in row order.
+
+    Small jobs run inline; larger ones in pieces of at least PIECE_BYTES on the copy threads, in
+    parallel (numpy copies and zlib checksums release the GIL). A cancelled caller does not stop
+    pieces already running: ``fn`` must only touch memory that stays valid (it always does here:
+    the pull's own buffer, or tier memory that lives as long as its manager).
+    """
+    total = row_bytes * count
+    if total <= INLINE_BYTES:
+        return fn(0, count)
+    pool = _copy_threads()
+    pieces = max(1, min(pool._max_workers, total // PIECE_BYTES, count))
+    bounds = [count * i // pieces for i in range(pieces + 1)]
+    loop = asyncio.get_running_loop()
+    parts = await asyncio.gather(
+        *(loop.run_in_executor(pool, fn, a, b) for a, b in itertools.pairwise(bounds))
+    )
+    return [x for part in parts for x in part]
+
+
+# ---- UCX --------------------------------------------------------------------------------------
+_ucx_settings: dict[str, str] = {}
+
+
+def configure_ucx(net_devices: str | None = None, tls: str | None = None) -> None:
+    """Put UCX settings in the environment before UCX starts (an existing env var wins).
+
+    Also silences UCX's warning about unused UCX_* variables. Settings asked for after UCX has
+    started cannot apply any more; that is logged, not raised.
+    """
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    for name, value in (("UCX_NET_DEVICES", net_devices), ("UCX_TLS", tls)):
+        if value is None:
+            continue
+        if _ucx_started():
+            if os.environ.get(name) != value:
+                log.warning("UCX already started; %s=%s cannot apply any more", name, value)
+            continue
+        os.environ.setdefault(name, value)
+        _ucx_settings[name] = os.environ[name]
+
+
+def _ucx_started() -> bool:
+    core = __import__("sys").modules.get("ucxx.core")
+    return core is not None and getattr(core, "_ctx", None) is not None
+
+
+def active_transports(context_info: str) -> list[str]:
+    """Transport/device pairs ("tcp/lo", "posix/memory", ...) listed in UCX's context info."""
+    return [m.group(1) for m in _RESOURCE.finditer(context_info)]
+
+
+def transport_warnings(transports: list[str], device_memory: bool) -> list[str]:
+    """What is wrong with ``transports`` for this process's memory (empty list: nothing).
+
+    With device (GPU) memory and none of UCX's GPU-capable transports active, device pages would be
+    staged through host memory and cross the network over TCP: a large, silent slowdown.
+    """
+    names = {t.split("/", 1)[0] for t in transports}
+    out = []
+    if device_memory and not names & set(DEVICE_TRANSPORTS):
+        out.append(
+            "device memory would go over TCP: no CUDA/RDMA UCX transport is active "
+            f"(active: {', '.join(transports) or 'none'}; UCX_TLS={os.environ.get('UCX_TLS', 'all')}). "
+            "Install UCX with CUDA support and enable cuda_copy,cuda_ipc (and rc/dc for RDMA)."
+        )
+    if not transports:
+        out.append("UCX lists no transports at all")
+    return out
+
+
+_ucx_ready = False
+
+
+def ucx_context(device_memory: bool = False) -> Any:
+    """The ucxx application context (started on first call; must run on the runtime loop).
+
+    The first call logs the active transports; every call with ``device_memory`` checks them and
+    logs a loud warning when device memory would go over TCP. Raises TransferError when ucxx is
+    not installed.
+    """
+    global _ucx_ready
+    configure_ucx()
+    try:
+        import ucxx
+    except ImportError as exc:
+        raise TransferError(f"UCX transfers need ucxx ({exc})", reason="unavailable") from None
+    ctx = ucxx.core._get_ctx()
+    transports = active_transports(ctx.ucp_context_info)
+    if not _ucx_ready:
+        _ucx_ready = True
+        log.info(
+            "UCX %s started: transports %s (UCX_TLS=%s, UCX_NET_DEVICES=%s)",
+            ucxx.__ucx_version__,
+            ", ".join(transports),
+            os.environ.get("UCX_TLS", "all"),
+            os.environ.get("UCX_NET_DEVICES", "all"),
+        )
+    for warning in transport_warnings(transports, device_memory):
+        log.warning("!!! raykv transfer: %s", warning)
+    return ctx
+
+
+def ucx_address(ctx: Any) -> bytes:
+    """This process's UCX worker address (for a peer's endpoint back to us)."""
+    return bytes(ctx.worker_address.tobytes())
+
+
+async def ucx_endpoint(ctx: Any, address: bytes) -> Any:
+    """An endpoint to the worker at ``address`` (error handling on: a dead peer fails requests)."""
+    from ucxx._lib import libucxx
+
+    return await ctx.create_endpoint_from_worker_address(libucxx.UCXAddress.create_from_buffer(address))
+
+
+def abort_endpoint(ep: Any) -> None:
+    """Close ``ep`` at once; its in-flight requests are cancelled, so buffers are free again."""
+    if ep is None:
+        return
+    try:
+        ep.abort(period=10**9)
+    except Exception:  # already closed or errored: nothing left in flight
+        log.debug("aborting a UCX endpoint failed", exc_info=True)
+
+
+def as_transfer_error(exc: Exception) -> TransferError:
+    """A TransferError for an OS or UCX error (anything else is a bug and is re-raised)."""
+    if isinstance(exc, TransferError):
+        return exc
+    if isinstance(exc, TimeoutError):
+        return TransferError("timed out", reason="timeout")
+    if isinstance(exc, (OSError, ConnectionError)):
+        return TransferError(f"connection failed ({type(exc).__name__})", reason="closed")
+    if type(exc).__module__.startswith("ucxx"):
+        return TransferError(f"UCX transfer failed ({type(exc).__name__}: {str(exc)[:200]})", reason="ucx")
+    raise exc
+
+
+# ---- backpressure -----------------------------------------------------------------------------
+class ByteBudget:
+    """An asyncio semaphore counted in bytes: at most ``capacity`` bytes held at once (FIFO).
+
+    A request larger than the whole capacity is admitted only when nothing else is held (so it
+    can never deadlock). ``release`` is synchronous (safe in ``finally`` during cancellation).
+    ``peak`` records the most bytes ever held (tests check the bound). Loop-thread only.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.in_use = 0
+        self.peak = 0
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.in_use == 0 or self.in_use + nbytes <= self.capacity
+
+    def _take(self, nbytes: int) -> None:
+        self.in_use += nbytes
+        self.peak = max(self.peak, self.in_use)
+
+    async def acquire(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` fit, then hold them. Cancellation leaves nothing held."""
+        if not self._waiters and self._fits(nbytes):
+            self._take(nbytes)
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (nbytes, waiter)
+        self._waiters.append(entry)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release(nbytes)  # granted just as we were cancelled
+            else:
+                self._waiters.remove(entry)
+                self._wake()
+            raise
+
+    def release(self, nbytes: int) -> None:
+        self.in_use -= nbytes
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][0]):
+            nbytes, waiter = self._waiters.popleft()
+            if not waiter.done():
+                self._take(nbytes)
+                waiter.set_result(None)

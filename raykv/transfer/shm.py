@@ -1,0 +1,81 @@
+"""Same-node fast path: map a peer's shared host tier read-only and copy leased pages out of it.
+
+The owner keeps its host tier in a /dev/shm file (``TierConfig.shared``); a client on the same
+node maps that file with PROT_READ once per server and, for each pull, copies the leased pages
+with one memcpy when their slots are consecutive (a gather otherwise). The owner holds a block
+lease for the duration, so the pages neither move nor change while they are copied.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import stat
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from raykv.errors import TransferError
+from raykv.tiers.host import SHM_PREFIX
+
+
+def consecutive(slots: Sequence[int]) -> bool:
+    """True when ``slots`` is one run ``s, s+1, s+2, ...`` (empty and single lists are)."""
+    return all(b == a + 1 for a, b in itertools.pairwise(slots))
+
+
+def copy_rows(src: npt.NDArray[np.uint8], slots: Sequence[int], out: npt.NDArray[np.uint8]) -> None:
+    """``out[i] = src[slots[i]]``: one memcpy for a consecutive run, a gather otherwise."""
+    if not len(slots):
+        return
+    if consecutive(slots):
+        first = int(slots[0])
+        np.copyto(out, src[first : first + len(slots)])
+    else:
+        np.take(src, np.asarray(slots, dtype=np.intp), axis=0, out=out)
+
+
+class ShmMapping:
+    """A read-only mapping of a peer's shared host tier, as an array [num_slots, page_bytes].
+
+    Raises TransferError(reason="shm") when the file is not a raykv host-tier file of exactly the
+    announced size or cannot be mapped; callers then use UCX instead.
+    """
+
+    def __init__(self, path: str, num_slots: int, page_bytes: int) -> None:
+        if not os.path.basename(path).startswith(SHM_PREFIX):
+            raise TransferError("shared tier path is not a raykv host-tier file", reason="shm")
+        size = num_slots * page_bytes
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            message = f"cannot open the peer's shared tier ({exc.strerror})"
+            raise TransferError(message, reason="shm") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+                raise TransferError("the peer's shared tier has an unexpected size", reason="shm")
+            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except OSError as exc:
+            raise TransferError(f"cannot map the peer's shared tier ({exc.strerror})", reason="shm") from None
+        finally:
+            os.close(fd)
+        self.path = path
+        self.array: npt.NDArray[np.uint8] = np.frombuffer(self._mmap, dtype=np.uint8).reshape(
+            num_slots, page_bytes
+        )
+
+    def copy(self, slots: Sequence[int], out: npt.NDArray[np.uint8]) -> None:
+        """Copy the pages at ``slots`` into the rows of ``out`` (TransferError on a bad slot)."""
+        if any(not 0 <= s < len(self.array) for s in slots):
+            raise TransferError("the peer named a slot outside its shared tier", reason="protocol")
+        copy_rows(self.array, slots, out)
+
+    def close(self) -> None:
+        self.array = np.zeros((0, 0), dtype=np.uint8)
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes with it

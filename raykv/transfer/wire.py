@@ -1,0 +1,221 @@
+"""Control messages: length-prefixed msgpack maps with explicit limits, validated field by field.
+
+Framing on the control stream: a 4-byte big-endian length, then one msgpack map of at most
+``max_header_bytes``. A longer length prefix, bytes that are not msgpack, or a map with missing or
+ill-typed fields is a :class:`raykv.errors.TransferError` with ``reason="protocol"``; nothing is
+allocated for a refused message beyond its (bounded) bytes.
+
+Messages (``t`` field):
+
+=========  =========  ==================================================================
+hello      s -> c     protocol version, server nonce (see :mod:`raykv.transfer.auth`)
+auth       c -> s     client proof, client nonce, client node id, client UCX worker address
+welcome    s -> c     server proof, node id, page size, limits, shared-memory file, UCX address
+pull       c -> s     request id, keys (<= max_keys), wanted path ("shm" / "ucx"), UCX tag base
+header     s -> c     keys found (request order), parent keys, parent_is_root, num_tokens,
+                      page size, path, payload layout: pages per chunk (ucx) or slots (shm)
+sums       s -> c     one CRC-32 (:func:`raykv.records.page_checksum`) per page, sent right
+                      after the header's payload has been handed to UCX (see below); for a
+                      payload of at most 256 KiB they travel in ``header`` instead
+done       c -> s     shm path: the client finished copying (the server then ends the lease)
+error      both       reason + message; the connection is closed after it
+=========  =========  ==================================================================
+
+The checksums travel in ``sums`` rather than in ``header`` so the sender can checksum chunk i+1
+while chunk i is on the wire, and the receiver can checksum each chunk as it lands: the two CRC
+passes overlap with the transfer instead of adding to it. The receiver compares every page before
+anything is imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from raykv.errors import TransferError
+
+VERSION = 1
+PATHS = ("shm", "ucx")
+_LEN = struct.Struct(">I")
+
+
+def protocol_error(message: str) -> TransferError:
+    return TransferError(message, reason="protocol")
+
+
+def encode(msg: dict[str, Any], max_bytes: int) -> bytes:
+    """Frame one message; ValueError-free: raises TransferError if it exceeds ``max_bytes``."""
+    body: bytes = msgpack.packb(msg, use_bin_type=True)
+    if len(body) > max_bytes:
+        raise TransferError(f"control message of {len(body)} bytes exceeds {max_bytes}", reason="limit")
+    return _LEN.pack(len(body)) + body
+
+
+def decode(body: bytes) -> dict[str, Any]:
+    """Parse one message body (no framing); TransferError(protocol) unless it is a map with ``t``."""
+    try:
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:
+        raise protocol_error(f"malformed control message ({type(exc).__name__})") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+        raise protocol_error("control message is not a map with a type")
+    return msg
+
+
+async def read_message(reader: asyncio.StreamReader, max_bytes: int) -> dict[str, Any]:
+    """Read one framed message. EOF: TransferError(reason="closed"); oversize: reason="protocol"."""
+    try:
+        prefix = await reader.readexactly(_LEN.size)
+        (length,) = _LEN.unpack(prefix)
+        if length > max_bytes:
+            raise protocol_error(f"control message of {length} bytes exceeds the {max_bytes}-byte limit")
+        body = await reader.readexactly(length)
+    except (asyncio.IncompleteReadError, ConnectionError) as exc:
+        raise TransferError(f"connection closed by peer ({type(exc).__name__})", reason="closed") from None
+    return decode(body)
+
+
+def expect_type(msg: dict[str, Any], kind: str) -> dict[str, Any]:
+    """``msg`` if its type is ``kind``; a peer ``error`` message becomes a TransferError."""
+    if msg["t"] == "error":
+        reason = msg.get("reason") if isinstance(msg.get("reason"), str) else "peer"
+        text = msg.get("message") if isinstance(msg.get("message"), str) else "peer error"
+        raise TransferError(f"peer refused: {str(text)[:200]}", reason=reason)
+    if msg["t"] != kind:
+        raise protocol_error(f"expected a {kind!r} message, got {str(msg['t'])[:20]!r}")
+    return msg
+
+
+def field(msg: dict[str, Any], name: str, kind: type | tuple[type, ...], size: int | None = None) -> Any:
+    """A field of ``kind`` (bytes of exactly ``size`` when given); TransferError(protocol) else."""
+    value: Any = msg.get(name)
+    if isinstance(value, bool) and kind is int:
+        raise protocol_error(f"field {name!r} must be an int")
+    if not isinstance(value, kind):
+        raise protocol_error(f"field {name!r} missing or of the wrong type")
+    if size is not None and len(value) != size:  # type: ignore[arg-type]
+        raise protocol_error(f"field {name!r} must be {size} bytes")
+    return value
+
+
+def int_list(msg: dict[str, Any], name: str, length: int, lo: int, hi: int) -> list[int]:
+    """A list of ``length`` ints in ``lo ..= hi``."""
+    values = field(msg, name, list)
+    if len(values) != length:
+        raise protocol_error(f"field {name!r} has {len(values)} entries, expected {length}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise protocol_error(f"field {name!r} holds a value outside {lo}..{hi}")
+    return values
+
+
+def key_list(msg: dict[str, Any], name: str, max_keys: int) -> list[bytes]:
+    """A list of at most ``max_keys`` 32-byte keys."""
+    values = field(msg, name, list)
+    if len(values) > max_keys:
+        raise TransferError(f"{len(values)} keys exceed the limit of {max_keys}", reason="limit")
+    for v in values:
+        if not isinstance(v, bytes) or len(v) != 32:
+            raise protocol_error(f"field {name!r} must hold 32-byte keys")
+    return values
+
+
+@dataclass(frozen=True)
+class ShmInfo:
+    """The server's shared host tier: its file and geometry."""
+
+    path: str
+    num_slots: int
+    page_bytes: int
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"path": self.path, "slots": self.num_slots, "page_bytes": self.page_bytes}
+
+    @classmethod
+    def from_msg(cls, msg: Any) -> ShmInfo | None:
+        if msg is None:
+            return None
+        if not isinstance(msg, dict):
+            raise protocol_error("field 'shm' must be a map or nil")
+        path = field(msg, "path", str)
+        slots = field(msg, "slots", int)
+        page = field(msg, "page_bytes", int)
+        if slots < 1 or page < 1 or len(path) > 4096:
+            raise protocol_error("field 'shm' is out of range")
+        return cls(path, slots, page)
+
+
+@dataclass(frozen=True)
+class Header:
+    """What the server found for one pull, and how the payload is laid out."""
+
+    request_id: int
+    path: str
+    page_bytes: int
+    keys: tuple[bytes, ...]
+    parents: tuple[bytes, ...]
+    roots: tuple[bool, ...]
+    tokens: tuple[int, ...]
+    layout: tuple[int, ...]  # ucx: pages per chunk; shm: the slot of each page
+    sums: tuple[int, ...] | None = None  # small payloads: the checksums, no ``sums`` message
+
+    def to_msg(self) -> dict[str, Any]:
+        return {
+            "t": "header",
+            "id": self.request_id,
+            "path": self.path,
+            "page_bytes": self.page_bytes,
+            "keys": list(self.keys),
+            "parents": list(self.parents),
+            "roots": list(self.roots),
+            "tokens": list(self.tokens),
+            "layout": list(self.layout),
+            "sums": list(self.sums) if self.sums is not None else None,
+        }
+
+    @classmethod
+    def from_msg(cls, msg: dict[str, Any], requested: list[bytes], max_payload: int) -> Header:
+        """Validate a header against the request it answers (keys: a subsequence of it)."""
+        msg = expect_type(msg, "header")
+        page = field(msg, "page_bytes", int)
+        path = field(msg, "path", str)
+        if path not in PATHS or page < 1:
+            raise protocol_error("header path or page size out of range")
+        keys = key_list(msg, "keys", len(requested))
+        _check_subsequence(keys, requested)
+        n = len(keys)
+        if n * page > max_payload:
+            raise TransferError(f"payload of {n * page} bytes exceeds {max_payload}", reason="limit")
+        parents = key_list(msg, "parents", n)
+        if len(parents) != n:
+            raise protocol_error("header lists a parent per key")
+        roots = field(msg, "roots", list)
+        if len(roots) != n or not all(isinstance(r, bool) for r in roots):
+            raise protocol_error("header lists a parent_is_root flag per key")
+        tokens = int_list(msg, "tokens", n, 1, 1 << 31)
+        layout = field(msg, "layout", list)
+        if path == "ucx":
+            counts = int_list(msg, "layout", len(layout), 1, n)
+            if sum(counts) != n:
+                raise protocol_error("header chunk sizes do not add up to the page count")
+        else:
+            int_list(msg, "layout", n, 0, (1 << 40))
+        rid = field(msg, "id", int)
+        sums = None if msg.get("sums") is None else tuple(int_list(msg, "sums", n, 0, 0xFFFFFFFF))
+        return cls(
+            rid, path, page, tuple(keys), tuple(parents), tuple(roots), tuple(tokens), tuple(layout), sums
+        )
+
+
+def _check_subsequence(found: list[bytes], requested: list[bytes]) -> None:
+    it = iter(requested)
+    if not all(any(k == r for r in it) for k in found):
+        raise protocol_error("header keys are not the requested keys in request order")
+
+
+def error_message(request_id: int | None, reason: str, message: str) -> dict[str, Any]:
+    return {"t": "error", "id": request_id, "reason": reason, "message": message[:500]}

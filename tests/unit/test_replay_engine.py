@@ -1,0 +1,127 @@
+"""Routers, the replay loop and reports on small hand-built traces (in-process CacheWorkers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from actors.replay import in_process
+from raykv.errors import InvalidArgumentError
+from raykv.replay import GridSpec, TimingConfig, generate, run_grid
+from raykv.replay.engine import RunResult, prepare, replay
+from raykv.replay.report import format_table, goal_checks, summarize, write_json, write_plot
+from raykv.replay.routers import ROUTERS, Choice, Pow2Router, RaykvRouter, make_router, parse_routers
+from raykv.replay.trace import BLOCK_TOKENS, Request
+from raykv.replay.workload import WorkloadSpec
+
+TIMING = TimingConfig(speed=1000.0)
+
+
+def req(at: float, ids: list[int], output: int = 1, salt: int | None = None) -> Request:
+    return Request(at, len(ids) * BLOCK_TOKENS, output, tuple(ids), salt)
+
+
+def run(name: str, reqs: list[Request], workers: int = 2, blocks: int = 64) -> RunResult:
+    router = make_router(name)
+    caches = 1 if router.pooled else workers
+    with in_process(caches, blocks * (workers if router.pooled else 1)) as backend:
+        return replay(prepare(reqs), router, backend, TIMING, TIMING.speed or 1.0, workers, seed=0)
+
+
+@pytest.mark.parametrize("name", ["raykv", "raykv_pull", "ray_prefix"])
+def test_cache_aware_routers_follow_the_prefix(name: str) -> None:
+    reqs = [req(0.0, [0, 1, 2]), req(100.0, [7, 8]), req(200.0, [0, 1, 2, 3]), req(300.0, [7, 8, 9])]
+    res = run(name, reqs, workers=4)
+    assert res.chosen[2] == res.chosen[0] and res.chosen[3] == res.chosen[1]
+    assert res.reused == [0, 0, 3, 2]
+    assert res.hit_blocks == 5 and res.blocks == 12 and res.pulled_blocks == 0
+
+
+def test_pull_moves_the_prefix_to_an_idle_worker() -> None:
+    busy = req(0.0, list(range(10)), output=100_000)  # its worker stays busy for ~500 s
+    reqs = [busy, req(1.0, [*range(10), 99])]
+    pulled = run("raykv_pull", reqs)
+    assert pulled.chosen[1] != pulled.chosen[0]
+    assert pulled.pulled_blocks == 10 and pulled.reused[1] == 10
+    assert pulled.ttft[1] < 1.0  # a ~40 ms pull and one block of prefill, no queueing
+    local = run("raykv", reqs)  # without pulls: wait behind the long request, or recompute
+    assert local.reused[1] in (0, 10) and local.ttft[1] > pulled.ttft[1]
+
+
+def test_ray_prefix_uses_rays_tree_and_ignores_salts() -> None:
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
+
+    reqs = [req(0.0, [0, 1, 2, 3], output=100_000, salt=1), req(1.0, [0, 1, 2, 3], salt=2)]
+    router = make_router("ray_prefix")
+    with in_process(2, 64) as backend:
+        res = replay(prepare(reqs), router, backend, TIMING, 1000.0, 2)
+    assert isinstance(router.tree, PrefixTree)  # type: ignore[attr-defined]
+    assert res.chosen[1] == res.chosen[0] and res.reused == [0, 0]  # text matches, KV does not
+    kv = run("raykv", reqs)
+    assert kv.chosen[1] != kv.chosen[0]  # raykv knows the salts differ: nothing to gain there
+
+
+def test_pow2_picks_the_shorter_queue_and_is_seeded() -> None:
+    reqs = [req(0.0, [i], output=100_000) for i in range(6)]
+    res = run("pow2", reqs, workers=3)
+    assert sorted(res.chosen[:3]) == [0, 1, 2] or len(set(res.chosen)) == 3
+    assert run("pow2", reqs, workers=3).chosen == res.chosen
+    assert run("random", reqs, workers=3).chosen == run("random", reqs, workers=3).chosen
+
+
+def test_grid_on_builtin_workload_pooled_bounds_hits_and_pages_verify() -> None:
+    reqs = generate(WorkloadSpec(requests=120, seed=2))
+    grid = run_grid(reqs, GridSpec(workers=3, capacity_pcts=(15.0,), verify=8), in_process, out=None)
+    assert not grid.interrupted and [s.router for s in grid.summaries] == list(ROUTERS)
+    hits = {s.router: s.block_hit_pct for s in grid.summaries}
+    assert all(hits["pooled"] >= h for h in hits.values()), hits
+    assert hits["raykv"] > hits["random"]
+    assert all(s.notes["verified_pages"] > 0 for s in grid.summaries)
+    assert all(s.requests == 120 and s.ttft_p90_s >= s.ttft_p50_s for s in grid.summaries)
+
+
+class Interrupting(Pow2Router):
+    def choose(self, p, queues):  # type: ignore[no-untyped-def]
+        if p.seq == 4:
+            raise KeyboardInterrupt
+        return Choice(0)
+
+
+def test_ctrl_c_keeps_what_was_measured() -> None:
+    reqs = [req(float(i), [i]) for i in range(10)]
+    with in_process(2, 16) as backend:
+        res = replay(prepare(reqs), Interrupting(), backend, TIMING, 1000.0, 2)
+    assert res.interrupted and res.done == 4 and res.total_requests == 10
+    s = summarize(res, 10.0, 16, TIMING, 10.0, backend.page_bytes)
+    assert s.interrupted and "interrupted after 4/10" in format_table([s])
+
+
+def test_reports_table_json_plot_and_goals(tmp_path: Path) -> None:
+    reqs = [req(0.0, [0, 1]), req(5.0, [0, 1, 2])]
+    sums = [summarize(run(n, reqs), 10.0, 64, TIMING, 5.0, 1024) for n in ROUTERS]
+    table = format_table(sums)
+    assert all(name in table for name in ROUTERS) and "TTFT p50 s" in table
+    assert format_table(sums, markdown=True).startswith("| cap %")
+    path = write_json(tmp_path / "r.json", sums, {"name": "t"})
+    data = json.loads(path.read_text())
+    assert data["meta"]["name"] == "t" and len(data["results"]) == len(ROUTERS)
+    assert {"block_hit_pct", "ttft_p90_s", "imbalance", "moved_bytes"} <= set(data["results"][0])
+    png = write_plot(tmp_path / "r.png", sums, "test")
+    assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    goals = goal_checks(sums)
+    assert any("within 1 pp of pooled" in g for g in goals)
+    assert any("0.5x ray_prefix" in g for g in goals) and any("decision p50" in g for g in goals)
+
+
+def test_router_names() -> None:
+    assert parse_routers("all") == list(ROUTERS)
+    assert parse_routers("pooled, raykv,pooled") == ["pooled", "raykv"]
+    with pytest.raises(InvalidArgumentError):
+        parse_routers("raykv,nope")
+    with pytest.raises(InvalidArgumentError):
+        make_router("nope")
+    assert (
+        isinstance(make_router("raykv_pull"), RaykvRouter) and make_router("raykv_pull").name == "raykv_pull"
+    )

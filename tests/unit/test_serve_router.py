@@ -1,0 +1,267 @@
+"""The cache-aware router's logic (CacheRanker) on fake replicas and a real in-process index:
+which replica is ranked first, load accounting, the index credit, and the fallback to power of
+two choices when the index is slow, failing or unreachable."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from actors.serve import (
+    CacheRanker,
+    IndexView,
+    RoutedRequest,
+    parse_request,
+    scope_of,
+    worker_of,
+)
+from raykv.index import OP_STORE, EventBatch, PrefixIndex, RouteMatch
+from raykv.keys import ReuseScope, block_keys
+from raykv.types import WorkerId
+
+TPB = 4
+A, B, C = WorkerId("w-a"), WorkerId("w-b"), WorkerId("w-c")
+
+
+@dataclass
+class FakeReplica:
+    replica_id: str
+    worker: str | None
+    queued: int = 0
+    decodes: int = 0
+    ts: float = 0.0
+    replica_metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def routing_stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = {"queued_prefill_tokens": self.queued, "running_decodes": self.decodes}
+        stats["ts"] = self.ts
+        if self.worker:
+            stats["raykv_worker"] = self.worker
+        return stats
+
+
+class FakeIndex:
+    """A real PrefixIndex behind the async route/predict calls the router makes."""
+
+    def __init__(self, delay_s: float = 0.0, fail: bool = False) -> None:
+        self.index = PrefixIndex()
+        for lane, w in enumerate((A, B, C)):
+            self.index.register_worker(w, lane, 1)
+        self.delay_s, self.fail = delay_s, fail
+        self.queries = 0
+        self.connects = 0
+        self.next_id = {A: 1, B: 1, C: 1}
+
+    def hold(self, worker: WorkerId, tokens: list[int], scope: ReuseScope | None = None) -> None:
+        keys = block_keys(tokens, TPB, scope)
+        first = self.next_id[worker]
+        ops = tuple((OP_STORE, k, 0) for k in keys)
+        self.index.apply_batch(EventBatch(worker, 1, first, first + len(ops) - 1, ops))
+        self.next_id[worker] += len(ops)
+
+    async def route_async(self, keys: list[bytes]) -> dict[WorkerId, RouteMatch]:
+        self.queries += 1
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.fail:
+            raise ConnectionError("index shard died")
+        return self.index.route(keys)
+
+    def predict(self, worker: WorkerId, keys: list[bytes]) -> None:
+        self.index.predict(worker, keys)
+
+
+def ranker(index: FakeIndex, budget: float = 0.5, retry_after: float = 30.0, **routing: Any) -> CacheRanker:
+    async def connect() -> IndexView:
+        index.connects += 1
+        return IndexView(index, TPB)
+
+    return CacheRanker(connect, routing, time_budget_s=budget, retry_after_s=retry_after, seed=1)
+
+
+def replicas(*loads: int) -> list[FakeReplica]:
+    workers = ("w-a", "w-b", "w-c")
+    return [FakeReplica(f"r{i}", workers[i], q) for i, q in enumerate(loads)]
+
+
+def toks(seed: int, n: int) -> list[int]:
+    return [seed * 1000 + i for i in range(n)]
+
+
+def req(tokens: list[int], scope: ReuseScope | None = None) -> RoutedRequest:
+    return RoutedRequest(tuple(tokens), scope or ReuseScope())
+
+
+def first(ranks: list[list[Any]]) -> list[str]:
+    return [r.replica_id for r in ranks[0]]
+
+
+def flat(ranks: list[list[Any]]) -> list[str]:
+    return sorted(r.replica_id for rank in ranks for r in rank)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_the_replica_holding_the_prefix_ranks_first() -> None:
+    index = FakeIndex()
+    index.hold(B, toks(1, 24))
+    reps = replicas(0, 0, 0)
+    ranks = run(ranker(index).rank(reps, req(toks(1, 30))))
+    assert first(ranks) == ["r1"]
+    assert flat(ranks) == ["r0", "r1", "r2"]  # every replica stays reachable, best first
+
+
+def test_a_longer_prefix_beats_a_shorter_one_and_scopes_do_not_mix() -> None:
+    index = FakeIndex()
+    salt = scope_of(cache_salt="tenant-x")
+    index.hold(A, toks(2, 8))
+    index.hold(C, toks(2, 20))
+    index.hold(B, toks(2, 40), salt)
+    r = ranker(index)
+    assert first(run(r.rank(replicas(0, 0, 0), req(toks(2, 40))))) == ["r2"]
+    assert first(run(r.rank(replicas(0, 0, 0), req(toks(2, 40), salt)))) == ["r1"]
+
+
+def test_reported_load_outweighs_a_cached_prefix() -> None:
+    index = FakeIndex()
+    index.hold(A, toks(3, 8))
+    reps = replicas(5000, 0, 0)
+    ranks = run(ranker(index).rank(reps, req(toks(3, 12))))
+    assert first(ranks) != ["r0"]
+    assert ["r0"] in [[r.replica_id for r in rank] for rank in ranks]
+
+
+def test_in_flight_requests_count_until_completed_or_reported() -> None:
+    index = FakeIndex()
+    index.hold(A, toks(4, 8))
+    r = ranker(index, imbalance_slack=100.0)
+    reps = replicas(0, 0, 0)
+    assert first(run(r.rank(reps, req(toks(4, 12)), "q1"))) == ["r0"]
+    r.routed("q1", "r0", A)
+    for i in range(3):  # big uncached requests the router itself sent to r0
+        r.routed(f"big{i}", "r0", A)
+        r._sent[f"big{i}"].tokens = 4000
+    assert first(run(r.rank(reps, req(toks(4, 12))))) != ["r0"]
+    reps[0].ts = time.time() + 1  # r0 reported after those were sent: its stats include them
+    assert first(run(r.rank(reps, req(toks(4, 12))))) == ["r0"]
+    reps[0].ts = 0.0
+    for i in range(3):
+        r.completed(f"big{i}")
+    assert first(run(r.rank(reps, req(toks(4, 12))))) == ["r0"]
+
+
+def test_routing_credits_the_chosen_worker_in_the_index() -> None:
+    index = FakeIndex()
+    r = ranker(index)
+    tokens = toks(5, 16)
+    ranks = run(r.rank(replicas(0, 0, 0), req(tokens), "q1"))
+    chosen = ranks[0][0]
+    r.routed("q1", chosen.replica_id, WorkerId(chosen.worker))
+    match = index.index.route(block_keys(tokens, TPB))[WorkerId(chosen.worker)]
+    assert match.predicted == 4
+    r.completed("q1")
+    for _ in range(5):  # the next requests with this prefix follow it before any event arrives
+        assert first(run(r.rank(replicas(0, 0, 0), req([*tokens, 1])))) == [chosen.replica_id]
+
+
+def test_ties_break_by_seed_and_replay_identically() -> None:
+    reps = replicas(0, 0, 0)
+    picks = [first(run(ranker(FakeIndex()).rank(reps, req(toks(6, 8)))))[0] for _ in range(3)]
+    assert len(set(picks)) == 1
+
+
+def test_slow_index_falls_back_within_the_time_budget_then_recovers() -> None:
+    index = FakeIndex(delay_s=2.0)
+    r = ranker(index, budget=0.05, retry_after=0.3)
+    reps = replicas(30, 0, 10)
+
+    async def scenario() -> None:
+        t0 = time.monotonic()
+        ranks = await r.rank(reps, req(toks(7, 12)))
+        assert time.monotonic() - t0 < 0.5
+        assert len(ranks) == 1 and len(ranks[0]) == 2  # power of two choices
+        assert ranks[0][0].queued <= ranks[0][1].queued  # less loaded first
+        assert r.counters["index_timeouts"] == 1 and r.counters["fallback"] == 1
+        await r.rank(reps, req(toks(7, 12)))  # backing off: the index is not asked again
+        assert index.queries == 1 and r.counters["fallback"] == 2
+        index.delay_s = 0.0
+        await asyncio.sleep(0.35)  # after retry_after_s: reconnect, and route with the index
+        index.hold(B, toks(7, 8))
+        assert first(await r.rank(reps, req(toks(7, 12)))) == ["r1"]
+        assert index.queries == 2 and index.connects == 2 and r.counters["cache_routed"] == 1
+
+    run(scenario())
+
+
+def test_failing_or_unreachable_index_never_fails_routing() -> None:
+    r = ranker(FakeIndex(fail=True))
+    assert len(run(r.rank(replicas(0, 0, 0), req(toks(8, 12))))[0]) == 2
+    assert r.counters["index_errors"] == 1
+
+    async def refuse() -> IndexView:
+        raise ConnectionError("no raykv deployment")
+
+    down = CacheRanker(refuse, time_budget_s=0.2, retry_after_s=30.0)
+    assert len(run(down.rank(replicas(0, 0), req(toks(8, 12))))[0]) == 2
+    assert down.link.view is None and down.counters["fallback"] == 1
+
+
+def test_target_worker_and_unpaired_replicas() -> None:
+    index = FakeIndex()
+    index.hold(A, toks(9, 16))
+    reps = [*replicas(0, 0), FakeReplica("r9", None)]
+    r = ranker(index)
+    target = RoutedRequest(tuple(toks(9, 16)), ReuseScope(), B)
+    assert first(run(r.rank(reps, target))) == ["r1"] and index.queries == 0
+    ranks = run(r.rank(reps, req(toks(9, 16))))
+    assert first(ranks) == ["r0"] and flat(ranks) == ["r0", "r1", "r9"]
+    assert run(r.rank(reps, None))[0][0].replica_id in {"r0", "r1", "r9"}
+    assert len(run(r.rank(reps, req([2**40, 1, 2, 3])))[0]) == 2  # bad token ids: fallback
+    assert run(r.rank([], req(toks(9, 16)))) == []
+
+
+def test_worker_id_comes_from_metadata_or_stats() -> None:
+    rep = FakeReplica("r0", "w-b")
+    assert worker_of(rep) == B
+    rep.replica_metadata = {"raykv_worker": "w-c"}
+    assert worker_of(rep) == C
+    assert worker_of(FakeReplica("r1", None)) is None
+    assert worker_of(object()) is None
+
+
+class Req:
+    prompt_token_ids = (5, 6, 7)
+    lora_id = 2
+    cache_salt = 99
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,want",
+    [
+        (({"tokens": [1, 2, 3]},), {}, RoutedRequest((1, 2, 3), ReuseScope())),
+        ((), {"token_ids": [4], "cache_salt": "s"}, RoutedRequest((4,), ReuseScope.from_cache_salt("s"))),
+        ((Req(),), {}, RoutedRequest((5, 6, 7), ReuseScope(2, 99))),
+        (({"tokens": [1], "target_worker": "w-a"},), {}, RoutedRequest((1,), ReuseScope(), A)),
+        (("just text",), {}, None),
+        (({"tokens": ["x"]},), {}, None),
+        (({"tokens": [1], "lora_id": -1},), {}, None),
+        ((), {}, None),
+    ],
+)
+def test_parse_request(args: tuple[Any, ...], kwargs: dict[str, Any], want: RoutedRequest | None) -> None:
+    assert parse_request(args, kwargs) == want
+
+
+def test_routing_overrides_are_validated() -> None:
+    with pytest.raises(ValueError):
+        ranker(FakeIndex(), w_host=2.0)
+    assert ranker(FakeIndex(), decode_weight=8.0, bogus=1).config(TPB).decode_weight == 8.0

@@ -1,0 +1,436 @@
+"""PageServer + PageClient in one process over UCX (TCP loopback) and the shared-memory path.
+
+Every test checks content with the oracle, and that nothing leaks: no lease left on the serving
+manager, invariants hold on both managers, a failed pull imports nothing. Listeners bind
+127.0.0.1; every server and client is closed at teardown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError
+from raykv.transfer import AuthToken, PageClient, PageServer, TransferConfig, get_runtime, pull_into, wire
+from raykv.transfer.importer import import_pulled
+
+CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
+
+
+@dataclass
+class Pair:
+    src: CacheManager  # serving manager: shared host tier + disk
+    dst: CacheManager  # pulling manager: plain host tier
+    server: PageServer
+    client: PageClient
+    token: AuthToken
+
+    def wait_no_leases(self) -> None:
+        deadline = time.monotonic() + 5
+        while (self.server.open_leases or self.src._leases) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.server.open_leases == 0 and not self.src._leases
+        self.src.check_invariants()
+        self.dst.check_invariants()
+
+
+def manager(layout: KVLayout, host_pages: int, shared: bool, disk_pages: int = 0) -> CacheManager:
+    tiers = [TierConfig.host(host_pages * layout.page_bytes, pin_memory=False, shared=shared)]
+    if disk_pages:
+        tiers.append(TierConfig.disk(disk_pages * layout.page_bytes))
+    return CacheManager(CacheConfig(layout, tuple(tiers)))
+
+
+def commit(mgr: CacheManager, oracle: ContentOracle, tokens: list[int]) -> list[bytes]:
+    """Run one request with oracle KV and commit it; returns its block keys."""
+    with mgr.create(tokens) as cache:
+        assert cache.resume()
+        cache.extend(tokens[cache.num_reused_tokens :])
+        oracle.fill_cache(cache, cache.num_reused_tokens // mgr.tokens_per_block)
+        cache.commit()
+        return [bytes(cache.block_key(i)) for i in range(len(tokens) // mgr.tokens_per_block)]
+
+
+def seq(seed: int, blocks: int, tpb: int = 4) -> list[int]:
+    return [seed * 10_000 + i for i in range(blocks * tpb)]
+
+
+@pytest.fixture
+def make_pair(layout: KVLayout) -> Iterator[Callable[..., Pair]]:
+    made: list[Pair] = []
+
+    def factory(
+        config: TransferConfig = CFG,
+        host_pages: int = 32,
+        disk_pages: int = 32,
+        page_layout: KVLayout = layout,
+    ) -> Pair:
+        token = AuthToken.generate()
+        src = manager(page_layout, host_pages, shared=True, disk_pages=disk_pages)
+        dst = manager(page_layout, 64, shared=False)
+        server = PageServer(src, token, config)
+        server.start()
+        pair = Pair(src, dst, server, PageClient(token, config), token)
+        made.append(pair)
+        return pair
+
+    yield factory
+    for pair in made:
+        pair.client.close()
+        pair.server.close()
+        assert pair.server.open_leases == 0 and not pair.src._leases
+        pair.src.shutdown()
+        pair.dst.shutdown()
+
+
+def check_pages(oracle: ContentOracle, pulled: Any, keys: list[bytes]) -> None:
+    assert list(pulled.keys) == keys
+    for key, row in zip(pulled.keys, pulled.data):
+        assert oracle.check(row, key)
+
+
+# ---- happy paths ----------------------------------------------------------------------------------
+def test_same_node_pull_uses_shared_memory(make_pair: Callable[..., Pair], oracle: ContentOracle) -> None:
+    pair = make_pair()
+    keys = commit(pair.src, oracle, seq(1, 10))
+    pulled = pair.client.pull_sync(pair.server.address, keys)  # type: ignore[arg-type]
+    assert pulled.path == "shm" and pulled.verified and not pulled.missing
+    check_pages(oracle, pulled, keys)
+    assert pair.client.stats.pulls["shm"] == 1 and pair.client.stats.bytes["shm"] == pulled.nbytes
+    pair.wait_no_leases()
+    assert pair.server.stats.pulls == {"shm": 1}
+
+
+def test_ucx_pull_gathers_scattered_pages_from_every_tier(
+    make_pair: Callable[..., Pair], oracle: ContentOracle
+) -> None:
+    pair = make_pair(CFG.replace(chunk_bytes=2048), host_pages=8)  # 4 pages per chunk
+    first = commit(pair.src, oracle, seq(1, 6))
+    commit(pair.src, oracle, seq(2, 6))  # demotes part of the first chain to disk
+    keys = first[::2] + first[1::2]  # not one contiguous run: the server stages them
+    assert {t.name for t in pair.src.probe(keys=first).tiers} == {"HOST", "DISK"}
+    pulled = pair.client.pull_sync(pair.server.address, keys, prefer_shm=False)  # type: ignore[arg-type]
+    assert pulled.path == "ucx"
+    check_pages(oracle, pulled, keys)
+    assert pair.client.stats.pulls == {"ucx": 1}
+    pair.wait_no_leases()
+
+
+@pytest.mark.parametrize("prefer_shm", [True, False])
+def test_large_pull_is_chunked_checksummed_in_pieces_and_verified(
+    make_pair: Callable[..., Pair], prefer_shm: bool
+) -> None:
+    big = KVLayout.uniform(num_layers=4, num_kv_heads=8, head_dim=128, tokens_per_block=4)  # 64 KiB pages
+    oracle = ContentOracle(big)
+    pair = make_pair(host_pages=96, disk_pages=0, page_layout=big)
+    keys = commit(pair.src, oracle, seq(14, 90))  # 5.6 MiB: several chunks, checksums in a trailer
+    pulled = pair.client.pull_sync(pair.server.address, keys, prefer_shm)  # type: ignore[arg-type]
+    assert pulled.path == ("shm" if prefer_shm else "ucx") and pulled.verified
+    check_pages(oracle, pulled, keys)
+    pair.server.faults.corrupt_payload = True
+    with pytest.raises(TransferError) as info:
+        pair.client.pull_sync(pair.server.address, keys, prefer_shm)  # type: ignore[arg-type]
+    assert info.value.reason == "integrity" and keys[0] in info.value.bad_keys  # ucx: one per chunk
+    pair.wait_no_leases()
+
+
+def test_pull_into_imports_matchable_blocks(make_pair: Callable[..., Pair], oracle: ContentOracle) -> None:
+    pair = make_pair()
+    tokens = seq(3, 8)
+    keys = commit(pair.src, oracle, tokens)
+    for prefer_shm in (True, False):
+        outcome = get_runtime().run(
+            pull_into(pair.client, pair.server.address, pair.dst, keys, prefer_shm), 30
+        )
+        assert outcome.complete
+        if prefer_shm:
+            assert outcome.path == "shm" and len(outcome.imported) == 8
+        else:
+            assert outcome.path == "ucx" and len(outcome.already_present) == 8
+    assert oracle.verify_manager(pair.dst) == 8
+    stored = [e for e in pair.dst.drain_events() if type(e).__name__ == "BlockStored"]
+    assert [e.key for e in stored] == keys
+    with pair.dst.create([*tokens, 1]) as cache:  # a decode request reuses every pulled block
+        assert cache.num_reused_tokens == len(tokens)
+        assert cache.resume()
+        oracle.verify_cache(cache)
+    pair.wait_no_leases()
+
+
+def test_out_buffer_and_batches_over_the_key_limit(
+    make_pair: Callable[..., Pair], oracle: ContentOracle
+) -> None:
+    pair = make_pair(CFG.replace(max_keys=3))
+    keys = commit(pair.src, oracle, seq(4, 8))
+    out = np.zeros((10, pair.src.layout.page_bytes), dtype=np.uint8)
+    for shm in (True, False):
+        pulled = pair.client.runtime.run(pair.client.pull(pair.server.address, keys, shm, out=out), 30)  # type: ignore[arg-type]
+        assert pulled.data.base is out or np.shares_memory(pulled.data, out)
+        check_pages(oracle, pulled, keys)
+    pair.wait_no_leases()
+    assert pair.server.stats.pulls == {"shm": 3, "ucx": 3}  # 8 keys in batches of 3
+    with pytest.raises(ValueError):
+        pair.client.runtime.run(pair.client.pull(pair.server.address, keys, out=out[:2]), 30)  # type: ignore[arg-type]
+    pair.wait_no_leases()
+
+
+def test_unknown_keys_are_reported_and_only_a_consistent_prefix_is_imported(
+    make_pair: Callable[..., Pair], oracle: ContentOracle
+) -> None:
+    pair = make_pair()
+    keys = commit(pair.src, oracle, seq(5, 6))
+    unknown = bytes(32)
+    pulled = pair.client.pull_sync(pair.server.address, [unknown, *keys[:2]])  # type: ignore[arg-type]
+    assert pulled.missing == (unknown,) and list(pulled.keys) == keys[:2]
+    # Block 2 is missing on the peer side of this request: blocks 3.. cannot be imported.
+    pulled = pair.client.pull_sync(pair.server.address, keys[:2] + keys[3:])  # type: ignore[arg-type]
+    outcome = import_pulled(pair.dst, pulled)
+    assert outcome.imported == tuple(keys[:2]) and outcome.dropped == tuple(keys[3:])
+    assert not outcome.complete
+    assert oracle.verify_manager(pair.dst) == 2
+    empty = pair.client.pull_sync(pair.server.address, [])  # type: ignore[arg-type]
+    assert empty.keys == () and empty.nbytes == 0
+    with pytest.raises(ValueError):
+        pair.client.pull_sync(pair.server.address, [keys[0], keys[0]])  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        pair.client.pull_sync(pair.server.address, [b"short"])  # type: ignore[arg-type]
+    pair.wait_no_leases()
+
+
+def test_concurrent_pulls_from_two_peers_with_backpressure(
+    make_pair: Callable[..., Pair], oracle: ContentOracle, layout: KVLayout
+) -> None:
+    page = layout.page_bytes
+    tight = CFG.replace(
+        max_payload_bytes=4 * page, server_inflight_bytes=4 * page, client_inflight_bytes=4 * page
+    )
+    one, two = make_pair(tight), make_pair(tight)
+    keys_one = commit(one.src, oracle, seq(6, 8))
+    keys_two = commit(two.src, oracle, seq(7, 8))
+    client = PageClient(one.token, tight)
+    try:
+        b = client
+        c = PageClient(two.token, tight)
+
+        async def both() -> list[Any]:
+            jobs = [b.pull(one.server.address, keys_one[i : i + 4], prefer_shm=False) for i in (0, 4)]  # type: ignore[arg-type]
+            jobs += [c.pull(two.server.address, keys_two[i : i + 4]) for i in (0, 4)]  # type: ignore[arg-type]
+            jobs += [b.pull(one.server.address, keys_one)]  # type: ignore[arg-type]
+            return await asyncio.gather(*jobs)
+
+        results = get_runtime().run(both(), 60)
+        for pulled, keys in zip(results, [keys_one[:4], keys_one[4:], keys_two[:4], keys_two[4:], keys_one]):
+            check_pages(oracle, pulled, keys)
+        assert one.server.peak_inflight_bytes <= 4 * page and two.server.peak_inflight_bytes <= 4 * page
+        assert b._budget is not None and b._budget.peak <= 4 * page
+        c.close()
+    finally:
+        client.close()
+    one.wait_no_leases()
+    two.wait_no_leases()
+
+
+def test_client_reconnects_after_the_server_restarts(
+    make_pair: Callable[..., Pair], oracle: ContentOracle
+) -> None:
+    pair = make_pair()
+    keys = commit(pair.src, oracle, seq(15, 3))
+    check_pages(oracle, pair.client.pull_sync(pair.server.address, keys), keys)  # type: ignore[arg-type]
+    port = pair.server.address.port  # type: ignore[union-attr]
+    pair.wait_no_leases()
+    pair.server.close()  # drops the pooled connection
+    pair.server = PageServer(pair.src, pair.token, CFG.replace(port=port))
+    assert pair.server.start().port == port
+    time.sleep(0.05)  # let the client's loop see the old connection's EOF
+    check_pages(oracle, pair.client.pull_sync(pair.server.address, keys), keys)  # type: ignore[arg-type]
+    pair.wait_no_leases()
+
+
+# ---- refusals and failures ------------------------------------------------------------------------
+def test_wrong_token_is_refused_and_never_logged(
+    make_pair: Callable[..., Pair], oracle: ContentOracle, caplog: pytest.LogCaptureFixture
+) -> None:
+    pair = make_pair()
+    keys = commit(pair.src, oracle, seq(8, 2))
+    intruder = PageClient(AuthToken.generate(), CFG)
+    caplog.set_level(logging.DEBUG)
+    try:
+        with pytest.raises(TransferError) as info:
+            intruder.pull_sync(pair.server.address, keys)  # type: ignore[arg-type]
+    finally:
+        intruder.close()
+    assert info.value.reason == "auth"
+    assert pair.server.stats.auth_failures == 1 and pair.server.stats.pulls == {}
+    secret = pair.token._secret
+    everything = caplog.text + str(info.value) + repr(info.value) + repr(pair.server.__dict__)
+    assert secret.hex() not in everything and repr(secret) not in everything
+    pair.wait_no_leases()
+
+
+@pytest.mark.parametrize("prefer_shm", [True, False])
+def test_corrupt_payload_is_detected_and_nothing_is_imported(
+    make_pair: Callable[..., Pair], oracle: ContentOracle, prefer_shm: bool
+) -> None:
+    pair = make_pair()
+    keys = commit(pair.src, oracle, seq(9, 4))
+    pair.server.faults.corrupt_payload = True
+    with pytest.raises(TransferError) as info:
+        pair.client.pull_sync(pair.server.address, keys, prefer_shm)  # type: ignore[arg-type]
+    assert info.value.reason == "integrity" and info.value.bad_keys == (keys[0],)
+    before = pair.dst.committed_blocks()
+    with pytest.raises(TransferError) as info:  # the import path (no client-side pass) catches it too
+        get_runtime().run(pull_into(pair.client, pair.server.address, pair.dst, keys, prefer_shm), 30)
+    assert info.value.reason == "integrity"
+    assert pair.dst.committed_blocks() == before == []
+    pair.server.faults.corrupt_payload = False
+    assert oracle.check(pair.client.pull_sync(pair.server.address, keys[:1], prefer_shm).data[0], keys[0])  # type: ignore[arg-type]
+    assert oracle.verify_manager(pair.src) == 4  # the tier itself was never touched
+    pair.wait_no_leases()
+
+
+@pytest.mark.parametrize("prefer_shm", [True, False])
+def test_peer_dropping_mid_transfer_fails_cleanly(make_pair: Callable[..., Pair], prefer_shm: bool) -> None:
+    big = KVLayout.uniform(num_layers=4, num_kv_heads=8, head_dim=128, tokens_per_block=4)  # 64 KiB pages
+    oracle = ContentOracle(big)
+    pair = make_pair(host_pages=8, disk_pages=0, page_layout=big)
+    keys = commit(pair.src, oracle, seq(10, 5))  # 320 KiB: checksums follow the header
+    pair.server.faults.drop_after_header = True
+    with pytest.raises(TransferError) as info:
+        get_runtime().run(pull_into(pair.client, pair.server.address, pair.dst, keys, prefer_shm), 30)
+    assert info.value.reason in {"closed", "fault", "ucx"}
+    assert pair.dst.committed_blocks() == []
+    pair.wait_no_leases()
+    pair.server.faults.drop_after_header = False  # the server still serves, the client recovers
+    check_pages(oracle, pair.client.pull_sync(pair.server.address, keys, prefer_shm), keys)  # type: ignore[arg-type]
+    pair.wait_no_leases()
+
+
+def test_small_shm_pull_needs_nothing_after_the_header(
+    make_pair: Callable[..., Pair], oracle: ContentOracle
+) -> None:
+    """A small payload's checksums ride in the header, so a same-node client has everything once
+    the header is in: a server dropping the connection then cannot spoil the (verified) result."""
+    pair = make_pair()
+    keys = commit(pair.src, oracle, seq(13, 3))
+    pair.server.faults.drop_after_header = True
+    pulled = pair.client.pull_sync(pair.server.address, keys)  # type: ignore[arg-type]
+    assert pulled.path == "shm" and pulled.verified
+    check_pages(oracle, pulled, keys)
+    pair.wait_no_leases()
+
+
+@pytest.mark.parametrize("prefer_shm", [True, False])
+def test_cancel_and_timeout_release_everything(make_pair: Callable[..., Pair], prefer_shm: bool) -> None:
+    big = KVLayout.uniform(num_layers=4, num_kv_heads=8, head_dim=128, tokens_per_block=4)  # 64 KiB pages
+    pair = make_pair(host_pages=8, disk_pages=0, page_layout=big)
+    keys = commit(pair.src, ContentOracle(big), seq(11, 5))  # 320 KiB: the client waits for checksums
+    pair.server.faults.stall_after_header_s = 30.0
+
+    async def cancel_mid_pull() -> None:
+        task = asyncio.ensure_future(pair.client.pull(pair.server.address, keys, prefer_shm))  # type: ignore[arg-type]
+        while not pair.server.open_leases:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    get_runtime().run(cancel_mid_pull(), 20)
+    pair.wait_no_leases()
+    with pytest.raises(TransferError) as info:
+        get_runtime().run(pair.client.pull(pair.server.address, keys, prefer_shm, timeout_s=0.3), 20)  # type: ignore[arg-type]
+    assert info.value.reason == "timeout"
+    pair.wait_no_leases()
+    assert pair.client.stats.failures["timeout"] == 1
+
+
+def test_server_survives_oversized_and_malformed_requests(
+    make_pair: Callable[..., Pair], oracle: ContentOracle
+) -> None:
+    pair = make_pair(CFG.replace(max_keys=4))
+    keys = commit(pair.src, oracle, seq(12, 6))
+    host, port = pair.server.address.endpoint  # type: ignore[union-attr]
+
+    async def raw(payload: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            await wire.read_message(reader, 4096)  # hello
+            writer.write(payload)
+            await writer.drain()
+            return await asyncio.wait_for(reader.read(), 5)
+        finally:
+            writer.close()
+
+    for junk in [(1 << 31).to_bytes(4, "big"), (5).to_bytes(4, "big") + b"\xc1" * 5, b"\x00\x00\x00\x01\x80"]:
+        get_runtime().run(raw(junk), 10)  # the server answers with an error (or closes) and moves on
+    with pytest.raises(TransferError) as info:  # more keys than the server allows in one request
+        bad = PageClient(pair.token, CFG.replace(max_keys=8))
+        try:
+            bad.runtime.run(bad._checkout(pair.server.address.endpoint), 10)  # type: ignore[union-attr]
+            conn = bad.runtime.run(bad._checkout(pair.server.address.endpoint), 10)  # type: ignore[union-attr]
+            conn.max_keys = 8  # pretend the server allowed 8
+            bad._idle[conn.peer] = [conn]
+            bad.pull_sync(pair.server.address, keys)  # type: ignore[arg-type]
+        finally:
+            bad.close()
+    assert info.value.reason == "limit"
+    assert pair.server.stats.errors["protocol"] >= 2 and pair.server.stats.errors["limit"] == 1
+    check_pages(oracle, pair.client.pull_sync(pair.server.address, keys), keys)  # type: ignore[arg-type]
+    pair.wait_no_leases()
+
+
+def test_client_refuses_a_server_that_sends_oversized_or_bogus_messages() -> None:
+    token = AuthToken.generate()
+
+    async def scenario(reply: bytes) -> TransferError:
+        async def fake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(reply)
+            await writer.drain()
+            await asyncio.sleep(1)
+            writer.close()
+
+        server = await asyncio.start_server(fake, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = PageClient(token, CFG)
+        try:
+            await client.pull(("127.0.0.1", port), [bytes(32)])
+        except TransferError as exc:
+            return exc
+        finally:
+            await client.aclose()
+            server.close()
+        raise AssertionError("the bogus server was accepted")
+
+    oversized = (1 << 30).to_bytes(4, "big") + b"x" * 100
+    assert get_runtime().run(scenario(oversized), 20).reason == "protocol"
+    assert get_runtime().run(scenario(wire.encode({"t": "welcome"}, 4096)), 20).reason == "protocol"
+    # A server that does not know the token cannot prove it.
+    hello = wire.encode({"t": "hello", "v": wire.VERSION, "nonce": bytes(32)}, 4096)
+    welcome = wire.encode({"t": "welcome", "mac": bytes(32), "node": "x", "page_bytes": 1}, 4096)
+    assert get_runtime().run(scenario(hello + welcome), 20).reason == "auth"
+
+
+# ---- example and benchmark ------------------------------------------------------------------------
+def test_pd_example_verifies_itself() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "pd_disagg_core.py"
+    proc = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("OK")
+
+
+def test_bench_rows_come_from_a_peer_process() -> None:
+    from raykv.bench.transfer import TransferSettings, run_process_rows
+
+    rows = run_process_rows(TransferSettings(page_sizes=(64 << 10,), counts=(2,), repeats=1, warmup=0))
+    assert [r.name for r in rows] == ["shm pull 2 x 64 KiB", "ucx pull 2 x 64 KiB"]
+    assert all(r.error is None and r.ours > 0 and r.baseline and r.baseline > 0 for r in rows)
