@@ -112,7 +112,8 @@ class _Worker:
     incarnation: int
     last_event_id: int = 0
     needs_snapshot: bool = False
-    keys: set[bytes] = field(default_factory=set)
+    key_log: list[bytes] = field(default_factory=list)  # every key stored; may hold stale ones
+    live: int = 0  # keys this shard currently lists for the worker
     pending: dict[int, EventBatch] = field(default_factory=dict)
 
 
@@ -271,11 +272,13 @@ class PrefixIndex:
         return self._drop_entries(worker, state)
 
     def _drop_entries(self, worker: WorkerId, state: _Worker) -> int:
+        live = self._live_keys(state)
         clear = ~_lane_bit(state.lane)
-        n = len(state.keys)
-        for key in state.keys:
+        for key in live:
             self._clear_bit(key, clear)
-        state.keys.clear()
+        n = len(live)
+        state.key_log.clear()
+        state.live = 0
         for slots in self._predicted.values():
             slots.pop(state.lane, None)
         return n
@@ -289,6 +292,17 @@ class PrefixIndex:
             self._entries[key] = (held, e[1] & clear, e[2] & clear, e[3] & clear)
         else:
             del self._entries[key]
+
+    def _live_keys(self, state: _Worker) -> list[bytes]:
+        """The keys this shard lists for a worker (its key log without stale or repeated keys)."""
+        bit = _lane_bit(state.lane)
+        get = self._entries.get
+        out = []
+        for key in dict.fromkeys(state.key_log):
+            e = get(key)
+            if e is not None and e[0] & bit:
+                out.append(key)
+        return out
 
     @property
     def workers(self) -> dict[WorkerId, int]:
@@ -355,25 +369,36 @@ class PrefixIndex:
         bit = _lane_bit(state.lane)
         clear = ~bit
         fresh = ((bit, bit, 0, 0), (bit, 0, bit, 0), (bit, 0, 0, bit))
-        entries, keys = self._entries, state.keys
-        get, add = entries.get, keys.add
+        entries, log = self._entries, state.key_log
+        get, append = entries.get, log.append
+        added = removed = 0
         for op, key, tier in ops:
             if op == OP_STORE:
                 e = get(key)
                 if e is None:
                     entries[key] = fresh[tier]
+                    append(key)
+                    added += 1
                 else:
                     f = fresh[tier]
                     if e[0] & bit:
                         e = (e[0], e[1] & clear, e[2] & clear, e[3] & clear)
+                    else:
+                        append(key)
+                        added += 1
                     entries[key] = (e[0] | bit, e[1] | f[1], e[2] | f[2], e[3] | f[3])
-                add(key)
             elif op == OP_REMOVE:
-                if key in keys:
-                    keys.discard(key)
+                e = get(key)
+                if e is not None and e[0] & bit:
                     self._clear_bit(key, clear)
+                    removed += 1
             else:
+                state.live += added - removed
+                added = removed = 0
                 self._drop_entries(worker, state)
+        state.live += added - removed
+        if len(log) > 2 * state.live + 1024:
+            log[:] = self._live_keys(state)
 
     def apply_snapshot(
         self, worker: WorkerId, incarnation: int, last_event_id: int, blocks: Iterable[tuple[bytes, int]]
@@ -457,7 +482,7 @@ class PrefixIndex:
         state = self._workers[worker]
         bit = _lane_bit(state.lane)
         out: dict[bytes, TierKind] = {}
-        for key in state.keys:
+        for key in self._live_keys(state):
             e = self._entries[key]
             tier = 0 if e[1] & bit else 1 if e[2] & bit else 2
             out[key] = TierKind(tier)
