@@ -43,7 +43,8 @@ class RoomPlanner:
         self._iters: list[Iterator[Page] | None] = [None] * self.levels
         self._stuck = [False] * self.levels
         self._skip_order = itertools.count()
-        self._skipped: dict[int, int] = {}  # page uid -> order in which the walk passed it
+        # page uid -> (order in which the walk passed it, level it was passed at, page)
+        self._skipped: dict[int, tuple[int, int, Page]] = {}
         self._revived: list[list[tuple[int, int, Page]]] = [[] for _ in free]
 
     def make_room(self, level: int, count: int) -> bool:
@@ -91,7 +92,7 @@ class RoomPlanner:
             if self._droppable(page):
                 self._plan(page, level, None)
                 return True
-            self._skipped[page.uid] = next(self._skip_order)
+            self._skipped[page.uid] = (next(self._skip_order), level, page)
         return False
 
     def _droppable(self, page: Page) -> bool:
@@ -116,15 +117,16 @@ class RoomPlanner:
             self._arrivals[dst].append(page)
 
     def _maybe_revive(self, parent: object) -> None:
-        """Re-offer a passed-over parent page that just became a droppable leaf."""
+        """A passed-over parent page just became a droppable leaf: a level that looked stuck may
+        now make room, so every passed-over page is offered again (in the order it was passed),
+        ahead of pages not walked yet. Each revival follows a planned drop, so this terminates."""
         page = getattr(parent, "page", None)
         if page is None or page.uid not in self._skipped or not self._droppable(page):
             return
-        step = self.steps.get(page.uid)
-        level = step.dst if step is not None else page.level
-        if level is not None:
-            order = self._skipped.pop(page.uid)
-            heapq.heappush(self._revived[level], (order, page.uid, page))
+        self._stuck = [False] * self.levels
+        skipped, self._skipped = self._skipped, {}
+        for uid, (order, level, passed) in skipped.items():
+            heapq.heappush(self._revived[level], (order, uid, passed))
 
     def ordered_steps(self) -> tuple[list[Step], list[Step]]:
         """(drops, moves) in execution order.

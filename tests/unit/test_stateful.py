@@ -5,11 +5,15 @@ tier below it) through create / resume / extend / commit / suspend / close, bloc
 import in both directions, probes and clear_reusable. An "engine" (the ContentOracle) writes the
 KV of every page an extend allocates. After every step both managers' invariants hold, every page
 of every active cache and every committed block (on whatever tier) holds the oracle's bytes, the
-event stream mirrors the committed set, and every committed block is matchable from its root.
+event stream mirrors the committed set, the stats counters match what the test did, and every
+committed block is matchable from its root. Every refusal (OutOfPagesError, resume() -> False,
+a rejected import) must leave the manager untouched, and OutOfPagesError / resume() -> False
+must only happen when room really could not be made (``achievable_room``).
 
 A second, smaller property test runs random operation sequences against a dict model of the keys
 that were committed (key -> scope and tokens) and checks the tree has no orphans and every
-committed chain is matchable from its root to at least its depth.
+committed chain is matchable from its root to at least its depth. A last, deterministic test
+pins down a planner case the machine's room check found.
 """
 
 from __future__ import annotations
@@ -114,9 +118,9 @@ def snapshot(mgr: CacheManager) -> tuple[Any, ...]:
 def achievable_room(mgr: CacheManager, exclude: set[int]) -> int:
     """A lower bound on the top-tier slots that evictions could free, touching no ``exclude`` page.
 
-    Drop every committed block whose whole subtree is unpinned, unheld and not excluded (a drop
-    needs no room), then demote other unpinned, not excluded top-tier pages into the slots the
-    next tier has free or just freed. A refusal (OutOfPagesError, resume() -> False) for fewer
+    Drop every committed block whose whole subtree is unpinned, unheld, unleased and not excluded
+    (a drop needs no room), then demote other unpinned, not excluded top-tier pages into the slots
+    the next tier has free or just freed. A refusal (OutOfPagesError, resume() -> False) for fewer
     pages than this means room could have been made.
     """
     blocks = sorted(mgr.tree.iter_blocks(), key=lambda b: -b.ordinal)  # children first
@@ -126,6 +130,7 @@ def achievable_room(mgr: CacheManager, exclude: set[int]) -> int:
         droppable[id(b)] = (
             page.holders == 0
             and page.pins == 0
+            and page.leases == 0
             and page.uid not in exclude
             and all(droppable[id(c)] for c in b.children.values())
         )
@@ -136,7 +141,7 @@ def achievable_room(mgr: CacheManager, exclude: set[int]) -> int:
         movable = sum(
             1
             for p in live_pages(mgr).values()
-            if p.level == 0 and p.pins == 0 and p.uid not in exclude and p.uid not in gone
+            if p.level == 0 and p.pins == 0 and p.leases == 0 and p.uid not in exclude and p.uid not in gone
         )
         below = mgr.pools[1].num_free + sum(1 for p in dropped if p.level == 1)
         room += min(movable, below)
@@ -762,6 +767,51 @@ def test_committed_blocks_have_no_orphans(
         mgr.check_invariants()
         check_matchable(mgr, model)
         assert set(chain_depths(mgr)) <= set(model)
+        ORACLE.verify_manager(mgr)
+    finally:
+        for cache in caches:
+            cache.close()
+        mgr.shutdown()
+
+
+# ---- regression: a drop on the top tier must let the planner use the tier below -----------------
+def test_extend_makes_room_when_a_drop_frees_the_tier_below() -> None:
+    """Found by the machine's ``achievable_room`` check (extend raised OutOfPagesError while room
+    could be made). A parent block P sits on the full disk tier, its child C on the host tier; the
+    other host pages are held by suspended requests (demotable, not droppable). Freeing 2 host
+    pages is possible: drop C, which makes P a droppable leaf; drop P, which frees a disk slot;
+    demote one held page there. The planner gives up instead ("the rest not evictable")."""
+    mgr = CacheManager(make_config(6, 8, 1.0))
+    caches: list[KvCache] = []
+
+    def request(tokens: list[int], priority: int, keep: bool) -> None:
+        cache = mgr.create(tokens, priority=priority)
+        caches.append(cache)
+        assert cache.resume()
+        reused = cache.num_reused_tokens
+        cache.extend(tokens[reused:])
+        ORACLE.fill_cache(cache, reused // TPB)
+        if keep:
+            cache.suspend()
+        else:
+            cache.commit()
+            cache.close()
+
+    try:
+        request([1, 2, 3, 4], 0, keep=False)  # P (priority 0: demoted first)
+        request([1, 2, 3, 4, 5, 6, 7, 8], 100, keep=False)  # C, child of P (priority 100)
+        for i in range(12):  # suspended requests holding one private page each
+            request([100 + i] * TPB, 0, keep=True)
+        assert [c.tier for c in mgr.committed_blocks()] == [TierKind.DISK, TierKind.HOST]
+        assert mgr.pools[0].num_free == 0 and mgr.pools[1].num_free == 0
+        cache = mgr.create([7] * 8)
+        caches.append(cache)
+        assert cache.resume()
+        assert achievable_room(mgr, set()) >= 2
+        cache.extend([7] * 8)  # raises OutOfPagesError: the bug
+        ORACLE.fill_cache(cache)
+        mgr.check_invariants()
+        ORACLE.verify_cache(cache)
         ORACLE.verify_manager(mgr)
     finally:
         for cache in caches:
