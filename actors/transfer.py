@@ -121,24 +121,29 @@ class WorkerTransfer:
             self._peers[peer] = address
         return self._peers[peer]
 
-    def pull(self, peer: PeerRef, keys: Sequence[bytes], prefer_shm: bool = True) -> PullOutcome:
+    def pull(
+        self, peer: PeerRef, keys: Sequence[bytes], prefer_shm: bool = True, verify: bool | None = None
+    ) -> PullOutcome:
         """Pull ``keys`` from ``peer`` into this worker's manager (committed, matchable blocks).
 
-        TransferError (nothing imported) when the transfer fails; the caller recomputes.
+        ``verify`` as in ``PageClient.pull``. TransferError (nothing imported) when the transfer
+        fails; the caller recomputes.
         """
         if self.client is None:
             raise TransferError(f"{self.worker_id}: page transfers not started", reason="unavailable")
         address = self.resolve(peer)
         try:
-            return self._pull(address, keys, prefer_shm)
+            return self._pull(address, keys, prefer_shm, verify)
         except TransferError as exc:
             if getattr(exc, "reason", "") != "connect" or not isinstance(peer, str):
                 raise
-        return self._pull(self.resolve(peer, refresh=True), keys, prefer_shm)
+        return self._pull(self.resolve(peer, refresh=True), keys, prefer_shm, verify)
 
-    def _pull(self, address: PeerAddress, keys: Sequence[bytes], prefer_shm: bool) -> PullOutcome:
+    def _pull(
+        self, address: PeerAddress, keys: Sequence[bytes], prefer_shm: bool, verify: bool | None
+    ) -> PullOutcome:
         assert self.client is not None
-        coro = pull_into(self.client, address, self.manager, keys, prefer_shm)
+        coro = pull_into(self.client, address, self.manager, keys, prefer_shm, verify)
         return get_runtime().run(coro, self.client.config.timeout_s + 10)
 
     def stats(self) -> dict[str, Any]:

@@ -271,13 +271,17 @@ class CacheWorker:
         """Where peers pull this worker's committed pages (None before the server starts)."""
         return self.transfer.address
 
-    def pull(self, peer: PeerRef, keys: Sequence[bytes], prefer_shm: bool = True) -> PullOutcome:
+    def pull(
+        self, peer: PeerRef, keys: Sequence[bytes], prefer_shm: bool = True, verify: bool | None = None
+    ) -> PullOutcome:
         """Pull committed blocks ``keys`` from ``peer`` (a worker id or a page-server address) and
-        import them: checksums verified, they become committed and matchable here, and their
-        BlockStored events flow to the index like any other commit. TransferError (nothing
-        imported) when the transfer fails; the caller recomputes.
+        import them: every page intact (checked against the sender's CRC-32 over UCX; over shared
+        memory copied from the owner's memory under a lease it confirmed, plus checksums with
+        ``verify=True``), committed and matchable here, their BlockStored events flowing to the
+        index like any other commit. TransferError (nothing imported) when the transfer fails;
+        the caller recomputes.
         """
-        return self.transfer.pull(peer, keys, prefer_shm)
+        return self.transfer.pull(peer, keys, prefer_shm, verify)
 
     def transfer_stats(self) -> dict[str, Any]:
         """Page-server and client counters per path (shm/ucx), and the server's open leases."""

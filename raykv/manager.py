@@ -16,8 +16,11 @@ import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from raykv.config import CacheConfig
 from raykv.copy import CopyEngine
@@ -31,6 +34,7 @@ from raykv.placement import RoomPlanner
 from raykv.radix import Block, BlockRadixTree, Root
 from raykv.records import (
     BlockLease,
+    BlockRecords,
     CommittedBlockInfo,
     ExportedBlock,
     ImportResult,
@@ -39,7 +43,7 @@ from raykv.records import (
 )
 from raykv.stats import CacheStats, Counters, RequestStats, StatsDelta
 from raykv.tiers import PagePool, make_pool
-from raykv.transfer_blocks import export_blocks, import_blocks
+from raykv.transfer_blocks import export_blocks, import_blocks, import_pages
 from raykv.types import (
     DEFAULT_PRIORITY,
     PageId,
@@ -47,6 +51,7 @@ from raykv.types import (
     TierKind,
     TierLevel,
     check_block_key,
+    check_block_keys,
     check_priority,
     check_u64,
 )
@@ -234,6 +239,26 @@ class CacheManager:
             self._check_open()
             return import_blocks(self, list(blocks), prio)
 
+    def import_pages(
+        self,
+        records: BlockRecords,
+        data: npt.NDArray[np.uint8],
+        checksums: Sequence[int] | None = None,
+        verify: bool = True,
+        priority: int = DEFAULT_PRIORITY,
+        confirm: Callable[[], object] | None = None,
+    ) -> ImportResult:
+        """:meth:`import_blocks` with the pages as rows: ``data[i]`` (uint8, shape
+        ``[len(records), page_bytes]``) is block ``i``'s page. New blocks' rows reach the top tier
+        in one batched copy; ``verify`` first compares each row's CRC-32 with ``checksums[i]``.
+        Same all-or-nothing rules (:mod:`raykv.transfer_blocks`); ImportRejectedError (``index``
+        None) for mismatched shapes. ``confirm`` runs after the rows are written, before any block
+        is inserted, without the manager's lock (staged pages and cached parents leased): if it
+        raises, the pages are given back and the error propagates (evictions made stay made).
+        """
+        prio = check_priority(priority)
+        return import_pages(self, records, data, checksums, verify, prio, confirm)
+
     def lease_blocks(self, keys: Sequence[bytes]) -> BlockLease:
         """Hold the committed blocks among ``keys`` in place for a zero-copy sender.
 
@@ -241,7 +266,7 @@ class CacheManager:
         read with :meth:`leased_page` meanwhile. Missing keys are skipped. ValueError for a
         malformed key; ``clear_reusable``/``shutdown`` refuse while leases are open.
         """
-        checked = [check_block_key(k) for k in keys]
+        checked = check_block_keys(keys)
         with self.locked():
             self._check_open()
             found = [b for b in (self.tree.get(k) for k in checked) if b is not None]

@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from raykv.types import BlockKey, TierKind
 
 
+def _crc32_function() -> Callable[[Any], int]:
+    """ISA-L's CRC-32 when the optional ``isal`` package is installed (the same values as zlib's,
+    about ten times faster: it uses the CPU's carry-less multiply), else zlib's."""
+    try:
+        from isal.isal_zlib import crc32
+    except ImportError:
+        return zlib.crc32
+    return crc32  # type: ignore[no-any-return]
+
+
+crc32 = _crc32_function()
+"""``crc32(buffer) -> int``: zlib-compatible CRC-32 of any contiguous buffer (releases the GIL)."""
+
+
 def page_checksum(data: bytes | memoryview) -> int:
     """CRC-32 of a page's bytes (detects corruption in transit; the token guards authenticity)."""
-    return zlib.crc32(data) & 0xFFFFFFFF
+    return crc32(data) & 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -27,6 +43,51 @@ class ExportedBlock:
     num_tokens: int
     checksum: int
     data: bytes
+
+
+class _HasPosition(Protocol):
+    @property
+    def key(self) -> bytes: ...
+    @property
+    def parent_key(self) -> bytes: ...
+    @property
+    def parent_is_root(self) -> bool: ...
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class BlockRecords:
+    """Where each block of a batch goes in the tree, as columns: entry ``i`` of every column
+    describes block ``i`` (its key, its parent's key, whether that parent is a scope root, its
+    token count). With one array of page bytes it is what ``CacheManager.import_pages`` imports;
+    there are no per-block objects. Columns are checked on import, not here.
+    """
+
+    keys: Sequence[bytes]
+    parent_keys: Sequence[bytes]
+    parent_is_root: Sequence[bool]
+    num_tokens: Sequence[int]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def head(self, count: int) -> BlockRecords:
+        """The first ``count`` blocks."""
+        return BlockRecords(
+            self.keys[:count], self.parent_keys[:count], self.parent_is_root[:count], self.num_tokens[:count]
+        )
+
+    @classmethod
+    def of(cls, blocks: Iterable[_HasPosition]) -> BlockRecords:
+        """The columns of ``blocks`` (ExportedBlock or LeasedBlock records, or alike)."""
+        items = list(blocks)
+        return cls(
+            tuple(b.key for b in items),
+            tuple(b.parent_key for b in items),
+            tuple(b.parent_is_root for b in items),
+            tuple(b.num_tokens for b in items),
+        )
 
 
 @dataclass(frozen=True)

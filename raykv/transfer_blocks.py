@@ -1,22 +1,35 @@
 """Export committed blocks (bytes + key + parent key + checksum) and import them from a peer.
 
-Kept apart from the manager so the all-or-nothing import rules read in one place. Both functions
-run under the manager's lock (the manager calls them).
+Kept apart from the manager so the all-or-nothing import rules read in one place.
+
+:func:`import_pages` is the import: the blocks' tree positions as columns
+(:class:`~raykv.records.BlockRecords`) and their pages as the rows of one uint8 array, written into
+the top tier with one batched copy. :func:`import_blocks` (one ``bytes`` object per record)
+delegates to it. Every rule is checked in record order before anything changes, and the first bad
+record decides the error: a malformed key, a duplicate key, a partial block or a page of the wrong
+size (ImportRejectedError), a checksum mismatch when verifying (IntegrityError), a parent that is
+neither a scope root, nor cached, nor earlier in the batch (ImportRejectedError). Then room is made
+on the top tier (OutOfPagesError, nothing changed, when impossible), the rows are written, and the
+new blocks are inserted, parents first. Blocks already cached are skipped (and not copied).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from raykv.errors import ImportRejectedError, IntegrityError
 from raykv.radix import Block, Root
-from raykv.records import ExportedBlock, ImportResult, page_checksum
+from raykv.records import BlockRecords, ExportedBlock, ImportResult, crc32, page_checksum
 from raykv.types import BlockKey, Priority, check_block_key
 
 if TYPE_CHECKING:
     from raykv.manager import CacheManager
+    from raykv.page import Page
 
 
 def export_blocks(mgr: CacheManager, keys: list[BlockKey]) -> list[ExportedBlock]:
@@ -45,67 +58,247 @@ def export_blocks(mgr: CacheManager, keys: list[BlockKey]) -> list[ExportedBlock
     return out
 
 
-def _validate(mgr: CacheManager, blocks: list[ExportedBlock]) -> list[ExportedBlock]:
-    """Return the blocks to add (not yet present), or raise without changing anything."""
+# ---- validation ---------------------------------------------------------------------------------
+def first_mismatch(data: npt.NDArray[np.uint8], checksums: Sequence[int]) -> int | None:
+    """Index of the first row of ``data`` whose CRC-32 differs from ``checksums`` (None: all match).
+
+    Reads only ``data`` (no manager state): callers run it before taking the manager's lock.
+    """
+    for i in range(len(data)):
+        row = data[i]
+        if crc32(row if row.flags.c_contiguous else row.copy()) & 0xFFFFFFFF != checksums[i]:
+            return i
+    return None
+
+
+def check_arrays(
+    mgr: CacheManager,
+    records: BlockRecords,
+    data: npt.NDArray[np.uint8],
+    checksums: Sequence[int] | None,
+    verify: bool,
+) -> None:
+    """ImportRejectedError (``index`` None) unless ``data`` holds one page per record and, when
+    ``verify``, ``checksums`` one CRC-32 per record."""
+    n = len(records.keys)
+    columns = (records.parent_keys, records.parent_is_root, records.num_tokens)
+    if any(len(c) != n for c in columns):
+        raise ImportRejectedError("the record columns differ in length", index=None)
+    page = mgr.layout.page_bytes
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != (n, page):
+        shape = getattr(data, "shape", type(data).__name__)
+        raise ImportRejectedError(
+            f"data must be a uint8 array of shape ({n}, {page}), got {shape}", index=None
+        )
+    if verify and (checksums is None or len(checksums) != n):
+        raise ImportRejectedError("verifying needs one checksum per record", index=None)
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """The first bad record: its index, the error, and whether its checksum is checked first."""
+
+    index: int
+    error: ImportRejectedError
+    checksum_first: bool
+
+
+def _scan(mgr: CacheManager, records: BlockRecords) -> tuple[list[int], _Problem | None]:
+    """The indices of the blocks to add (not cached yet), and the first problem in record order."""
     seen: set[bytes] = set()
-    new: list[ExportedBlock] = []
-    for i, rec in enumerate(blocks):
-        if not isinstance(rec, ExportedBlock):
-            raise ImportRejectedError(f"record {i} is not an ExportedBlock", index=i)
+    new: list[int] = []
+    tree, tpb = mgr.tree, mgr.tokens_per_block
+    well_formed = all(type(k) is bytes and len(k) == 32 for k in (*records.keys, *records.parent_keys))
+    for i, (key, parent, root, tokens) in enumerate(
+        zip(records.keys, records.parent_keys, records.parent_is_root, records.num_tokens)
+    ):
         try:
-            check_block_key(rec.key)
-            check_block_key(rec.parent_key, "parent_key")
+            if not well_formed:
+                check_block_key(key)
+                check_block_key(parent, "parent_key")
         except ValueError as exc:
-            raise ImportRejectedError(f"record {i}: {exc}", index=i) from None
-        if rec.key in seen:
-            raise ImportRejectedError(f"record {i}: duplicate key in batch", index=i)
-        if rec.num_tokens != mgr.tokens_per_block:
-            raise ImportRejectedError(
-                f"record {i}: {rec.num_tokens} tokens; only full blocks of {mgr.tokens_per_block} are shared",
-                index=i,
+            return new, _Problem(i, ImportRejectedError(f"record {i}: {exc}", index=i), False)
+        if key in seen:
+            return new, _Problem(
+                i, ImportRejectedError(f"record {i}: duplicate key in batch", index=i), False
             )
-        if not isinstance(rec.data, (bytes, bytearray)) or len(rec.data) != mgr.layout.page_bytes:
-            raise ImportRejectedError(
-                f"record {i}: page of {len(rec.data)} bytes, expected {mgr.layout.page_bytes}", index=i
-            )
-        if page_checksum(rec.data) != rec.checksum:
-            raise IntegrityError(f"record {i}: checksum mismatch; nothing imported", index=i)
-        parent_ok = rec.parent_is_root or rec.parent_key in mgr.tree or rec.parent_key in seen
-        if not parent_ok:
-            raise ImportRejectedError(
-                f"record {i}: parent block is neither cached nor earlier in the batch", index=i
-            )
-        seen.add(rec.key)
-        if rec.key not in mgr.tree:
-            new.append(rec)
+        if tokens != tpb:
+            text = f"record {i}: {tokens} tokens; only full blocks of {tpb} are shared"
+            return new, _Problem(i, ImportRejectedError(text, index=i), False)
+        if not (root or parent in tree or parent in seen):
+            text = f"record {i}: parent block is neither cached nor earlier in the batch"
+            return new, _Problem(i, ImportRejectedError(text, index=i), True)
+        seen.add(key)
+        if key not in tree:
+            new.append(i)
+    return new, None
+
+
+def validate(mgr: CacheManager, records: BlockRecords, bad_checksum: int | None) -> list[int]:
+    """The indices of the blocks to add; raises the first problem in record order (a checksum
+    mismatch at ``bad_checksum`` included) without changing anything. Under the manager's lock."""
+    new, problem = _scan(mgr, records)
+    if bad_checksum is not None and (
+        problem is None
+        or bad_checksum < problem.index
+        or (bad_checksum == problem.index and problem.checksum_first)
+    ):
+        raise IntegrityError(
+            f"record {bad_checksum}: checksum mismatch; nothing imported", index=bad_checksum
+        )
+    if problem is not None:
+        raise problem.error
     return new
 
 
-def import_blocks(mgr: CacheManager, blocks: list[ExportedBlock], priority: Priority) -> ImportResult:
-    """All-or-nothing import; see :meth:`CacheManager.import_blocks`."""
-    new = _validate(mgr, blocks)
-    present = tuple(BlockKey(r.key) for r in blocks if r.key in mgr.tree)
-    if not new:
-        return ImportResult((), present)
-    parents = [mgr.tree.get(BlockKey(r.parent_key)) for r in new]
-    exclude = {b.page.uid for b in parents if b is not None}
-    pages = mgr.allocate_pages(len(new), priority, exclude)
-    data = np.frombuffer(b"".join(r.data for r in new), dtype=np.uint8)
-    data = data.reshape(len(new), mgr.layout.page_bytes)
+# ---- import -------------------------------------------------------------------------------------
+@dataclass
+class _Staged:
+    """Pages allocated and written for the new blocks, not inserted yet (held by ``lease_id``)."""
+
+    new: list[int]
+    pages: list[Page]
+    lease_id: int | None
+
+
+def _rows(data: npt.NDArray[np.uint8], new: list[int]) -> npt.NDArray[np.uint8]:
+    """The rows ``new`` of ``data``: a view when they are one run (no copy), else a gather."""
+    if len(new) == len(data):
+        return data
+    if new[-1] - new[0] + 1 == len(new):
+        return data[new[0] : new[-1] + 1]
+    return data[np.asarray(new, dtype=np.intp)]
+
+
+def _stage(
+    mgr: CacheManager,
+    records: BlockRecords,
+    data: npt.NDArray[np.uint8],
+    new: list[int],
+    priority: Priority,
+    hold: bool,
+) -> _Staged:
+    """Make room, allocate and write the new blocks' pages (one batched copy). With ``hold`` the
+    pages and the cached parents are leased until :func:`_commit` or :func:`_abort`, so nothing
+    moves or goes (and ``clear_reusable``/``shutdown`` refuse) while the manager is unlocked."""
+    parents = [mgr.tree.get(BlockKey(records.parent_keys[i])) for i in new]
+    held = [b.page for b in parents if b is not None]
+    pages = mgr.allocate_pages(len(new), priority, {p.uid for p in held})
     try:
-        mgr.copy.write(0, [p.slot for p in pages], data)
+        mgr.copy.write(0, [p.slot for p in pages], _rows(data, new))
     except BaseException:
         mgr.pools[0].release([p.slot for p in pages])
         raise
-    for rec, page in zip(new, pages):
+    lease_id = None
+    if hold:
+        lease_id = next(mgr._lease_ids)
+        mgr._leases[lease_id] = [*held, *pages]
+        for page in mgr._leases[lease_id]:
+            page.leases += 1
+    return _Staged(new, pages, lease_id)
+
+
+def _unhold(mgr: CacheManager, staged: _Staged) -> None:
+    if staged.lease_id is not None:
+        for page in mgr._leases.pop(staged.lease_id, []):
+            page.leases -= 1
+
+
+def _abort(mgr: CacheManager, staged: _Staged) -> None:
+    """Give the staged pages back; nothing was inserted."""
+    _unhold(mgr, staged)
+    mgr.pools[0].release([p.slot for p in staged.pages])
+
+
+def _commit(mgr: CacheManager, records: BlockRecords, staged: _Staged) -> ImportResult:
+    """Insert the staged blocks, parents first. A block that another import added meanwhile (only
+    possible while a held stage waited unlocked) keeps its page; the staged copy is released."""
+    _unhold(mgr, staged)
+    imported: list[BlockKey] = []
+    for i, page in zip(staged.new, staged.pages):
+        key, parent_key, tokens = (
+            BlockKey(records.keys[i]),
+            BlockKey(records.parent_keys[i]),
+            records.num_tokens[i],
+        )
+        if key in mgr.tree:
+            mgr.pools[0].release([page.slot])
+            continue
         parent: Root | Block | None = mgr.tree.parent_node(
-            BlockKey(rec.parent_key), create_root=rec.parent_is_root
+            parent_key, create_root=bool(records.parent_is_root[i])
         )
-        assert parent is not None
-        mgr.tree.insert(parent, BlockKey(rec.key), page, rec.num_tokens)
+        assert parent is not None, "a held parent vanished"
+        mgr.tree.insert(parent, key, page, tokens)
         mgr.policy.add(page)
-        mgr.events.stored(
-            BlockKey(rec.key), BlockKey(rec.parent_key), mgr.tier_kinds[0], rec.num_tokens, None
-        )
-    mgr.counters.imported_blocks += len(new)
-    return ImportResult(tuple(BlockKey(r.key) for r in new), present)
+        mgr.events.stored(key, parent_key, mgr.tier_kinds[0], tokens, None)
+        imported.append(key)
+    mgr.counters.imported_blocks += len(imported)
+    done = set(imported)
+    return ImportResult(tuple(imported), tuple(BlockKey(k) for k in records.keys if k not in done))
+
+
+def import_pages(
+    mgr: CacheManager,
+    records: BlockRecords,
+    data: npt.NDArray[np.uint8],
+    checksums: Sequence[int] | None,
+    verify: bool,
+    priority: Priority,
+    confirm: Callable[[], object] | None = None,
+) -> ImportResult:
+    """All-or-nothing import of pages given as rows; see :meth:`CacheManager.import_pages`.
+
+    Takes the manager's lock itself: checksums are computed before it (they read only ``data``),
+    and ``confirm`` runs without it, between writing the rows and inserting the blocks.
+    """
+    check_arrays(mgr, records, data, checksums, verify)
+    bad = first_mismatch(data, checksums) if verify and checksums is not None else None
+    with mgr.locked():
+        mgr._check_open()
+        new = validate(mgr, records, bad)
+        if not new:
+            return ImportResult((), tuple(BlockKey(k) for k in records.keys))
+        staged = _stage(mgr, records, data, new, priority, hold=confirm is not None)
+        if confirm is None:
+            return _commit(mgr, records, staged)
+    try:
+        confirm()
+    except BaseException:
+        with mgr.locked():
+            _abort(mgr, staged)
+        raise
+    with mgr.locked():
+        return _commit(mgr, records, staged)
+
+
+def import_blocks(mgr: CacheManager, blocks: list[ExportedBlock], priority: Priority) -> ImportResult:
+    """All-or-nothing import of ExportedBlock records; see :meth:`CacheManager.import_blocks`.
+
+    Checks each record's type and page size, then hands the well-formed prefix to
+    :func:`import_pages` (one array of rows). A malformed record is reported unless an earlier
+    record has a problem of its own (record order decides, as everywhere).
+    """
+    page = mgr.layout.page_bytes
+    bad = next(
+        (
+            i
+            for i, rec in enumerate(blocks)
+            if not isinstance(rec, ExportedBlock)
+            or not isinstance(rec.data, (bytes, bytearray))
+            or len(rec.data) != page
+        ),
+        None,
+    )
+    good = blocks if bad is None else blocks[:bad]
+    records = BlockRecords.of(good)
+    data = np.frombuffer(b"".join(r.data for r in good), dtype=np.uint8).reshape(len(good), page)
+    sums = [r.checksum for r in good]
+    if bad is None:
+        return import_pages(mgr, records, data, sums, True, priority)
+    with mgr.locked():
+        validate(mgr, records, first_mismatch(data, sums))  # an earlier record's problem wins
+    rec = blocks[bad]
+    if not isinstance(rec, ExportedBlock):
+        raise ImportRejectedError(f"record {bad} is not an ExportedBlock", index=bad)
+    size = len(rec.data) if hasattr(rec.data, "__len__") else "?"
+    raise ImportRejectedError(f"record {bad}: page of {size} bytes, expected {page}", index=bad)

@@ -7,6 +7,7 @@ actor boundaries unchanged; the names exist for readers and for mypy.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import NewType
 
 BlockKey = NewType("BlockKey", bytes)
@@ -78,6 +79,14 @@ def check_block_key(value: object, name: str = "key") -> BlockKey:
         shown = len(value) if isinstance(value, bytes) else type(value).__name__
         raise ValueError(f"{name} must be {BLOCK_KEY_BYTES} bytes, got {shown}")
     return BlockKey(value)
+
+
+def check_block_keys(values: Iterable[object], name: str = "key") -> list[BlockKey]:
+    """:func:`check_block_key` of each value (one fast pass when all are 32-byte ``bytes``)."""
+    keys = list(values)
+    if all(type(k) is bytes and len(k) == BLOCK_KEY_BYTES for k in keys):
+        return keys  # type: ignore[return-value]
+    return [check_block_key(k, name) for k in keys]
 
 
 def check_priority(value: object) -> Priority:

@@ -6,17 +6,27 @@ holds a committed chain of blocks, and serves it with a PageServer. This process
 N blocks, which sit in consecutive slots (sent in place, copied with one memcpy). Rows, each
 moving the same bytes between the same two processes in the same run:
 
-- ``shm pull``: same-node shared-memory path (copy + per-page CRC-32 on both sides) vs a plain
-  ``np.copyto`` of the same pages out of the same mapping. Goal >= 0.5x.
-- ``ucx pull``: the UCX path vs raw ucxx: one request message, then one contiguous buffer of the
-  same size sent with ucxx from the peer's tier memory. Goal >= 0.8x for 16 pages or more.
-- ``..., no receiver CRC`` (16 pages or more): the same pulls without the receiver's CRC pass, as
-  ``CacheWorker.pull`` runs them (``import_blocks`` then checks every page against the sender's
-  CRC). The sender always checksums: the CRC-32 passes, not the transport, bound these figures.
+- ``shm pull``: same-node shared-memory path with its defaults (one copy out of the owner's
+  mapping, no checksums: the owner acknowledges the lease instead) vs a plain ``np.copyto`` of
+  the same pages out of the same mapping. Goal >= 0.5x.
+- ``ucx pull``: the UCX path (per-page CRC-32 on both sides, overlapped with the transfer) vs raw
+  ucxx: one request message, then one contiguous buffer of the same size sent with ucxx from the
+  peer's tier memory. Goal >= 0.8x for 16 pages or more.
 
-Pulls land in a preallocated buffer (``PageClient.pull(out=...)``), as the baselines do. Both
-processes use ``UCX_TLS=tcp,self`` unless UCX_TLS is set: two nodes would talk TCP, not shared
-memory. Figures are MB/s (10^6 bytes per second).
+For 16 pages or more also:
+
+- ``... pull+import``: ``pull_into`` a manager's top tier (what ``CacheWorker.pull`` does): over
+  shm one copy from the owner's mapping into the tier, over ucx one copy from the receive buffer.
+  The destination is emptied (untimed) before each sample.
+- ``shm pull ..., verified``: the shm pull with ``verify=True`` (CRC-32 on both sides).
+- ``ucx pull ..., no receiver CRC``: ``verify=False`` (``import_pages`` then checks the pages).
+
+CRC-32 runs about ten times faster with the optional ``isal`` package installed (the same values;
+see :func:`raykv.records.page_checksum`); on a machine with few cores the CRC passes, not the
+transport, bound the ucx figures without it. Pulls land in a preallocated buffer
+(``PageClient.pull(out=...)``), as the baselines do. Both processes use ``UCX_TLS=tcp,self``
+unless UCX_TLS is set: two nodes would talk TCP, not shared memory. Figures are MB/s (10^6 bytes
+per second).
 """
 
 from __future__ import annotations
@@ -26,16 +36,17 @@ import functools
 import multiprocessing
 import multiprocessing.connection
 import secrets
-from collections.abc import Callable
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from raykv.bench.harness import Benchmark, Row, paired_seconds, timed
+from raykv.bench.harness import Benchmark, Row, Sampler, paired_seconds, timed
 from raykv.config import CacheConfig, KVLayout, TierConfig
 from raykv.manager import CacheManager
-from raykv.transfer import PageClient, PageServer, PeerAddress, TransferConfig, get_runtime
+from raykv.records import crc32
+from raykv.transfer import PageClient, PageServer, PeerAddress, TransferConfig, get_runtime, pull_into
 from raykv.transfer.runtime import active_transports, configure_ucx, ucx_address, ucx_context, ucx_endpoint
 from raykv.transfer.shm import ShmMapping
 
@@ -168,7 +179,8 @@ def _helper_main(conn: multiprocessing.connection.Connection, args: tuple[Any, .
 
 
 class _Client:
-    """This process's side: a PageClient, raw ucxx endpoint, shm mappings, receive buffers."""
+    """This process's side: a PageClient, raw ucxx endpoint, shm mappings, receive buffers, and
+    per page size a destination manager for the pull+import rows (its tier pre-touched)."""
 
     def __init__(self, token: bytes, config: TransferConfig, info: dict[int, Any], peer_ucx: bytes) -> None:
         self.client = PageClient(token, config)
@@ -176,6 +188,11 @@ class _Client:
         self.runtime = get_runtime()
         self.runtime.run(self._connect(peer_ucx), 60)
         self.maps = {page: ShmMapping(path, len(keys) + 1, page) for page, (_, keys, path) in info.items()}
+        self.dst: dict[int, CacheManager] = {}
+        for page, (_, keys, _) in info.items():
+            tier = TierConfig.host(len(keys) * page, pin_memory=False)
+            self.dst[page] = CacheManager(CacheConfig(layout_for(page), (tier,)))
+            self.dst[page].pools[0].array.fill(0)  # type: ignore[attr-defined]
 
     async def _connect(self, peer_ucx: bytes) -> None:
         self.ctx = ucx_context()
@@ -185,11 +202,26 @@ class _Client:
     def my_address(self) -> bytes:
         return ucx_address(self.ctx)
 
-    def pull(self, page: int, count: int, shm: bool, out: np.ndarray, verify: bool = True) -> None:
+    def pull(self, page: int, count: int, shm: bool, out: np.ndarray, verify: bool | None = None) -> None:
         address, keys, _ = self.info[page]
         pull = self.client.pull(address, keys[:count], shm, out=out, verify=verify)
         pulled = self.client.runtime.run(pull, 300)
         assert len(pulled.keys) == count and pulled.path == ("shm" if shm else "ucx"), pulled.path
+
+    def import_sampler(self, page: int, count: int, shm: bool) -> Sampler:
+        """Times one ``pull_into`` of ``count`` pages (emptying the destination first, untimed)."""
+        address, keys, _ = self.info[page]
+        dst = self.dst[page]
+
+        def sample() -> float:
+            dst.clear_reusable()
+            start = time.perf_counter()
+            outcome = self.runtime.run(pull_into(self.client, address, dst, keys[:count], shm), 300)
+            seconds = time.perf_counter() - start
+            assert len(outcome.imported) == count and outcome.path == ("shm" if shm else "ucx")
+            return seconds
+
+        return sample
 
     def raw(self, page: int, nbytes: int, out: np.ndarray) -> None:
         self.runtime.run(self._raw(page, nbytes, out.reshape(-1)[:nbytes]), 300)
@@ -205,6 +237,8 @@ class _Client:
         for mapping in self.maps.values():
             mapping.close()
         self.client.close()
+        for mgr in self.dst.values():
+            mgr.shutdown()
 
 
 def _rows(cl: _Client, settings: TransferSettings) -> list[Row]:
@@ -219,24 +253,30 @@ def _rows(cl: _Client, settings: TransferSettings) -> list[Row]:
 
 def _size_rows(cl: _Client, settings: TransferSettings, page: int, count: int, dst: np.ndarray) -> list[Row]:
     """The rows of one (page size, page count): each path against its baseline; for 16 pages or
-    more also each path without the receiver's CRC pass (what ``CacheWorker.pull`` transfers:
-    ``import_blocks`` checks every page against the sender's CRC instead)."""
+    more also pull+import and each path with the other checksum setting (module docstring)."""
     nbytes = count * page
     src = cl.maps[page].array[:count]
     memcpy = timed(functools.partial(np.copyto, dst, src))
     raw = timed(functools.partial(cl.raw, page, nbytes, dst))
-    cases: list[tuple[str, bool, bool, Callable[[], float], float | None, str]] = [
-        ("shm", True, True, memcpy, 0.5, "vs memcpy"),
-        ("ucx", False, True, raw, 0.8 if count >= 16 else None, "vs raw ucxx"),
+
+    def pull(shm: bool, verify: bool | None) -> Sampler:
+        return timed(functools.partial(cl.pull, page, count, shm, dst, verify))
+
+    size = label(count, page)
+    cases: list[tuple[str, Sampler, Sampler, float | None, str]] = [
+        (f"shm pull {size}", pull(True, None), memcpy, 0.5, "vs memcpy"),
+        (f"ucx pull {size}", pull(False, None), raw, 0.8 if count >= 16 else None, "vs raw ucxx"),
     ]
     if count >= 16:
-        cases += [("shm", True, False, memcpy, None, "vs memcpy; CRC checked at import")]
-        cases += [("ucx", False, False, raw, None, "vs raw ucxx; CRC checked at import")]
+        cases += [
+            (f"shm pull+import {size}", cl.import_sampler(page, count, True), memcpy, None, "vs memcpy"),
+            (f"ucx pull+import {size}", cl.import_sampler(page, count, False), raw, None, "vs raw ucxx"),
+            (f"shm pull {size}, verified", pull(True, True), memcpy, None, "vs memcpy; CRC on both sides"),
+            (f"ucx pull {size}, no receiver CRC", pull(False, False), raw, None, "vs raw ucxx"),
+        ]
     rows = []
-    for path, shm, verify, base_fn, goal, info in cases:
-        ours_fn = timed(functools.partial(cl.pull, page, count, shm, dst, verify))
+    for name, ours_fn, base_fn, goal, info in cases:
         ours, base = paired_seconds(ours_fn, base_fn, settings.repeats, settings.warmup)
-        name = f"{path} pull {label(count, page)}" + ("" if verify else ", no receiver CRC")
         rows.append(Row(name, nbytes / ours / 1e6, nbytes / base / 1e6, "MB/s", goal, info=info))
     return rows
 
@@ -283,7 +323,8 @@ def describe(settings: TransferSettings, quick: bool) -> str:
     mode = "quick" if quick else "full"
     return (
         f"{mode} mode, median of {settings.repeats} after {settings.warmup} warmup; "
-        f"peer in another process on this node; UCX transports: {ctx_info}"
+        f"peer in another process on this node; UCX transports: {ctx_info}; "
+        f"CRC-32 from {getattr(crc32, '__module__', '?')}"
     )
 
 

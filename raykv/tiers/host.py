@@ -103,12 +103,12 @@ class HostPool(PagePool):
         return raw.view(DTYPES[region.spec.dtype][1]).reshape(region.view_shape)
 
     def read_pages(self, slots: list[PageId], out: npt.NDArray[np.uint8]) -> None:
-        if slots:
-            np.take(self.array, slots, axis=0, out=out)
+        if slots:  # mode="clip": take(out=) with the default mode buffers the whole output
+            np.take(self.array, np.asarray(slots, dtype=np.intp), axis=0, out=out, mode="clip")
 
     def write_pages(self, slots: list[PageId], data: npt.NDArray[np.uint8]) -> None:
         if slots:
-            self.array[slots] = data
+            self.array[np.asarray(slots, dtype=np.intp)] = data
 
     def close(self) -> None:
         super().close()

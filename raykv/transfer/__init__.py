@@ -2,16 +2,21 @@
 
 A :class:`PageServer` serves one manager's *committed* pages to peers that hold the deployment's
 shared token; a :class:`PageClient` pulls a list of blocks by key from one or several servers and
-returns them verified (:class:`PulledPages`), ready for ``CacheManager.import_blocks``.
-:func:`pull_into` does both steps and imports only a complete, verified, parent-consistent prefix.
+returns them intact (:class:`PulledPages`), ready for ``CacheManager.import_pages``.
+:func:`pull_into` does both steps, landing the pages in the manager's top tier with one copy, and
+imports only a complete, intact, parent-consistent prefix. Integrity: over UCX every page is
+checked against the sender's CRC-32; over same-node shared memory the pages are copied straight
+out of the owner's memory under its lease (no checksums unless asked; the owner confirms the
+lease instead), see :mod:`raykv.transfer.wire`.
 
 Layers: ``config`` (settings, addresses) and ``auth`` (token, challenge-response) and ``wire``
 (control messages and their limits) at the bottom; ``runtime`` (the loop thread that owns UCX,
 transport checks, byte budgets) and ``shm`` (same-node mappings) and ``payload`` (the sender's
-chunks) above; ``server`` and ``client`` on top. Every failure is a
-:class:`raykv.errors.TransferError` with a ``reason`` ("auth", "protocol", "limit", "integrity",
-"timeout", "closed", "ucx", "connect", "unavailable", "state", "fault"). ucxx is imported lazily,
-the first time a server or client starts.
+chunks) above; ``server`` and ``client`` (with ``receive`` and ``landing``) on top, ``importer``
+last. Every failure is a :class:`raykv.errors.TransferError` with a ``reason`` ("auth",
+"protocol", "limit", "integrity", "timeout", "closed", "ucx", "connect", "unavailable", "state",
+"fault", "rejected", "cancelled"). ucxx is imported lazily, the first time a server or client
+starts.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """PageClient: pulls committed blocks by key from peers' page servers.
 
 A pull connects (or reuses an idle authenticated connection to that peer), sends the keys, and
-receives the header, the payload and the checksums (protocol: :mod:`raykv.transfer.wire`). The
-result is a :class:`PulledPages` whose every page matched its checksum; anything else (bad token,
-malformed or oversized message, corrupt page, dead or slow peer, timeout) raises
+receives the header, the payload and the checksums or the server's acknowledgement (protocol:
+:mod:`raykv.transfer.wire`). The result is a :class:`PulledPages` whose every page is intact
+(see its ``verified``); anything else (bad token, malformed or oversized message, corrupt page,
+dead or slow peer, a lease that ended early, timeout) raises
 :class:`raykv.errors.TransferError` with a ``reason`` and leaves nothing behind: the connection is
 dropped, UCX receives are cancelled (their endpoint is aborted) and the server ends its lease when
 it sees the connection go. Cancelling the calling task cleans up the same way.
@@ -12,7 +13,14 @@ Keys the peer does not have are not an error: they are listed in ``PulledPages.m
 
 Paths: ``shm`` when the server runs on this node (same node id), has a shared host tier that this
 process can map, and every page is on it; ``ucx`` otherwise. ``ClientStats`` counts pulls, pages
-and bytes per path; each result says which path it used.
+and bytes per path; each result says which path it used. Checksums: always on ``ucx`` (the
+receiver's pass overlaps with the transfer); on ``shm`` only with ``verify`` (default
+``TransferConfig.verify_shm``, off): the pages are copied straight out of the owner's memory under
+its lease, and the owner acknowledges that the lease lasted (:mod:`raykv.transfer.wire`).
+
+:meth:`PageClient.pull_land` hands the pages to an import instead of returning them: over ``shm``
+the import reads the rows from the mapping itself (one copy, into the destination tier), over
+``ucx`` from the one buffer they were received into (:mod:`raykv.transfer.landing`).
 
 Backpressure: at most ``client_inflight_bytes`` of receive buffers are being filled at once, over
 all peers; :meth:`PageClient.pull_many` pulls from several peers concurrently.
@@ -25,63 +33,54 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from raykv.errors import InvalidArgumentError, TransferError
-from raykv.records import page_checksum
 from raykv.transfer import wire
-from raykv.transfer.auth import CLIENT_LABEL, NONCE_BYTES, SERVER_LABEL, AuthToken, new_nonce
+from raykv.transfer.auth import AuthToken
 from raykv.transfer.config import PeerAddress, TransferConfig
-from raykv.transfer.results import ClientStats, PulledPages, check_out, merge
+from raykv.transfer.connection import ClientConn as _Conn
+from raykv.transfer.connection import handshake
+from raykv.transfer.landing import Land, LeaseCheck, run_land
+from raykv.transfer.receive import SpareBuffers, compare, copy_shm, read_sums, receive_ucx
+from raykv.transfer.results import ClientStats, Part, PulledPages, check_out, merge
 from raykv.transfer.runtime import (
     ByteBudget,
     TransferRuntime,
-    abort_endpoint,
     as_transfer_error,
     configure_ucx,
     get_runtime,
-    map_rows,
     ucx_address,
     ucx_context,
     ucx_endpoint,
 )
 from raykv.transfer.shm import ShmMapping
-from raykv.types import BlockKey, check_block_key
+from raykv.types import BlockKey, check_block_keys
 
 log = logging.getLogger(__name__)
 
 Peer = PeerAddress | tuple[str, int]
-
-
-@dataclass
-class _Conn:
-    peer: tuple[str, int]
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
-    node: str
-    page_bytes: int
-    max_keys: int
-    max_payload: int
-    shm: wire.ShmInfo | None
-    server_ucx: bytes | None
-    endpoint: Any = None
-
-    def close(self) -> None:
-        abort_endpoint(self.endpoint)
-        self.endpoint = None
-        self.writer.close()
+T = TypeVar("T")
+SPARE_BYTES = 256 << 20
+"""The most receive-buffer bytes a client keeps for reuse by landings (see SpareBuffers)."""
 
 
 @dataclass(frozen=True)
 class _Options:
     prefer_shm: bool
-    verify: bool
-    out: npt.NDArray[np.uint8] | None
+    verify: bool | None  # None: the path's default (see PageClient.pull)
+    out: npt.NDArray[np.uint8] | None = None
+    land: Land[Any] | None = None  # pull_land with a single batch: land it in _pull_batch
+
+
+@dataclass(frozen=True)
+class _Landed:
+    value: Any
 
 
 class PageClient:
@@ -105,6 +104,7 @@ class PageClient:
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._maps: dict[str, ShmMapping | None] = {}
         self._budget: ByteBudget | None = None
+        self._spare = SpareBuffers(min(SPARE_BYTES, self.config.client_inflight_bytes))
         self._ucx_ctx: Any = None
         self._ids = 0
 
@@ -116,31 +116,66 @@ class PageClient:
         prefer_shm: bool = True,
         timeout_s: float | None = None,
         out: npt.NDArray[np.uint8] | None = None,
-        verify: bool = True,
+        verify: bool | None = None,
     ) -> PulledPages:
         """Pull the committed blocks among ``keys`` from ``peer`` (see module docstring).
 
         ``verify``: compare every page with the sender's checksum here (TransferError with
-        reason "integrity" and ``bad_keys`` on a mismatch). ``verify=False`` skips that pass when
-        the caller imports the pages anyway: ``CacheManager.import_blocks`` checks every page
-        against the same checksums and rejects the whole batch on a mismatch.
+        reason "integrity" and ``bad_keys`` on a mismatch). None (default): on over ``ucx``, and
+        over ``shm`` as ``TransferConfig.verify_shm`` says (off: see the module docstring).
+        ``verify=False`` over ``ucx`` skips the pass (``PulledPages.verified`` is then False and
+        ``CacheManager.import_pages`` checks the pages against the same checksums).
 
         ``out`` (optional): a writable C-contiguous uint8 array of at least ``len(keys)`` rows of
         the peer's page size; the pages land in its leading rows (no allocation) and
         ``PulledPages.data`` is a view of them. Raises ValueError for malformed or duplicate keys
         or a bad ``out``, TransferError for any failure (``out`` may then hold partial bytes).
         """
-        checked = [check_block_key(k) for k in keys]
-        if len(set(checked)) != len(checked):
-            raise InvalidArgumentError("keys", "duplicate keys in one pull")
-        endpoint = peer.endpoint if isinstance(peer, PeerAddress) else (str(peer[0]), int(peer[1]))
-        timeout = self.config.timeout_s if timeout_s is None else timeout_s
+        checked, endpoint = _request(peer, keys)
         start = time.perf_counter()
         if not checked:
             return merge([], [], 0.0)
+        parts, _ = await self._guarded(
+            endpoint, timeout_s, self._pull_all(endpoint, checked, _Options(prefer_shm, verify, out))
+        )
+        return merge(parts, checked, time.perf_counter() - start, out)
+
+    async def pull_land(
+        self,
+        peer: Peer,
+        keys: Sequence[bytes],
+        land: Land[T],
+        prefer_shm: bool = True,
+        timeout_s: float | None = None,
+        verify: bool | None = None,
+    ) -> T:
+        """Pull like :meth:`pull` and return ``land(pulled, confirm)``, run in a worker thread.
+
+        ``pulled.data`` is valid during the call only: over ``shm`` the peer's shared tier itself
+        (a read-only view of one run of slots, else a gathered copy), leased until ``confirm()``
+        returned; over ``ucx`` the buffer the pages were received into. ``pulled.verified`` False:
+        ``land`` checks ``pulled.checksums``. ``land`` makes nothing visible before ``confirm()``
+        returned, as ``CacheManager.import_pages(..., confirm=confirm)`` does. A pull of several
+        batches (over the peer's limits) lands once, after the last one.
+        """
+        checked, endpoint = _request(peer, keys)
+        start = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        if not checked:
+            return await run_land(land, merge([], [], 0.0), LeaseCheck(loop))
+        opts = _Options(prefer_shm, verify, None, land)
+        parts, landed = await self._guarded(endpoint, timeout_s, self._pull_all(endpoint, checked, opts))
+        if landed is not None:
+            return landed.value  # type: ignore[no-any-return]
+        return await run_land(land, merge(parts, checked, time.perf_counter() - start), LeaseCheck(loop))
+
+    async def _guarded(
+        self, endpoint: tuple[str, int], timeout_s: float | None, coro: Coroutine[Any, Any, T]
+    ) -> T:
+        """``coro`` under the pull timeout; every failure counted and raised as a TransferError."""
+        timeout = self.config.timeout_s if timeout_s is None else timeout_s
         try:
-            opts = _Options(prefer_shm, verify, out)
-            parts = await asyncio.wait_for(self._pull_all(endpoint, checked, opts), timeout)
+            return await asyncio.wait_for(coro, timeout)
         except asyncio.TimeoutError:
             self.stats.failures["timeout"] += 1
             raise TransferError(
@@ -153,7 +188,6 @@ class PageClient:
             wrapped = as_transfer_error(exc)
             self.stats.failures[getattr(wrapped, "reason", "unknown")] += 1
             raise wrapped from None
-        return merge(parts, checked, time.perf_counter() - start, out, verify)
 
     async def pull_many(
         self, requests: Mapping[Peer, Sequence[bytes]], prefer_shm: bool = True
@@ -170,8 +204,11 @@ class PageClient:
             out[peer] = result
         return out
 
-    def pull_sync(self, peer: Peer, keys: Sequence[bytes], prefer_shm: bool = True) -> PulledPages:
-        return self.runtime.run(self.pull(peer, keys, prefer_shm), self.config.timeout_s + 5)
+    def pull_sync(
+        self, peer: Peer, keys: Sequence[bytes], prefer_shm: bool = True, verify: bool | None = None
+    ) -> PulledPages:
+        pull = self.pull(peer, keys, prefer_shm, verify=verify)
+        return self.runtime.run(pull, self.config.timeout_s + 5)
 
     def pull_many_sync(
         self, requests: Mapping[Peer, Sequence[bytes]], prefer_shm: bool = True
@@ -205,42 +242,12 @@ class PageClient:
             raise TransferError(
                 f"cannot connect to {peer[0]}:{peer[1]} ({exc.strerror})", reason="connect"
             ) from None
+        ucx = ucx_address(self._ucx_ctx) if self._ucx_ctx is not None else None
         try:
-            return await self._handshake(peer, reader, writer)
+            return await handshake(self._token, self.config, self.node_id, ucx, peer, reader, writer)
         except BaseException:
             writer.close()
             raise
-
-    async def _handshake(self, peer: tuple[str, int], reader: asyncio.StreamReader, writer: Any) -> _Conn:
-        hello = wire.expect_type(await wire.read_message(reader, 4096), "hello")
-        if hello.get("v") != wire.VERSION:
-            raise wire.protocol_error(f"unsupported protocol version {str(hello.get('v'))[:10]}")
-        server_nonce = wire.field(hello, "nonce", bytes, NONCE_BYTES)
-        nonce = new_nonce()
-        auth = {
-            "t": "auth",
-            "mac": self._token.proof(CLIENT_LABEL, server_nonce, nonce),
-            "nonce": nonce,
-            "node": self.node_id,
-            "ucx": ucx_address(self._ucx_ctx) if self._ucx_ctx is not None else None,
-        }
-        writer.write(wire.encode(auth, 1 << 17))
-        await writer.drain()
-        welcome = wire.expect_type(await wire.read_message(reader, self.config.max_header_bytes), "welcome")
-        if not self._token.check(welcome.get("mac"), SERVER_LABEL, nonce, server_nonce):
-            raise TransferError("the server failed authentication", reason="auth")
-        ucx = welcome.get("ucx")
-        return _Conn(
-            peer,
-            reader,
-            writer,
-            wire.field(welcome, "node", str),
-            wire.field(welcome, "page_bytes", int),
-            max(1, min(wire.field(welcome, "max_keys", int), self.config.max_keys)),
-            max(1, min(wire.field(welcome, "max_payload", int), self.config.max_payload_bytes)),
-            wire.ShmInfo.from_msg(welcome.get("shm")),
-            ucx if isinstance(ucx, bytes) and ucx else None,
-        )
 
     async def _checkout(self, peer: tuple[str, int]) -> _Conn:
         """An idle connection to ``peer`` that is still open, or a new one."""
@@ -255,10 +262,12 @@ class PageClient:
     # ---- pulls -----------------------------------------------------------------------------------
     async def _pull_all(
         self, peer: tuple[str, int], keys: list[BlockKey], opts: _Options
-    ) -> list[tuple[wire.Header, npt.NDArray[np.uint8], list[int]]]:
-        """Pull ``keys`` in batches that respect the server's key and payload limits."""
+    ) -> tuple[list[Part], _Landed | None]:
+        """Pull ``keys`` in batches that respect the server's key and payload limits; a
+        ``pull_land`` that fits in one batch lands it (its result comes back as ``_Landed``)."""
         conn = await self._checkout(peer)
-        parts = []
+        parts: list[Part] = []
+        landed = None
         try:
             out = opts.out
             check_out(out, len(keys), conn.page_bytes)
@@ -266,49 +275,125 @@ class PageClient:
             used = 0
             for first in range(0, len(keys), per_batch):
                 dest = out[used:] if out is not None else None
-                part = await self._pull_batch(conn, keys[first : first + per_batch], opts, dest)
-                used += len(part[1])
-                parts.append(part)
+                batch = keys[first : first + per_batch]
+                got = await self._pull_batch(conn, batch, opts, dest, len(batch) == len(keys))
+                if isinstance(got, _Landed):
+                    landed = got
+                else:
+                    used += len(got.data)
+                    parts.append(got)
         except BaseException:
             conn.close()
             raise
         self._idle.setdefault(peer, []).append(conn)
-        return parts
+        return parts, landed
 
     async def _pull_batch(
-        self, conn: _Conn, keys: list[BlockKey], opts: _Options, dest: npt.NDArray[np.uint8] | None
-    ) -> tuple[wire.Header, npt.NDArray[np.uint8], list[int]]:
-        """One request/response on ``conn``: header, payload (verified), done."""
+        self,
+        conn: _Conn,
+        keys: list[BlockKey],
+        opts: _Options,
+        dest: npt.NDArray[np.uint8] | None,
+        whole: bool,
+    ) -> Part | _Landed:
+        """One request/response on ``conn``: header, payload (verified or confirmed), done."""
         self._ids += 1
         rid, tag = self._ids, secrets.randbits(48) << 12
         mapping = self._mapping(conn) if opts.prefer_shm else None
-        path = "shm" if mapping is not None else "ucx"
-        await self._send(conn, {"t": "pull", "id": rid, "keys": list(keys), "path": path, "tag": tag})
+        land = opts.land if whole else None
+        sums = self._verify("shm", opts.verify)  # checksums over shm; else the server acknowledges
+        request = {"t": "pull", "id": rid, "keys": list(keys), "tag": tag, "sums": sums}
+        request.update(path="shm" if mapping is not None else "ucx", ack=land is not None or not sums)
+        await self._send(conn, request)
         limit = min(conn.max_payload, self.config.max_payload_bytes)
         msg = await wire.read_message(conn.reader, self.config.max_header_bytes)
         header = wire.Header.from_msg(msg, list(keys), limit)
         if header.request_id != rid or header.page_bytes != conn.page_bytes:
             raise wire.protocol_error("header does not answer this request")
-        if header.path == "shm" and mapping is None:
-            raise wire.protocol_error("server chose the shm path without being asked")
+        if (header.path == "shm" and mapping is None) or header.path not in ("shm", "ucx"):
+            raise wire.protocol_error(f"server chose the {header.path} path without being asked")
         n = len(header.keys)
         if self._budget is None:
             self._budget = ByteBudget(self.config.client_inflight_bytes)
         await self._budget.acquire(n * header.page_bytes)
         try:
-            data = dest[:n] if dest is not None else np.empty((n, header.page_bytes), dtype=np.uint8)
-            if header.path == "shm":
-                assert mapping is not None
-                sums = await self._receive_shm(conn, header, mapping, data, opts.verify)
+            if land is not None:
+                got: Part | _Landed = await self._land(conn, header, tag, mapping, opts.verify, land, keys)
             else:
-                sums = await self._receive_ucx(conn, header, tag, data, opts.verify)
+                got = await self._receive(conn, header, tag, mapping, opts.verify, dest)
         finally:
             self._budget.release(n * header.page_bytes)
         self.stats.pulls[header.path] += 1
         self.stats.pages[header.path] += n
-        self.stats.bytes[header.path] += data.nbytes
+        self.stats.bytes[header.path] += n * header.page_bytes
         self.stats.last_path[f"{conn.peer[0]}:{conn.peer[1]}"] = header.path
-        return header, data, sums
+        return got
+
+    def _verify(self, path: str, verify: bool | None) -> bool:
+        """Whether this process checks the pages of ``path`` against the sender's checksums."""
+        if verify is not None:
+            return verify
+        return path != "shm" or self.config.verify_shm
+
+    async def _receive(
+        self,
+        conn: _Conn,
+        header: wire.Header,
+        tag: int,
+        mapping: ShmMapping | None,
+        verify: bool | None,
+        dest: npt.NDArray[np.uint8] | None,
+    ) -> Part:
+        """The pages of ``header`` in ``dest`` (or a new array); see :meth:`pull`."""
+        n = len(header.keys)
+        data = dest[:n] if dest is not None else np.empty((n, header.page_bytes), dtype=np.uint8)
+        if header.path == "shm":
+            assert mapping is not None
+            sums = self._verify("shm", verify)
+            return Part(header, data, await self._receive_shm(conn, header, mapping, data, sums), True)
+        check = self._verify("ucx", verify)
+        return Part(header, data, await self._receive_ucx(conn, header, tag, data, check), check)
+
+    async def _land(
+        self,
+        conn: _Conn,
+        header: wire.Header,
+        tag: int,
+        mapping: ShmMapping | None,
+        verify: bool | None,
+        land: Land[Any],
+        keys: list[BlockKey],
+    ) -> _Landed:
+        """``land`` the pages of ``header``: over shm straight from the mapping, confirmed by the
+        server's ``ack``; over ucx from the buffer they were received (and verified) into."""
+        start = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        flat = None
+        if header.path == "ucx":
+            flat, data = self._spare.take(len(header.keys), header.page_bytes)
+            check = self._verify("ucx", verify)
+            theirs = await self._receive_ucx(conn, header, tag, data, check)  # failed: `flat` dropped
+            pulled = merge([Part(header, data, theirs, check)], keys, time.perf_counter() - start)
+            lease = LeaseCheck(loop)
+        else:
+            assert mapping is not None
+            rows = mapping.run(list(header.layout))
+            if rows is None:  # not one run of slots: gather them first
+                flat, rows = self._spare.take(len(header.keys), header.page_bytes)
+                await copy_shm(mapping, header, rows, False)
+            sums: list[int] | None = None
+            if self._verify("shm", verify):  # the import checks them (it reads the rows itself)
+                sums = await self._server_sums(conn, header)
+            pulled = merge([Part(header, rows, sums, sums is None)], keys, time.perf_counter() - start)
+            lease = LeaseCheck(loop, lambda: self._finish_shm(conn, header), self.config.timeout_s)
+        try:
+            result = await run_land(land, pulled, lease)  # returns once the worker thread is done
+        finally:
+            if flat is not None:
+                self._spare.give(flat)
+        if not lease.done:
+            await self._finish_shm(conn, header)
+        return _Landed(result)
 
     def _mapping(self, conn: _Conn) -> ShmMapping | None:
         """A read-only mapping of the peer's shared tier when the shm path is possible."""
@@ -324,109 +409,41 @@ class PageClient:
         return self._maps[info.path]
 
     async def _receive_shm(
-        self, conn: _Conn, header: wire.Header, mapping: ShmMapping, data: npt.NDArray[np.uint8], verify: bool
-    ) -> list[int]:
-        """Copy the leased slots from the mapping (one memcpy for a consecutive run), say done."""
-        slots = list(header.layout)
-
-        def copy_and_sum(first: int, last: int) -> list[int]:
-            mapping.copy(slots[first:last], data[first:last])
-            return _checksums(data[first:last]) if verify else []
-
-        sums = await map_rows(header.page_bytes, len(slots), copy_and_sum)
-        mine = sums if verify else None
-        theirs = list(header.sums) if header.sums is not None else await self._read_sums(conn, header)
+        self, conn: _Conn, header: wire.Header, mapping: ShmMapping, data: npt.NDArray[np.uint8], sums: bool
+    ) -> list[int] | None:
+        """Copy the leased slots from the mapping, then either compare them with the server's
+        checksums (``sums``) or have the server acknowledge that the lease lasted."""
+        mine = await copy_shm(mapping, header, data, sums)
+        if not sums:
+            await self._finish_shm(conn, header)
+            return None
+        theirs = await self._server_sums(conn, header)
         await self._send(conn, {"t": "done", "id": header.request_id})  # the lease may end now
-        return self._compare(header, mine, theirs)
+        return compare(header, mine, theirs)
+
+    async def _server_sums(self, conn: _Conn, header: wire.Header) -> list[int]:
+        """The server's checksums: from the header, or the ``sums`` message that follows it."""
+        if header.sums is not None:
+            return list(header.sums)
+        return await read_sums(conn, header, self.config.max_header_bytes)
+
+    async def _finish_shm(self, conn: _Conn, header: wire.Header) -> None:
+        """Say ``done`` and wait for the server's ``ack``: the lease lasted until we stopped
+        reading (an error or EOF instead raises: the pages read may not be the leased ones)."""
+        await self._send(conn, {"t": "done", "id": header.request_id})
+        msg = wire.expect_type(await wire.read_message(conn.reader, self.config.max_header_bytes), "ack")
+        if msg.get("id") != header.request_id:
+            raise wire.protocol_error("'ack' for another request")
 
     async def _receive_ucx(
         self, conn: _Conn, header: wire.Header, tag: int, data: npt.NDArray[np.uint8], verify: bool
     ) -> list[int]:
-        """Post one receive per chunk into ``data``; checksum each chunk as it lands."""
-        if header.sums is not None:
-            sums_task: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
-            sums_task.set_result(list(header.sums))
-        else:
-            sums_task = asyncio.ensure_future(self._read_sums(conn, header))
-        recvs: list[asyncio.Future[Any]] = []
-        try:
-            if header.keys:
-                endpoint = await self._endpoint(conn)
-                first = 0
-                for i, count in enumerate(header.layout):
-                    rows = data[first : first + count]
-                    recvs.append(asyncio.ensure_future(endpoint.recv(rows, tag=tag + i, force_tag=True)))
-                    first += count
-            mine, theirs = await self._checksum_as_received(conn, data, header, recvs, sums_task, verify)
-        except BaseException:
-            # Abort the endpoint first: it cancels the posted receives, so nothing lands in `data`.
-            abort_endpoint(conn.endpoint)
-            conn.endpoint = None
-            for fut in (*recvs, sums_task):
-                fut.cancel()
-            raise
+        """Receive the payload into ``data`` (checksummed as it lands when ``verify``), say
+        ``done``; the server's checksums (compared with ours when ``verify``)."""
+        limit = self.config.max_header_bytes
+        mine, theirs = await receive_ucx(conn, lambda: self._endpoint(conn), header, tag, data, verify, limit)
         await self._send(conn, {"t": "done", "id": header.request_id})
-        return self._compare(header, mine, theirs)
-
-    async def _checksum_as_received(
-        self,
-        conn: _Conn,
-        data: npt.NDArray[np.uint8],
-        header: wire.Header,
-        recvs: list[asyncio.Future[Any]],
-        sums_task: asyncio.Future[list[int]],
-        verify: bool,
-    ) -> tuple[list[int] | None, list[int]]:
-        """Await each chunk and checksum it; returns (our checksums or None, the server's).
-
-        The control stream is watched meanwhile: first for the server's checksums (or its error),
-        then for EOF (the server sends nothing else until our ``done``), so a peer that dies
-        mid-transfer fails the pull at once instead of at the timeout.
-        """
-        mine: list[int] | None = [] if verify else None
-        theirs: list[int] | None = None
-        watch: asyncio.Future[Any] = sums_task
-        first = 0
-        try:
-            for recv, count in zip(recvs, header.layout):
-                while not recv.done():
-                    await asyncio.wait({recv, watch}, return_when=asyncio.FIRST_COMPLETED)
-                    if watch.done() and not recv.done():
-                        theirs, watch = _next_watch(conn, watch, theirs)
-                recv.result()
-                rows = data[first : first + count]
-                if mine is not None:
-                    mine.extend(await map_rows(header.page_bytes, count, _row_sums(rows)))
-                first += count
-            if theirs is None:
-                theirs = await sums_task
-        finally:
-            if watch is not sums_task:
-                # Let the EOF watch finish cancelling before anything reads the stream again.
-                watch.cancel()
-                with contextlib.suppress(BaseException):
-                    await watch
-        return mine, theirs
-
-    async def _read_sums(self, conn: _Conn, header: wire.Header) -> list[int]:
-        msg = wire.expect_type(await wire.read_message(conn.reader, self.config.max_header_bytes), "sums")
-        if msg.get("id") != header.request_id:
-            raise wire.protocol_error("checksums for another request")
-        return wire.int_list(msg, "sums", len(header.keys), 0, 0xFFFFFFFF)
-
-    @staticmethod
-    def _compare(header: wire.Header, mine: list[int] | None, theirs: list[int]) -> list[int]:
-        """``theirs`` when every page matches (or there is nothing to compare); else raise."""
-        if mine is None:
-            return theirs
-        bad = [header.keys[i] for i, (a, b) in enumerate(zip(mine, theirs)) if a != b]
-        if bad:
-            raise TransferError(
-                f"{len(bad)} of {len(mine)} page(s) failed their checksum; nothing was imported",
-                reason="integrity",
-                bad_keys=tuple(bad),
-            )
-        return theirs
+        return compare(header, mine, theirs)
 
     async def _endpoint(self, conn: _Conn) -> Any:
         if conn.endpoint is None:
@@ -440,21 +457,10 @@ class PageClient:
         await conn.writer.drain()
 
 
-def _checksums(rows: npt.NDArray[np.uint8]) -> list[int]:
-    return [page_checksum(memoryview(row)) for row in rows]
-
-
-def _row_sums(rows: npt.NDArray[np.uint8]) -> Callable[[int, int], list[int]]:
-    return lambda first, last: _checksums(rows[first:last])
-
-
-def _next_watch(
-    conn: _Conn, watch: asyncio.Future[Any], sums: list[int] | None
-) -> tuple[list[int] | None, asyncio.Future[Any]]:
-    """The control stream finished ``watch``: keep the checksums, then watch for EOF."""
-    result = watch.result()  # the peer's error, or EOF, raises here
-    if sums is None:
-        return result, asyncio.ensure_future(conn.reader.read(1))
-    if result == b"":
-        raise TransferError("the peer closed the connection mid-transfer", reason="closed")
-    raise wire.protocol_error("unexpected bytes from the peer during the payload")
+def _request(peer: Peer, keys: Sequence[bytes]) -> tuple[list[BlockKey], tuple[str, int]]:
+    """The checked keys (ValueError when malformed or duplicated) and the peer's endpoint."""
+    checked = check_block_keys(keys)
+    if len(set(checked)) != len(checked):
+        raise InvalidArgumentError("keys", "duplicate keys in one pull")
+    endpoint = peer.endpoint if isinstance(peer, PeerAddress) else (str(peer[0]), int(peer[1]))
+    return checked, endpoint

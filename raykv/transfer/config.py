@@ -63,7 +63,11 @@ class TransferConfig:
     trip). ``connect_timeout_s``: connecting plus authenticating; ``timeout_s``: one whole pull.
     ``ucx_net_devices`` / ``ucx_tls``: UCX_NET_DEVICES / UCX_TLS for this process when UCX starts
     (None: leave UCX's default or the environment). ``node_id``: see :func:`default_node_id`.
-    ``use_shm``: allow the same-node shared-memory path.
+    ``use_shm``: allow the same-node shared-memory path. ``verify_shm``: check every page read
+    over that path against a CRC-32 computed by the owner (off by default: the client copies the
+    bytes straight out of the owner's memory while the owner holds a lease on them, so nothing
+    travels that a checksum could guard; the owner acknowledges instead that the lease lasted
+    until the client stopped reading). The ``ucx`` path always carries checksums.
     """
 
     host: str = "127.0.0.1"
@@ -80,6 +84,7 @@ class TransferConfig:
     ucx_tls: str | None = None
     node_id: str | None = None
     use_shm: bool = True
+    verify_shm: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -103,8 +108,9 @@ class TransferConfig:
         object.__setattr__(self, "timeout_s", _positive_seconds("timeout_s", self.timeout_s))
         for name in ("ucx_net_devices", "ucx_tls", "node_id"):
             _optional_str(name, getattr(self, name))
-        if not isinstance(self.use_shm, bool):
-            raise ConfigError("use_shm", f"must be a bool, got {self.use_shm!r}")
+        for name in ("use_shm", "verify_shm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
 
     @classmethod
     def loopback(cls, **changes: object) -> TransferConfig:

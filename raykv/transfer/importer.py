@@ -1,20 +1,29 @@
-"""Import pulled pages into a CacheManager: all verified, parents first, all or nothing.
+"""Import pulled pages into a CacheManager: all intact, parents first, all or nothing.
 
 A pull may come back without some keys (the peer never had them or evicted them). A block can
 only be imported when its parent is a scope root, already cached here, or imported in the same
 batch, so the importable part is the longest prefix of the pulled blocks whose parents are
 satisfied; the rest is reported as ``dropped``. The import itself is
-``CacheManager.import_blocks``: checksums checked again, the batch rejected whole on any problem.
+``CacheManager.import_pages``: the rows go to the top tier in one batched copy, pages the client
+did not verify are checked against the sender's checksums, the batch is rejected whole on any
+problem.
+
+:func:`pull_into` lands the pages as they arrive (``PageClient.pull_land``): over ``shm`` the new
+pages are copied once, from the peer's shared tier straight into this manager's top tier, and
+become visible only after the peer confirmed its lease lasted; over ``ucx`` they are copied once,
+from the buffer they were received (and verified) into.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Sequence
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from raykv.errors import ImportRejectedError, IntegrityError, TransferError
 from raykv.manager import CacheManager
+from raykv.records import ImportResult
 from raykv.transfer.client import PageClient, Peer, PulledPages
 from raykv.types import BlockKey
 
@@ -53,19 +62,28 @@ def importable_prefix(manager: CacheManager, pulled: PulledPages) -> int:
     return len(pulled.keys)
 
 
-def import_pulled(manager: CacheManager, pulled: PulledPages) -> PullOutcome:
+def import_pulled(
+    manager: CacheManager, pulled: PulledPages, confirm: Callable[[], object] | None = None
+) -> PullOutcome:
     """Import the importable prefix of ``pulled`` (see module docstring).
 
-    Raises TransferError (reason "integrity" or "rejected") when the manager rejects the batch;
-    nothing is imported then. OutOfPagesError propagates (nothing imported either).
+    Pages not ``pulled.verified`` are checked against ``pulled.checksums``. ``confirm``: passed
+    to ``CacheManager.import_pages`` (runs before anything becomes visible; if it raises, nothing
+    is imported). Raises TransferError (reason "integrity" or "rejected") when the manager
+    rejects the batch; nothing is imported then. OutOfPagesError propagates (nothing imported).
     """
     n = importable_prefix(manager, pulled)
-    blocks = pulled.to_exported()[:n]
+    verify = not pulled.verified
+    sums = pulled.checksums[:n] if verify else None
     try:
-        result = manager.import_blocks(blocks)
+        result = (
+            manager.import_pages(pulled.records.head(n), pulled.data[:n], sums, verify, confirm=confirm)
+            if n
+            else ImportResult((), ())
+        )
     except IntegrityError as exc:
         index = getattr(exc, "index", None)
-        bad = (blocks[index].key,) if isinstance(index, int) and 0 <= index < len(blocks) else ()
+        bad = (pulled.keys[index],) if isinstance(index, int) and 0 <= index < n else ()
         raise TransferError(f"import refused: {exc}", reason="integrity", bad_keys=bad) from None
     except ImportRejectedError as exc:
         raise TransferError(f"import refused: {exc}", reason="rejected") from None
@@ -81,14 +99,25 @@ def import_pulled(manager: CacheManager, pulled: PulledPages) -> PullOutcome:
 
 
 async def pull_into(
-    client: PageClient, peer: Peer, manager: CacheManager, keys: Sequence[bytes], prefer_shm: bool = True
+    client: PageClient,
+    peer: Peer,
+    manager: CacheManager,
+    keys: Sequence[bytes],
+    prefer_shm: bool = True,
+    verify: bool | None = None,
 ) -> PullOutcome:
     """Pull ``keys`` from ``peer`` and import them into ``manager`` (on the runtime loop).
 
     TransferError for any transfer or import failure: nothing is imported, the caller recomputes.
-    The client skips its own checksum pass: ``import_blocks`` compares every page with the
-    sender's checksum anyway, before anything is imported.
+    ``verify`` as in ``PageClient.pull`` (over ``ucx`` the pages are verified as they arrive, the
+    import does not check them again). ``seconds`` of the outcome cover the pull and the import.
+    A pull cancelled (or timed out) while its import is underway waits for the import to stop;
+    only an import already past the peer's confirmation stands.
     """
-    pulled = await client.pull(peer, keys, prefer_shm, verify=False)
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(None, import_pulled, manager, pulled)
+    start = time.perf_counter()
+
+    def land(pulled: PulledPages, confirm: Callable[[], None]) -> PullOutcome:
+        outcome = import_pulled(manager, pulled, confirm)
+        return dataclasses.replace(outcome, seconds=time.perf_counter() - start)
+
+    return await client.pull_land(peer, keys, land, prefer_shm, verify=verify)

@@ -44,6 +44,8 @@ def settle_pages(manager: CacheManager, blocks: tuple[LeasedBlock, ...]) -> None
     pages asynchronously (``CopyEngine.settle`` for host slots; the GPU pool's slot events for
     device slots, waited for on the host because UCX reads device memory on its own streams).
     """
+    if TierKind.GPU not in manager.tier_kinds:
+        return  # host and disk copies are synchronous (raykv.copy): nothing can be in flight
     by_level: dict[int, list[PageId]] = {}
     for block in blocks:
         by_level.setdefault(block.level, []).append(PageId(block.slot))
@@ -139,7 +141,7 @@ class LeasedPayload:
                 # UCX reads device memory on its own streams: the gather must be done first.
                 torch.cuda.current_stream(rows.device).synchronize()
             elif memory is not None and pool.kind is TierKind.HOST and len(idx) == len(rows):
-                np.take(memory, np.asarray(slots, dtype=np.intp), axis=0, out=rows)
+                np.take(memory, np.asarray(slots, dtype=np.intp), axis=0, out=rows, mode="clip")
             else:
                 rows[idx] = self.manager.copy.read(level, slots)
 

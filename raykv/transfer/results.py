@@ -10,17 +10,32 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.errors import InvalidArgumentError
-from raykv.records import ExportedBlock
+from raykv.records import BlockRecords, ExportedBlock, page_checksum
 from raykv.transfer import wire
 from raykv.types import BlockKey
+
+
+@dataclass(frozen=True)
+class Part:
+    """One batch of a pull: its header, its rows, the sender's checksums (None: the shm path sent
+    none) and whether every row is known intact (see :class:`PulledPages`)."""
+
+    header: wire.Header
+    data: npt.NDArray[np.uint8]
+    sums: list[int] | None
+    verified: bool
 
 
 @dataclass(frozen=True)
 class PulledPages:
     """The pages of one pull, in request order (``data[i]`` is the page of ``keys[i]``).
 
-    ``checksums`` are the sender's. ``verified``: this process compared every page with them
-    (``pull(verify=False)`` leaves that to ``CacheManager.import_blocks``, which always does).
+    ``verified``: every page is known intact, either compared here with the sender's CRC-32
+    (``ucx``; ``shm`` with verification on) or copied out of the owner's memory under a lease the
+    owner confirmed (``shm``, the default there). False after ``pull(verify=False)`` over ``ucx``,
+    and for a ``pull_land`` over ``shm`` with verification (the import reads the rows itself):
+    ``CacheManager.import_pages`` then checks each page against ``checksums``.
+    ``checksums`` are the sender's, one per page, or empty when the shm path carried none.
     """
 
     keys: tuple[BlockKey, ...]
@@ -38,12 +53,22 @@ class PulledPages:
     def nbytes(self) -> int:
         return int(self.data.nbytes)
 
+    @property
+    def records(self) -> BlockRecords:
+        """The blocks' tree positions, for ``CacheManager.import_pages(records, data, ...)``."""
+        return BlockRecords(self.keys, self.parent_keys, self.parent_is_root, self.num_tokens)
+
     def to_exported(self) -> list[ExportedBlock]:
-        """The pages as ExportedBlock records, ready for ``CacheManager.import_blocks``."""
+        """The pages as ExportedBlock records (one bytes object each; ``import_pages`` takes
+        :attr:`records` and :attr:`data` as they are). Checksums the shm path did not carry are
+        computed here."""
+        sums = self.checksums
+        if len(sums) != len(self.keys):
+            sums = tuple(page_checksum(memoryview(row)) for row in self.data)
         return [
             ExportedBlock(k, p, r, n, c, self.data[i].tobytes())
             for i, (k, p, r, n, c) in enumerate(
-                zip(self.keys, self.parent_keys, self.parent_is_root, self.num_tokens, self.checksums)
+                zip(self.keys, self.parent_keys, self.parent_is_root, self.num_tokens, sums)
             )
         ]
 
@@ -77,33 +102,46 @@ def check_out(out: npt.NDArray[np.uint8] | None, rows: int, page_bytes: int) -> 
         raise InvalidArgumentError("out", "must be writable and C-contiguous")
 
 
+def _checksums(parts: list[Part]) -> tuple[int, ...]:
+    """Every page's checksum; empty when a trusted shm batch carried none, unless another batch
+    is unverified (then the importer needs them all: a trusted batch's are computed here)."""
+    if all(p.sums is not None for p in parts):
+        return tuple(s for p in parts for s in p.sums or ())
+    if all(p.verified for p in parts):
+        return ()
+    return tuple(
+        s
+        for p in parts
+        for s in (p.sums if p.sums is not None else [page_checksum(memoryview(r)) for r in p.data])
+    )
+
+
 def merge(
-    parts: list[tuple[wire.Header, npt.NDArray[np.uint8], list[int]]],
+    parts: list[Part],
     keys: list[BlockKey],
     seconds: float,
     out: npt.NDArray[np.uint8] | None = None,
-    verified: bool = True,
 ) -> PulledPages:
     """One PulledPages from the batches of a pull (``missing``: requested keys not found)."""
-    headers = [h for h, _, _ in parts]
+    headers = [p.header for p in parts]
     found = [BlockKey(k) for h in headers for k in h.keys]
     have = set(found)
     if out is not None:
         data: npt.NDArray[np.uint8] | None = out[: len(found)]  # batches filled consecutive rows
     elif len(parts) == 1:
-        data = parts[0][1]
+        data = parts[0].data
     else:
-        data = np.concatenate([d for _, d, _ in parts]) if parts else None
+        data = np.concatenate([p.data for p in parts]) if parts else None
     page_bytes = headers[0].page_bytes if headers else 0
     return PulledPages(
         keys=tuple(found),
         parent_keys=tuple(BlockKey(p) for h in headers for p in h.parents),
         parent_is_root=tuple(r for h in headers for r in h.roots),
         num_tokens=tuple(t for h in headers for t in h.tokens),
-        checksums=tuple(s for _, _, sums in parts for s in sums),
+        checksums=_checksums(parts),
         data=data if data is not None else np.empty((0, page_bytes), dtype=np.uint8),
         missing=tuple(k for k in keys if k not in have),
         path=",".join(sorted({h.path for h in headers})) or "none",
         seconds=seconds,
-        verified=verified,
+        verified=all(p.verified for p in parts),
     )

@@ -139,10 +139,14 @@ _ucx_settings: dict[str, str] = {}
 def configure_ucx(net_devices: str | None = None, tls: str | None = None) -> None:
     """Put UCX settings in the environment before UCX starts (an existing env var wins).
 
-    Also silences UCX's warning about unused UCX_* variables. Settings asked for after UCX has
-    started cannot apply any more; that is logged, not raised.
+    Also silences UCX's warning about unused UCX_* variables, and has ucxx complete requests
+    through its notifier thread (``UCXPY_ENABLE_PYTHON_FUTURE=1``): without it every awaited UCX
+    request polls the event loop until it completes, which costs about half a core per pending
+    receive and delays everything else on the loop (control messages, copies). Settings asked for
+    after UCX has started cannot apply any more; that is logged, not raised.
     """
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
     for name, value in (("UCX_NET_DEVICES", net_devices), ("UCX_TLS", tls)):
         if value is None:
             continue
@@ -184,6 +188,7 @@ def transport_warnings(transports: list[str], device_memory: bool) -> list[str]:
 
 
 _ucx_ready = False
+_futures_worker: Any = None
 
 
 def ucx_context(device_memory: bool = False) -> Any:
@@ -193,7 +198,7 @@ def ucx_context(device_memory: bool = False) -> Any:
     logs a loud warning when device memory would go over TCP. Raises TransferError when ucxx is
     not installed.
     """
-    global _ucx_ready
+    global _ucx_ready, _futures_worker
     configure_ucx()
     try:
         import ucxx
@@ -203,6 +208,9 @@ def ucx_context(device_memory: bool = False) -> Any:
     transports = active_transports(ctx.ucp_context_info)
     if not _ucx_ready:
         _ucx_ready = True
+        if getattr(ctx.worker, "enable_python_future", False):
+            _futures_worker = ctx.worker
+            refill_futures()
         log.info(
             "UCX %s started: transports %s (UCX_TLS=%s, UCX_NET_DEVICES=%s)",
             ucxx.__ucx_version__,
@@ -213,6 +221,29 @@ def ucx_context(device_memory: bool = False) -> Any:
     for warning in transport_warnings(transports, device_memory):
         log.warning("!!! raykv transfer: %s", warning)
     return ctx
+
+
+def refill_futures() -> None:
+    """Top up ucxx's pool of request futures (100 at most; a no-op while it is half full).
+
+    Its notifier thread refills the pool only between completions, and a request that finds it
+    empty makes UCXX print a warning to stdout: a burst of requests (one per chunk) must refill
+    right before each one (:func:`tag_send`, :func:`tag_recv`).
+    """
+    if _futures_worker is not None:
+        _futures_worker.populate_python_futures_pool()
+
+
+async def tag_send(endpoint: Any, buf: Any, tag: int) -> Any:
+    """``endpoint.send(buf, tag)`` (forced tag), with a future ready for it."""
+    refill_futures()
+    return await endpoint.send(buf, tag=tag, force_tag=True)
+
+
+async def tag_recv(endpoint: Any, buf: Any, tag: int) -> Any:
+    """``endpoint.recv(buf, tag)`` (forced tag), with a future ready for it."""
+    refill_futures()
+    return await endpoint.recv(buf, tag=tag, force_tag=True)
 
 
 def ucx_address(ctx: Any) -> bytes:

@@ -14,7 +14,10 @@ UCX never reads a page that has been released. Paths:
 
 - ``shm``: the client runs on this node (same node id) and every leased page is on this manager's
   shared host tier: the header carries slot numbers and the client copies from its read-only
-  mapping of the tier file.
+  mapping of the tier file. Checksums only when the client asks; otherwise the server
+  acknowledges the client's ``done`` (the lease lasted while the client read).
+- ``direct``: asked for by :func:`raykv.transfer.device.pull_direct`: a few large UCX messages
+  from the pages' own device, per-page digests computed there (:mod:`raykv.transfer.device`).
 - ``ucx``: everything else; the payload goes as a few large UCX tag messages (``chunk_bytes``
   each) straight from tier memory where possible (:class:`raykv.transfer.payload.LeasedPayload`).
 
@@ -49,6 +52,7 @@ from raykv.transfer.runtime import (
     get_runtime,
     map_rows,
     offload,
+    tag_send,
     ucx_address,
     ucx_context,
     ucx_endpoint,
@@ -64,7 +68,9 @@ MAX_UCX_ADDRESS = 1 << 16
 class ServerFaults:
     """Test hooks, all off by default.
 
-    ``corrupt_payload``: flip one byte of each sent chunk (a copy; the tier is untouched).
+    ``corrupt_payload``: flip one byte of each sent chunk (a copy; the tier is untouched); on the
+    shm path, where the client reads the true bytes, spoil page 0's checksum (when it asks for
+    checksums: without them there is nothing in transit to corrupt).
     ``drop_after_header``: close the connection right after the header (a peer dying mid-transfer).
     ``stall_after_header_s``: sleep after the header (a slow peer; lets a test cancel or kill).
     """
@@ -98,6 +104,8 @@ class _Conn:
     node: str = ""
     ucx_address: bytes | None = None
     endpoint: Any = None
+    sums: bool = True  # the current pull asked for checksums on the shm path
+    ack: bool = False  # the current pull asked for an ``ack`` of its ``done`` on the shm path
 
 
 class PageServer:
@@ -269,6 +277,8 @@ class PageServer:
         tag = wire.field(msg, "tag", int)
         if not 0 <= tag < (1 << 62):
             raise wire.protocol_error("field 'tag' out of range")
+        conn.sums = _flag(msg, "sums", True)
+        conn.ack = _flag(msg, "ack", False)
         try:
             lease = self.manager.lease_blocks(keys)
         except RayKVError as exc:
@@ -282,7 +292,8 @@ class PageServer:
             await self._budget.acquire(nbytes)
             try:
                 path = "shm" if want == "shm" and self._shm_ok(conn, lease) else "ucx"
-                send = self._send_shm if path == "shm" else self._send_ucx
+                path = "direct" if want == "direct" else path
+                send = {"shm": self._send_shm, "ucx": self._send_ucx, "direct": self._send_direct}[path]
                 await asyncio.wait_for(send(conn, rid, lease, tag), self.config.timeout_s)
             finally:
                 self._budget.release(nbytes)
@@ -329,27 +340,33 @@ class PageServer:
             await asyncio.sleep(0.01)
 
     async def _send_shm(self, conn: _Conn, rid: int, lease: BlockLease, tag: int) -> None:
-        """Slots in the header; the client copies from its mapping while we checksum the pages
-        (a small payload's checksums go in the header itself)."""
+        """Slots in the header; the client copies from its mapping. Checksums only when the pull
+        asked for them (computed while the client copies; a small payload's go in the header);
+        an ``ack`` of the client's ``done`` when asked, sent before the lease ends."""
         pool = self.manager.pools[self._shm_level]
         assert isinstance(pool, HostPool)
         slots = [b.slot for b in lease.blocks]
         settle_pages(self.manager, lease.blocks)  # the client reads these slots right after the header
         nbytes = len(slots) * pool.page_bytes
         corrupt = self.faults.corrupt_payload
-        sums = _page_sums(pool, slots, 0, len(slots), corrupt) if nbytes <= INLINE_BYTES else None
+        inline = conn.sums and nbytes <= INLINE_BYTES
+        sums = _page_sums(pool, slots, 0, len(slots), corrupt) if inline else None
         await self._send(conn, self._header(rid, "shm", lease, slots, sums))
         await self._after_header(conn)
-        if sums is None:
+        if conn.sums and sums is None:
             sums = await map_rows(
                 pool.page_bytes, len(slots), lambda a, b: _page_sums(pool, slots, a, b, corrupt)
             )
             await self._send(conn, {"t": "sums", "id": rid, "sums": sums})
         await self._await_done(conn, rid, None)
+        if conn.ack:
+            await self._send(conn, {"t": "ack", "id": rid})
 
     async def _send_ucx(self, conn: _Conn, rid: int, lease: BlockLease, tag: int) -> None:
         """Header, then every chunk as one UCX message (tag ``tag + i``), then the checksums
-        (a small payload is prepared and checksummed first, its checksums go in the header)."""
+        (a small payload is prepared and checksummed first, its checksums go in the header).
+        Every send is posted before any checksum is computed, so UCX always has the whole
+        payload queued and the checksums overlap with the transfer."""
         corrupt = self.faults.corrupt_payload
         payload = LeasedPayload(self.manager, lease.blocks, self.config.chunk_bytes, corrupt)
         endpoint: Any = await self._endpoint(conn) if lease.blocks else None
@@ -361,16 +378,16 @@ class PageServer:
         await self._after_header(conn)
         sends: list[asyncio.Future[Any]] = []
         try:
-            trailer: list[int] = []
             for i in chunks:
                 nbytes = payload.counts[i] * payload.page_bytes
                 buf = (
                     ready[i] if small else await offload(0 if payload.in_place else nbytes, payload.chunk, i)
                 )
-                sends.append(asyncio.ensure_future(endpoint.send(buf, tag=tag + i, force_tag=True)))
-                if not small:
-                    trailer.extend(await map_rows(payload.page_bytes, payload.counts[i], payload.sums_of(i)))
+                sends.append(asyncio.ensure_future(tag_send(endpoint, buf, tag + i)))
             if not small:
+                trailer: list[int] = []
+                for i in chunks:
+                    trailer.extend(await map_rows(payload.page_bytes, payload.counts[i], payload.sums_of(i)))
                 await self._send(conn, {"t": "sums", "id": rid, "sums": trailer})
             await self._await_done(conn, rid, asyncio.gather(*sends) if sends else None)
         except BaseException:
@@ -381,8 +398,19 @@ class PageServer:
                 s.cancel()
             raise
 
+    async def _send_direct(self, conn: _Conn, rid: int, lease: BlockLease, tag: int) -> None:
+        """The ``direct`` path (:mod:`raykv.transfer.device`): pages stay on their device."""
+        from raykv.transfer.device import send_direct
+
+        await send_direct(self, conn, rid, lease, tag)
+
     async def _await_done(self, conn: _Conn, rid: int, sends: asyncio.Future[Any] | None) -> None:
         """Wait for the client's ``done`` and for our sends; a closed connection fails at once."""
+        if sends is None:  # nothing else to watch: read it directly
+            msg = wire.expect_type(await wire.read_message(conn.reader, self.config.max_header_bytes), "done")
+            if msg.get("id") != rid:
+                raise wire.protocol_error("'done' for another request")
+            return
         done = asyncio.ensure_future(wire.read_message(conn.reader, self.config.max_header_bytes))
         waiting: set[asyncio.Future[Any]] = {done} if sends is None else {done, sends}
         try:
@@ -415,6 +443,11 @@ def _page_sums(pool: HostPool, slots: list[int], first: int, last: int, corrupt:
     if corrupt and first == 0 and sums:
         sums[0] ^= 1
     return sums
+
+
+def _flag(msg: dict[str, Any], name: str, default: bool) -> bool:
+    """An optional bool field of a pull (``default`` when absent)."""
+    return default if msg.get(name) is None else bool(wire.field(msg, name, bool))
 
 
 def _shared_tier(manager: CacheManager) -> tuple[int, wire.ShmInfo | None]:

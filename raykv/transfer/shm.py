@@ -27,14 +27,18 @@ def consecutive(slots: Sequence[int]) -> bool:
 
 
 def copy_rows(src: npt.NDArray[np.uint8], slots: Sequence[int], out: npt.NDArray[np.uint8]) -> None:
-    """``out[i] = src[slots[i]]``: one memcpy for a consecutive run, a gather otherwise."""
+    """``out[i] = src[slots[i]]``: one memcpy for a consecutive run, a gather otherwise.
+
+    ``slots`` must be valid rows of ``src`` (the gather uses ``mode="clip"``: numpy buffers the
+    whole output of ``take(..., out=)`` in its default mode, an extra copy).
+    """
     if not len(slots):
         return
     if consecutive(slots):
         first = int(slots[0])
         np.copyto(out, src[first : first + len(slots)])
     else:
-        np.take(src, np.asarray(slots, dtype=np.intp), axis=0, out=out)
+        np.take(src, np.asarray(slots, dtype=np.intp), axis=0, out=out, mode="clip")
 
 
 class ShmMapping:
@@ -67,11 +71,24 @@ class ShmMapping:
             num_slots, page_bytes
         )
 
+    def check(self, slots: Sequence[int]) -> None:
+        """TransferError unless every slot is one of the mapped tier's."""
+        if len(slots) and not (min(slots) >= 0 and max(slots) < len(self.array)):
+            raise TransferError("the peer named a slot outside its shared tier", reason="protocol")
+
     def copy(self, slots: Sequence[int], out: npt.NDArray[np.uint8]) -> None:
         """Copy the pages at ``slots`` into the rows of ``out`` (TransferError on a bad slot)."""
-        if any(not 0 <= s < len(self.array) for s in slots):
-            raise TransferError("the peer named a slot outside its shared tier", reason="protocol")
+        self.check(slots)
         copy_rows(self.array, slots, out)
+
+    def run(self, slots: Sequence[int]) -> npt.NDArray[np.uint8] | None:
+        """The pages at ``slots`` in place (a read-only view, no copy) when they are one run of
+        consecutive slots, else None. Valid while the owner's lease on them lasts."""
+        self.check(slots)
+        if not consecutive(slots):
+            return None
+        first = int(slots[0]) if len(slots) else 0
+        return self.array[first : first + len(slots)]
 
     def close(self) -> None:
         self.array = np.zeros((0, 0), dtype=np.uint8)

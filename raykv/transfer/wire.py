@@ -11,13 +11,18 @@ Messages (``t`` field):
 hello      s -> c     protocol version, server nonce (see :mod:`raykv.transfer.auth`)
 auth       c -> s     client proof, client nonce, client node id, client UCX worker address
 welcome    s -> c     server proof, node id, page size, limits, shared-memory file, UCX address
-pull       c -> s     request id, keys (<= max_keys), wanted path ("shm" / "ucx"), UCX tag base
+pull       c -> s     request id, keys (<= max_keys), wanted path ("shm"/"ucx"/"direct"), tag base,
+                      shm only: ``sums`` (send checksums), ``ack`` (acknowledge ``done``)
 header     s -> c     keys found (request order), parent keys, parent_is_root, num_tokens,
-                      page size, path, payload layout: pages per chunk (ucx) or slots (shm)
+                      page size, path, payload layout: pages per chunk (ucx, direct) or slots
+                      (shm); direct: a device digest per page (:mod:`raykv.transfer.device`)
 sums       s -> c     one CRC-32 (:func:`raykv.records.page_checksum`) per page, sent right
                       after the header's payload has been handed to UCX (see below); for a
-                      payload of at most 256 KiB they travel in ``header`` instead
-done       c -> s     shm path: the client finished copying (the server then ends the lease)
+                      payload of at most 256 KiB they travel in ``header`` instead. Always
+                      on the ucx path; on the shm path only when the pull asked for ``sums``
+done       c -> s     the client has the pages (shm: it stopped reading the shared tier)
+ack        s -> c     shm path, when the pull asked for it: the lease was held until ``done``
+                      arrived, so every byte the client read was the leased page
 error      both       reason + message; the connection is closed after it
 =========  =========  ==================================================================
 
@@ -25,6 +30,12 @@ The checksums travel in ``sums`` rather than in ``header`` so the sender can che
 while chunk i is on the wire, and the receiver can checksum each chunk as it lands: the two CRC
 passes overlap with the transfer instead of adding to it. The receiver compares every page before
 anything is imported.
+
+The shm path needs no checksums: the client copies the pages straight out of the owner's memory
+while the owner holds a lease on them, so nothing travels that could be corrupted (a checksum
+guards transit, not local memory). The client must know instead that the lease lasted until it
+finished reading (a failing server ends its leases at once): either checksums computed under the
+lease match what it read, or the server acknowledges its ``done``.
 """
 
 from __future__ import annotations
@@ -38,8 +49,8 @@ import msgpack
 
 from raykv.errors import TransferError
 
-VERSION = 1
-PATHS = ("shm", "ucx")
+VERSION = 2
+PATHS = ("shm", "ucx", "direct")
 _LEN = struct.Struct(">I")
 
 
@@ -107,9 +118,9 @@ def int_list(msg: dict[str, Any], name: str, length: int, lo: int, hi: int) -> l
     values = field(msg, name, list)
     if len(values) != length:
         raise protocol_error(f"field {name!r} has {len(values)} entries, expected {length}")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise protocol_error(f"field {name!r} holds a value outside {lo}..{hi}")
+    # msgpack decodes integers as exactly ``int`` (a bool is not one): one pass, then the range.
+    if values and not (all(type(v) is int for v in values) and lo <= min(values) and max(values) <= hi):
+        raise protocol_error(f"field {name!r} holds a value outside {lo}..{hi}")
     return values
 
 
@@ -118,9 +129,8 @@ def key_list(msg: dict[str, Any], name: str, max_keys: int) -> list[bytes]:
     values = field(msg, name, list)
     if len(values) > max_keys:
         raise TransferError(f"{len(values)} keys exceed the limit of {max_keys}", reason="limit")
-    for v in values:
-        if not isinstance(v, bytes) or len(v) != 32:
-            raise protocol_error(f"field {name!r} must hold 32-byte keys")
+    if not all(type(v) is bytes and len(v) == 32 for v in values):
+        raise protocol_error(f"field {name!r} must hold 32-byte keys")
     return values
 
 
@@ -198,7 +208,7 @@ class Header:
             raise protocol_error("header lists a parent_is_root flag per key")
         tokens = int_list(msg, "tokens", n, 1, 1 << 31)
         layout = field(msg, "layout", list)
-        if path == "ucx":
+        if path in ("ucx", "direct"):
             counts = int_list(msg, "layout", len(layout), 1, n)
             if sum(counts) != n:
                 raise protocol_error("header chunk sizes do not add up to the page count")
@@ -212,8 +222,12 @@ class Header:
 
 
 def _check_subsequence(found: list[bytes], requested: list[bytes]) -> None:
-    it = iter(requested)
-    if not all(any(k == r for r in it) for k in found):
+    if len(found) == len(requested):  # every key found: the common case, one comparison
+        ok = found == requested
+    else:
+        it = iter(requested)
+        ok = all(any(k == r for r in it) for k in found)
+    if not ok:
         raise protocol_error("header keys are not the requested keys in request order")
 
 

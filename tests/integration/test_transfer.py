@@ -78,9 +78,9 @@ def test_failed_pull_imports_nothing_and_the_caller_recomputes(xfer: RayKVCluste
     before = snapshot_view(wb)
     get(wa.set_transfer_faults.remote(corrupt_payload=True))
     try:
-        for prefer_shm in (True, False):
+        for prefer_shm in (True, False):  # shm carries checksums only when asked to verify
             with pytest.raises(TransferError) as info:
-                get(wb.pull.remote(a, xfer.keys(prompt), prefer_shm=prefer_shm))
+                get(wb.pull.remote(a, xfer.keys(prompt), prefer_shm=prefer_shm, verify=True))
             assert info.value.reason == "integrity"
     finally:
         get(wa.set_transfer_faults.remote(corrupt_payload=False))

@@ -131,12 +131,12 @@ def test_large_pull_is_chunked_checksummed_in_pieces_and_verified(
     oracle = ContentOracle(big)
     pair = make_pair(host_pages=96, disk_pages=0, page_layout=big)
     keys = commit(pair.src, oracle, seq(14, 90))  # 5.6 MiB: several chunks, checksums in a trailer
-    pulled = pair.client.pull_sync(pair.server.address, keys, prefer_shm)  # type: ignore[arg-type]
+    pulled = pair.client.pull_sync(pair.server.address, keys, prefer_shm, verify=True)  # type: ignore[arg-type]
     assert pulled.path == ("shm" if prefer_shm else "ucx") and pulled.verified
     check_pages(oracle, pulled, keys)
     pair.server.faults.corrupt_payload = True
     with pytest.raises(TransferError) as info:
-        pair.client.pull_sync(pair.server.address, keys, prefer_shm)  # type: ignore[arg-type]
+        pair.client.pull_sync(pair.server.address, keys, prefer_shm, verify=True)  # type: ignore[arg-type]
     assert info.value.reason == "integrity" and keys[0] in info.value.bad_keys  # ucx: one per chunk
     pair.wait_no_leases()
 
@@ -280,13 +280,14 @@ def test_corrupt_payload_is_detected_and_nothing_is_imported(
 ) -> None:
     pair = make_pair()
     keys = commit(pair.src, oracle, seq(9, 4))
-    pair.server.faults.corrupt_payload = True
+    pair.server.faults.corrupt_payload = True  # shm: only checksums can be spoilt; ask for them
     with pytest.raises(TransferError) as info:
-        pair.client.pull_sync(pair.server.address, keys, prefer_shm)  # type: ignore[arg-type]
+        pair.client.pull_sync(pair.server.address, keys, prefer_shm, verify=True)  # type: ignore[arg-type]
     assert info.value.reason == "integrity" and info.value.bad_keys == (keys[0],)
     before = pair.dst.committed_blocks()
-    with pytest.raises(TransferError) as info:  # the import path (no client-side pass) catches it too
-        get_runtime().run(pull_into(pair.client, pair.server.address, pair.dst, keys, prefer_shm), 30)
+    with pytest.raises(TransferError) as info:  # the import path catches it too
+        pull = pull_into(pair.client, pair.server.address, pair.dst, keys, prefer_shm, verify=True)  # type: ignore[arg-type]
+        get_runtime().run(pull, 30)
     assert info.value.reason == "integrity"
     assert pair.dst.committed_blocks() == before == []
     pair.server.faults.corrupt_payload = False
@@ -320,7 +321,7 @@ def test_small_shm_pull_needs_nothing_after_the_header(
     pair = make_pair()
     keys = commit(pair.src, oracle, seq(13, 3))
     pair.server.faults.drop_after_header = True
-    pulled = pair.client.pull_sync(pair.server.address, keys)  # type: ignore[arg-type]
+    pulled = pair.client.pull_sync(pair.server.address, keys, verify=True)  # type: ignore[arg-type]
     assert pulled.path == "shm" and pulled.verified
     check_pages(oracle, pulled, keys)
     pair.wait_no_leases()
@@ -334,7 +335,8 @@ def test_cancel_and_timeout_release_everything(make_pair: Callable[..., Pair], p
     pair.server.faults.stall_after_header_s = 30.0
 
     async def cancel_mid_pull() -> None:
-        task = asyncio.ensure_future(pair.client.pull(pair.server.address, keys, prefer_shm))  # type: ignore[arg-type]
+        pull = pair.client.pull(pair.server.address, keys, prefer_shm, verify=True)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(pull)
         while not pair.server.open_leases:
             await asyncio.sleep(0.005)
         task.cancel()
@@ -344,7 +346,7 @@ def test_cancel_and_timeout_release_everything(make_pair: Callable[..., Pair], p
     get_runtime().run(cancel_mid_pull(), 20)
     pair.wait_no_leases()
     with pytest.raises(TransferError) as info:
-        get_runtime().run(pair.client.pull(pair.server.address, keys, prefer_shm, timeout_s=0.3), 20)  # type: ignore[arg-type]
+        get_runtime().run(pair.client.pull(pair.server.address, keys, prefer_shm, 0.3, verify=True), 20)  # type: ignore[arg-type]
     assert info.value.reason == "timeout"
     pair.wait_no_leases()
     assert pair.client.stats.failures["timeout"] == 1

@@ -1,0 +1,344 @@
+"""GPU-to-GPU page pulls between two processes (needs 2 CUDA devices and ucxx).
+
+``python -m raykv.bench.gpu_transfer [--quick] [--json PATH]``: a page-server process owns a
+CacheManager whose top tier is a GPU tier on cuda:0 (plus a pinned host tier) holding committed
+blocks written by the device oracle; this process pulls them into a manager on cuda:1 and times:
+
+* ``direct pull``: :func:`raykv.transfer.device.pull_direct` into a buffer on cuda:1, every page's
+  digest checked; the sender gathers the pages into a plain device allocation (``staged``: up to 4
+  UCX messages; ``staged_1msg``: one), or with ``--in-place`` also sends them straight from the
+  GPU tier (slow: UCX cannot map its CUDA virtual memory); each row also gives the median split
+  of a pull into request (to the header), payload and digest check;
+* ``direct pull+import``: the same plus :func:`raykv.transfer.device.import_direct` into the
+  GPU tier, device synchronized;
+* ``ucx pull+import``: the host path (:func:`raykv.transfer.pull_into`): pages land in host memory,
+  CRC-32 on both sides, then imported (only with ``--host-path``; fewer samples: it is slow).
+
+Baseline, measured in the same run: one torch copy of one contiguous buffer of the same bytes
+from cuda:0 to cuda:1 (``copy_``, then synchronize). Issue goal: >= 0.75x for 256 pages of 2 MiB.
+Figures are GB/s (1e9 bytes), the median of the samples after a warm-up.
+
+``python -m raykv.bench.gpu_transfer serve SPEC`` is the server process (also used by
+tests/gpu/test_gpu_transfer.py through :class:`ServerProcess`); its token comes in the
+environment (``RAYKV_TRANSFER_TOKEN``, hex), never on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+MARK = "RAYKV-JSON "
+GOAL = 0.75
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    page_kib: int
+    pages: int
+
+
+SCENARIOS = (Scenario("256x2MiB", 2048, 256), Scenario("16x512KiB", 512, 16))
+VARIANTS = {"in_place": (True, 4), "staged": (False, 4), "staged_1msg": (False, 1)}
+"""Server variants: (send a GPU tier's consecutive pages in place, most UCX messages per pull).
+The benchmark skips ``in_place`` unless asked: UCX cannot map the GPU tier's VMM memory."""
+
+
+def _emit(obj: Any) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _transports() -> list[str]:
+    """The UCX transports this process's context reports (starts UCX)."""
+    from raykv.transfer.runtime import active_transports, get_runtime, ucx_context
+
+    async def read() -> list[str]:
+        return active_transports(ucx_context(device_memory=True).ucp_context_info)
+
+    return get_runtime().run(read(), 60)
+
+
+def gpu_manager(page_kib: int, pages: int, device: int) -> Any:
+    """A CacheManager with a GPU top tier of ``pages`` (+4) pages on ``device`` and a host tier."""
+    from raykv.bench.core_io import page_layout
+    from raykv.config import CacheConfig, TierConfig
+    from raykv.manager import CacheManager
+
+    layout = page_layout(page_kib)
+    size = (pages + 4) * layout.page_bytes
+    return CacheManager(CacheConfig(layout, (TierConfig.gpu(size, device=device), TierConfig.host(size))))
+
+
+def commit_blocks(manager: Any, pages: int, seed: int) -> list[bytes]:
+    """Commit one request of ``pages`` full blocks written by the device oracle; its keys."""
+    import torch
+
+    from raykv.gpu_oracle import DeviceOracle
+
+    pool = manager.top_pool
+    oracle = DeviceOracle(manager.layout, pool.device)
+    tokens = [seed * 1_000_000 + i for i in range(pages * manager.tokens_per_block)]
+    with manager.create(tokens) as cache:
+        assert cache.resume()
+        cache.extend(tokens)
+        oracle.fill_cache(pool, cache)
+        torch.cuda.synchronize(pool.device)
+        cache.commit()
+        return [bytes(cache.block_key(i)) for i in range(pages)]
+
+
+def serve(spec: dict[str, Any]) -> int:
+    """The server process: build, commit, serve; then answer ``stats`` lines until ``quit``/EOF."""
+    from raykv.transfer import AuthToken, PageServer, TransferConfig
+
+    token = AuthToken(bytes.fromhex(os.environ["RAYKV_TRANSFER_TOKEN"]))
+    device = int(spec.get("device", 0))
+    config = TransferConfig(host="127.0.0.1", timeout_s=120.0)
+    managers, servers, ready = [], {}, {}
+    for i, sc in enumerate(spec["scenarios"]):
+        mgr = gpu_manager(sc["page_kib"], sc["pages"], device)
+        managers.append(mgr)
+        keys = commit_blocks(mgr, sc["pages"], seed=i + 1)
+        entry: dict[str, Any] = {"keys": [k.hex() for k in keys], "page_bytes": mgr.layout.page_bytes}
+        for variant, (in_place, pieces) in VARIANTS.items():
+            server = PageServer(mgr, token, config)
+            server.direct_in_place = in_place  # type: ignore[attr-defined]
+            server.direct_pieces = pieces  # type: ignore[attr-defined]
+            entry[variant] = server.start().port
+            servers[f"{sc['name']}/{variant}"] = server
+        ready[sc["name"]] = entry
+    _emit({"servers": ready, "transports": _transports(), "pid": os.getpid()})
+    for line in sys.stdin:
+        if line.strip() == "stats":
+            _emit({name: s.stats.as_dict() for name, s in servers.items()})
+        elif line.strip() == "quit":
+            break
+    for server in servers.values():
+        server.close()
+    for mgr in managers:
+        mgr.shutdown()
+    return 0
+
+
+class ServerProcess:
+    """A :func:`serve` process (cuda ``device``), its ready message, and a ``stats`` call."""
+
+    def __init__(
+        self, token: bytes, scenarios: list[Scenario], device: int = 0, timeout: float = 240
+    ) -> None:
+        spec = {"device": device, "scenarios": [vars(s) for s in scenarios]}
+        env = dict(os.environ, RAYKV_TRANSFER_TOKEN=token.hex())
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "raykv.bench.gpu_transfer", "serve", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+        )
+        self._lines: queue.Queue[Any] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.ready = self._read(timeout)
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                self._lines.put(json.loads(line[len(MARK) :]))
+        self._lines.put(None)
+
+    def _read(self, timeout: float) -> Any:
+        try:
+            msg = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"server process did not answer within {timeout}s:\n{self.stderr()}") from None
+        if msg is None:
+            raise RuntimeError(f"server process exited ({self.proc.wait()}):\n{self.stderr()}")
+        return msg
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-6000:]
+
+    def stats(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("stats\n")
+        self.proc.stdin.flush()
+        return self._read(30)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+                self.proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _median_seconds(fn: Callable[[], Any], before: Callable[[], Any], repeats: int, warmup: int) -> float:
+    times = []
+    for i in range(warmup + repeats):
+        before()
+        start = time.perf_counter()
+        fn()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _scenario(
+    sc: Scenario, entry: dict[str, Any], token: bytes, repeats: int, warmup: int, options: argparse.Namespace
+) -> dict[str, Any]:
+    """Rows of one scenario (seconds per pull) against the server's ``entry``."""
+    import torch
+
+    from raykv.transfer import PageClient, PeerAddress, TransferConfig, get_runtime, pull_into
+    from raykv.transfer.device import import_direct, pull_direct
+
+    runtime = get_runtime()
+    keys = [bytes.fromhex(k) for k in entry["keys"]]
+    nbytes = len(keys) * entry["page_bytes"]
+    src_dev, dst_dev = torch.device("cuda", 0), torch.device("cuda", 1)
+    mgr = gpu_manager(sc.page_kib, sc.pages, 1)
+    client = PageClient(token, TransferConfig(host="127.0.0.1", timeout_s=30.0))
+    slow = PageClient(token, TransferConfig(host="127.0.0.1", timeout_s=60.0))
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=src_dev)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
+    errors: list[str] = []
+    phases: list[tuple[float, float, float]] = []
+    info: dict[str, str] = {}
+
+    def raw() -> None:
+        dst.copy_(src)
+        torch.cuda.synchronize(dst_dev)
+
+    def clear() -> None:
+        mgr.clear_reusable()
+
+    def nothing() -> None:
+        pass
+
+    def pull(peer: PeerAddress) -> Any:
+        pages = runtime.run(pull_direct(client, peer, keys, dst_dev), 60)
+        torch.cuda.synchronize(dst_dev)
+        phases.append(pages.phases)
+        return pages
+
+    def pull_import(peer: PeerAddress) -> None:
+        outcome = import_direct(mgr, pull(peer))
+        torch.cuda.synchronize(dst_dev)
+        assert len(outcome.imported) == len(keys)
+
+    def ucx_pull_import() -> None:
+        peer = PeerAddress("127.0.0.1", entry["in_place"])
+        outcome = runtime.run(pull_into(slow, peer, mgr, keys, prefer_shm=False), 90)
+        torch.cuda.synchronize(dst_dev)
+        assert len(outcome.imported) == len(keys) and outcome.path == "ucx"
+
+    try:
+        rows = [("raw torch peer copy", _median_seconds(raw, nothing, repeats, warmup))]
+        for variant in [v for v in VARIANTS if options.in_place or v != "in_place"]:
+            peer = PeerAddress("127.0.0.1", entry[variant])
+            for what, fn, before in (("pull", pull, nothing), ("pull+import", pull_import, clear)):
+                try:
+                    phases.clear()
+                    seconds = _median_seconds(lambda: fn(peer), before, repeats, warmup)  # noqa: B023
+                    rows.append((f"direct {what} ({variant})", seconds))
+                    split = [statistics.median(p[i] for p in phases[warmup:]) * 1e3 for i in range(3)]
+                    info[rows[-1][0]] = "request/payload/verify ms: " + "/".join(f"{x:.2f}" for x in split)
+                except Exception as exc:  # recorded; the variant's other row is skipped
+                    errors.append(f"{sc.name} direct {what} ({variant}): {type(exc).__name__}: {exc}")
+                    break
+        if options.host_path:
+            try:
+                rows.append(("ucx pull+import (host path)", _median_seconds(ucx_pull_import, clear, 2, 1)))
+            except Exception as exc:
+                errors.append(f"{sc.name} ucx host path: {type(exc).__name__}: {exc}")
+    finally:
+        client.close()
+        slow.close()
+        mgr.shutdown()
+    raw_s = rows[0][1]
+    out = [
+        {
+            "scenario": sc.name,
+            "what": name,
+            "ms": round(seconds * 1e3, 3),
+            "GB/s": round(nbytes / seconds / 1e9, 2),
+            "ratio": round(raw_s / seconds, 3),
+            "info": info.get(name, ""),
+        }
+        for name, seconds in rows
+    ]
+    return {"rows": out, "errors": errors}
+
+
+def measure(options: argparse.Namespace, scenarios: tuple[Scenario, ...] = SCENARIOS) -> dict[str, Any]:
+    """Run every scenario against one server process; rows of GB/s and ratios to the raw copy."""
+    import secrets
+
+    repeats, warmup = (5, 2) if options.quick else (15, 3)
+    token = secrets.token_bytes(32)
+    server = ServerProcess(token, list(scenarios))
+    out: dict[str, Any] = {"server_transports": server.ready["transports"], "rows": [], "errors": []}
+    try:
+        out["client_transports"] = _transports()
+        for sc in scenarios:
+            part = _scenario(sc, server.ready["servers"][sc.name], token, repeats, warmup, options)
+            out["rows"] += part["rows"]
+            out["errors"] += part["errors"]
+        out["server_stats"] = server.stats()
+    finally:
+        server.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "serve":
+        return serve(json.loads(args[1]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--host-path", action="store_true", help="also time the ucx host path (slow)")
+    parser.add_argument("--in-place", action="store_true", help="also time in-place GPU sends (slow)")
+    opts = parser.parse_args(args)
+    result = measure(opts)
+    print(f"UCX transports: server {result['server_transports']}, client {result['client_transports']}")
+    print(f"{'scenario':<11} {'what':<32} {'ms':>9} {'GB/s':>8} {'x raw':>7}")
+    for row in result["rows"]:
+        print(
+            f"{row['scenario']:<11} {row['what']:<32} {row['ms']:>9} {row['GB/s']:>8} {row['ratio']:>7}"
+            f"  {row['info']}"
+        )
+    for error in result["errors"]:
+        print("error:", error)
+    print(f"goal: direct pull+import of 256x2MiB >= {GOAL}x the raw peer copy")
+    if opts.json:
+        with open(opts.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

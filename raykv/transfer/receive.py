@@ -1,0 +1,187 @@
+"""The client's receiving side of one pull: UCX chunks checksummed as they land, shm row copies,
+and the comparison with the sender's checksums. Used by :class:`raykv.transfer.client.PageClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from raykv.errors import TransferError
+from raykv.records import page_checksum
+from raykv.transfer import wire
+from raykv.transfer.runtime import abort_endpoint, map_rows, tag_recv
+from raykv.transfer.shm import ShmMapping
+
+
+class Connection(Protocol):
+    """What receiving needs of a client connection."""
+
+    reader: asyncio.StreamReader
+    endpoint: Any
+
+
+class SpareBuffers:
+    """Receive buffers kept for reuse by landings (``PageClient.pull_land``), whose rows are copied
+    into the destination tier before the landing returns. Fresh memory costs a page fault per
+    4 KiB on first touch, about as much as that copy; at most ``limit`` bytes are kept (the
+    largest buffers go first). Used on the loop thread only.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._free: list[npt.NDArray[np.uint8]] = []
+
+    def take(self, rows: int, row_bytes: int) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]:
+        """(a flat buffer to give back later, its first ``rows`` rows of ``row_bytes``)."""
+        need = rows * row_bytes
+        fits = [i for i, b in enumerate(self._free) if b.nbytes >= need]
+        best = min(fits, key=lambda i: self._free[i].nbytes) if fits else None
+        flat = self._free.pop(best) if best is not None else np.empty(need, dtype=np.uint8)
+        return flat, flat[:need].reshape(rows, row_bytes)
+
+    def give(self, flat: npt.NDArray[np.uint8]) -> None:
+        """Keep ``flat`` for a later :meth:`take` (nothing may use it any more)."""
+        self._free.append(flat)
+        while sum(b.nbytes for b in self._free) > self.limit:
+            self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].nbytes))
+
+
+async def read_sums(conn: Connection, header: wire.Header, max_bytes: int) -> list[int]:
+    """The server's ``sums`` message for ``header`` (one CRC-32 per page)."""
+    msg = wire.expect_type(await wire.read_message(conn.reader, max_bytes), "sums")
+    if msg.get("id") != header.request_id:
+        raise wire.protocol_error("checksums for another request")
+    return wire.int_list(msg, "sums", len(header.keys), 0, 0xFFFFFFFF)
+
+
+def compare(header: wire.Header, mine: list[int] | None, theirs: list[int]) -> list[int]:
+    """``theirs`` when every page matches (or there is nothing to compare); else raise
+    TransferError(reason="integrity") naming the bad keys."""
+    if mine is None:
+        return theirs
+    bad = [header.keys[i] for i, (a, b) in enumerate(zip(mine, theirs)) if a != b]
+    if bad:
+        raise TransferError(
+            f"{len(bad)} of {len(mine)} page(s) failed their checksum; nothing was imported",
+            reason="integrity",
+            bad_keys=tuple(bad),
+        )
+    return theirs
+
+
+def checksums(rows: npt.NDArray[np.uint8]) -> list[int]:
+    """CRC-32 of each row."""
+    return [page_checksum(memoryview(row)) for row in rows]
+
+
+async def copy_shm(
+    mapping: ShmMapping, header: wire.Header, out: npt.NDArray[np.uint8], sums: bool
+) -> list[int]:
+    """Copy the pages at the header's slots out of ``mapping`` into ``out`` (one memcpy per run
+    of consecutive slots; in pieces on the copy threads when large); with ``sums`` the CRC-32 of
+    each copied page (else an empty list). TransferError for a slot outside the mapping."""
+    slots = list(header.layout)
+    mapping.check(slots)
+
+    def copy(first: int, last: int) -> list[int]:
+        mapping.copy(slots[first:last], out[first:last])
+        return checksums(out[first:last]) if sums else []
+
+    return await map_rows(header.page_bytes, len(slots), copy)
+
+
+async def receive_ucx(
+    conn: Connection,
+    endpoint: Callable[[], Awaitable[Any]],
+    header: wire.Header,
+    tag: int,
+    data: npt.NDArray[np.uint8],
+    verify: bool,
+    max_bytes: int,
+) -> tuple[list[int] | None, list[int]]:
+    """Post one receive per chunk into ``data`` (tags ``tag + i``) and checksum each chunk as it
+    lands (``verify``); returns (our checksums or None, the server's). On any failure the endpoint
+    is aborted first, which cancels the posted receives: nothing lands in ``data`` afterwards."""
+    if header.sums is not None:
+        sums_task: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+        sums_task.set_result(list(header.sums))
+    else:
+        sums_task = asyncio.ensure_future(read_sums(conn, header, max_bytes))
+    recvs: list[asyncio.Future[Any]] = []
+    try:
+        if header.keys:
+            ep = await endpoint()
+            first = 0
+            for i, count in enumerate(header.layout):
+                rows = data[first : first + count]
+                recvs.append(asyncio.ensure_future(tag_recv(ep, rows, tag + i)))
+                first += count
+        return await _checksum_as_received(conn, data, header, recvs, sums_task, verify)
+    except BaseException:
+        abort_endpoint(conn.endpoint)
+        conn.endpoint = None
+        for fut in (*recvs, sums_task):
+            fut.cancel()
+        raise
+
+
+async def _checksum_as_received(
+    conn: Connection,
+    data: npt.NDArray[np.uint8],
+    header: wire.Header,
+    recvs: list[asyncio.Future[Any]],
+    sums_task: asyncio.Future[list[int]],
+    verify: bool,
+) -> tuple[list[int] | None, list[int]]:
+    """Await each chunk and checksum it; returns (our checksums or None, the server's).
+
+    The control stream is watched meanwhile: first for the server's checksums (or its error),
+    then for EOF (the server sends nothing else until our ``done``), so a peer that dies
+    mid-transfer fails the pull at once instead of at the timeout.
+    """
+    mine: list[int] | None = [] if verify else None
+    theirs: list[int] | None = None
+    watch: asyncio.Future[Any] = sums_task
+    first = 0
+    try:
+        for recv, count in zip(recvs, header.layout):
+            while not recv.done():
+                await asyncio.wait({recv, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if watch.done() and not recv.done():
+                    theirs, watch = _next_watch(conn, watch, theirs)
+            recv.result()
+            rows = data[first : first + count]
+            if mine is not None:
+                mine.extend(await map_rows(header.page_bytes, count, _row_sums(rows)))
+            first += count
+        if theirs is None:
+            theirs = await sums_task
+    finally:
+        if watch is not sums_task:
+            # Let the EOF watch finish cancelling before anything reads the stream again.
+            watch.cancel()
+            with contextlib.suppress(BaseException):
+                await watch
+    return mine, theirs
+
+
+def _row_sums(rows: npt.NDArray[np.uint8]) -> Callable[[int, int], list[int]]:
+    return lambda first, last: checksums(rows[first:last])
+
+
+def _next_watch(
+    conn: Connection, watch: asyncio.Future[Any], sums: list[int] | None
+) -> tuple[list[int] | None, asyncio.Future[Any]]:
+    """The control stream finished ``watch``: keep the checksums, then watch for EOF."""
+    result = watch.result()  # the peer's error, or EOF, raises here
+    if sums is None:
+        return result, asyncio.ensure_future(conn.reader.read(1))
+    if result == b"":
+        raise TransferError("the peer closed the connection mid-transfer", reason="closed")
+    raise wire.protocol_error("unexpected bytes from the peer during the payload")

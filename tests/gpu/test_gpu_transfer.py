@@ -1,0 +1,126 @@
+"""Page pulls GPU to GPU between two processes over UCX (cuda_ipc / NVLink on one host).
+
+A server process (:class:`raykv.bench.gpu_transfer.ServerProcess`) owns a CacheManager whose top
+tier is a GPU tier on cuda:0 (plus a host tier), commits blocks written by the device oracle and
+serves them on 127.0.0.1 with a token, twice: sending GPU pages in place, and ``staged`` (gathered
+into a plain device allocation first). This process pulls them into a GPU tier on cuda:1 and checks
+every byte with the oracle. Skipped without CUDA, without 2 devices, or without ucxx.
+Bandwidth: ``python -m raykv.bench.gpu_transfer``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available() or torch.cuda.device_count() < 2:  # pragma: no cover - machine
+    pytest.skip("needs 2 CUDA devices", allow_module_level=True)
+pytest.importorskip("ucxx")
+
+from raykv import ContentOracle, TransferError  # noqa: E402
+from raykv.bench.gpu_transfer import Scenario, ServerProcess, _transports, gpu_manager  # noqa: E402
+from raykv.gpu_oracle import DeviceOracle  # noqa: E402
+from raykv.manager import CacheManager  # noqa: E402
+from raykv.transfer import PageClient, PeerAddress, TransferConfig, get_runtime, pull_into  # noqa: E402
+from raykv.transfer.device import pull_direct_into  # noqa: E402
+from raykv.types import BlockKey  # noqa: E402
+
+SCENARIO = Scenario("64x512KiB", 512, 64)
+CFG = TransferConfig(host="127.0.0.1", timeout_s=30.0, connect_timeout_s=10.0)
+
+
+class Remote:
+    def __init__(self) -> None:
+        self.token = secrets.token_bytes(32)
+        self.server = ServerProcess(self.token, [SCENARIO], device=0)
+        entry = self.server.ready["servers"][SCENARIO.name]
+        self.keys = [bytes.fromhex(k) for k in entry["keys"]]
+        self.peers = {v: PeerAddress("127.0.0.1", entry[v]) for v in ("in_place", "staged")}
+        self.mgr: CacheManager = gpu_manager(SCENARIO.page_kib, SCENARIO.pages, device=1)
+        self.client = PageClient(self.token, CFG)
+
+    def stats(self, variant: str) -> dict[str, Any]:
+        return self.server.stats()[f"{SCENARIO.name}/{variant}"]  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self.client.close()
+        self.mgr.shutdown()
+        self.server.close()
+
+
+@pytest.fixture(scope="module")
+def remote() -> Iterator[Remote]:
+    made = Remote()
+    yield made
+    made.close()
+
+
+def _verify(mgr: CacheManager, keys: list[bytes]) -> None:
+    """Every byte of every imported page is the oracle's, and the pages are on the GPU tier."""
+    blocks = [mgr.tree.get(BlockKey(k)) for k in keys]
+    assert all(b is not None and b.page.level == 0 for b in blocks)
+    slots = [int(b.page.slot) for b in blocks if b is not None]
+    pool: Any = mgr.top_pool
+    assert pool.device == torch.device("cuda", 1)
+    assert all(DeviceOracle(mgr.layout, pool.device).check(pool, slots, keys))
+    assert ContentOracle(mgr.layout).check(pool.tensor[slots[-1]], keys[-1])  # one page on the host too
+    mgr.check_invariants()
+
+
+def test_ucx_reports_cuda_transports(remote: Remote) -> None:
+    for transports in (remote.server.ready["transports"], _transports()):
+        names = {t.split("/", 1)[0] for t in transports}
+        print("UCX transports:", ", ".join(transports))
+        assert {"cuda_ipc", "cuda_copy"} <= names, transports
+
+
+@pytest.mark.parametrize("variant", ["in_place", "staged"])
+def test_direct_pull_lands_on_the_gpu_tier(remote: Remote, variant: str) -> None:
+    remote.mgr.clear_reusable()
+    before = remote.stats(variant)["pulls"].get("direct", 0)
+    outcome = get_runtime().run(
+        pull_direct_into(remote.client, remote.peers[variant], remote.mgr, remote.keys), 60
+    )
+    assert outcome.path == "direct" and outcome.complete and list(outcome.imported) == remote.keys
+    assert outcome.nbytes == len(remote.keys) * remote.mgr.layout.page_bytes
+    _verify(remote.mgr, remote.keys)
+    assert remote.client.stats.last_path[str(remote.peers[variant])] == "direct"
+    assert remote.stats(variant)["pulls"]["direct"] == before + 1
+
+
+def test_direct_pull_of_a_scattered_subset(remote: Remote) -> None:
+    remote.mgr.clear_reusable()
+    keys = remote.keys[:40:3]  # not consecutive on the server: gathered there; only block 0 importable
+    outcome = get_runtime().run(
+        pull_direct_into(remote.client, remote.peers["in_place"], remote.mgr, keys), 60
+    )
+    assert list(outcome.imported) == keys[:1] and list(outcome.dropped) == keys[1:]
+    _verify(remote.mgr, keys[:1])
+
+
+def test_ucx_host_path_gpu_to_gpu(remote: Remote) -> None:
+    remote.mgr.clear_reusable()
+    outcome = get_runtime().run(
+        pull_into(remote.client, remote.peers["in_place"], remote.mgr, remote.keys, prefer_shm=False), 60
+    )
+    assert outcome.path == "ucx" and outcome.complete
+    _verify(remote.mgr, remote.keys)
+    assert remote.client.stats.last_path[str(remote.peers["in_place"])] == "ucx"
+    assert remote.stats("in_place")["pulls"].get("ucx", 0) >= 1
+
+
+def test_wrong_token_is_refused(remote: Remote) -> None:
+    remote.mgr.clear_reusable()
+    stranger = PageClient(secrets.token_bytes(32), CFG)
+    try:
+        with pytest.raises(TransferError) as info:
+            get_runtime().run(pull_direct_into(stranger, remote.peers["staged"], remote.mgr, remote.keys), 60)
+    finally:
+        stranger.close()
+    assert info.value.reason == "auth"
+    assert remote.stats("staged")["auth_failures"] >= 1
+    assert not remote.mgr.committed_blocks()

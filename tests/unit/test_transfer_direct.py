@@ -1,0 +1,163 @@
+"""The ``direct`` pull path (raykv.transfer.device) between host-tier managers over UCX loopback.
+
+On this CPU-only machine the "device" is the host: pages land in a torch CPU buffer, digests are
+computed there and the import copies into the host top tier. tests/gpu/test_gpu_transfer.py runs
+the same path GPU to GPU. Every test checks content with the oracle and that no lease is left.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError  # noqa: E402
+from raykv.transfer import AuthToken, PageClient, PageServer, TransferConfig, get_runtime  # noqa: E402
+from raykv.transfer.device import (  # noqa: E402
+    MAX_PIECES,
+    SPLIT_BYTES,
+    direct_counts,
+    import_direct,
+    page_digests,
+    pull_direct,
+    pull_direct_into,
+)
+
+CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
+BIG = KVLayout.uniform(num_layers=4, num_kv_heads=8, head_dim=128, tokens_per_block=4)  # 64 KiB pages
+
+
+def _manager(layout: KVLayout, pages: int) -> CacheManager:
+    tiers = (TierConfig.host(pages * layout.page_bytes, pin_memory=False),)
+    return CacheManager(CacheConfig(layout, tiers))
+
+
+def _commit(mgr: CacheManager, oracle: ContentOracle, seed: int, blocks: int) -> list[bytes]:
+    tokens = [seed * 10_000 + i for i in range(blocks * mgr.tokens_per_block)]
+    with mgr.create(tokens) as cache:
+        assert cache.resume()
+        cache.extend(tokens)
+        oracle.fill_cache(cache)
+        cache.commit()
+        return [bytes(cache.block_key(i)) for i in range(blocks)]
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[CacheManager, CacheManager, PageServer, PageClient]]:
+    token = AuthToken.generate()
+    src, dst = _manager(BIG, 200), _manager(BIG, 200)
+    server = PageServer(src, token, CFG)
+    server.start()
+    client = PageClient(token, CFG)
+    yield src, dst, server, client
+    client.close()
+    server.close()
+    assert server.open_leases == 0 and not src._leases
+    src.shutdown()
+    dst.shutdown()
+
+
+def _no_leases(server: PageServer, src: CacheManager) -> None:
+    deadline = time.monotonic() + 5
+    while (server.open_leases or src._leases) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.open_leases == 0 and not src._leases
+
+
+def test_digests_agree_on_numpy_and_torch_and_catch_changes() -> None:
+    rng = np.random.default_rng(3)
+    rows = rng.integers(0, 256, (5, 4096), dtype=np.uint8)
+    sums = page_digests(rows)
+    assert sums == page_digests(torch.from_numpy(rows.copy())) and len(set(sums)) == 5
+    assert all(0 <= s <= 0xFFFFFFFF for s in sums)
+    flipped = rows.copy()
+    flipped[2, 777] ^= 1
+    assert [a == b for a, b in zip(page_digests(flipped), sums)] == [True, True, False, True, True]
+    swapped = rows.copy()
+    swapped[1, :512], swapped[1, 512:1024] = rows[1, 512:1024], rows[1, :512]  # two rows moved
+    assert page_digests(swapped)[1] != sums[1]
+    odd = rng.integers(0, 256, (3, 1001), dtype=np.uint8)  # not a whole number of words
+    assert page_digests(odd) == page_digests(torch.from_numpy(odd.copy())) and page_digests(odd[:0]) == []
+
+
+def test_direct_counts_send_a_few_large_messages() -> None:
+    assert direct_counts(0, 1 << 20) == []
+    assert direct_counts(16, 512 << 10) == [16]
+    counts = direct_counts(256, 2 << 20)
+    assert len(counts) == MAX_PIECES and sum(counts) == 256
+    assert direct_counts(SPLIT_BYTES // 4096 + 1, 4096)[0] * 4096 <= SPLIT_BYTES
+
+
+@pytest.mark.parametrize("blocks", [3, 150])
+def test_direct_pull_imports_verified_pages(
+    pair: tuple[CacheManager, CacheManager, PageServer, PageClient],
+    blocks: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("raykv.transfer.device.SPLIT_BYTES", 1 << 20)  # 150 blocks: 4 messages
+    src, dst, server, client = pair
+    oracle = ContentOracle(BIG)
+    keys = _commit(src, oracle, 1, blocks)
+    want = [*keys[:2], b"\x07" * 32, *keys[2:]]  # one key the server lacks
+    outcome = get_runtime().run(pull_direct_into(client, server.address, dst, want), 30)  # type: ignore[arg-type]
+    assert outcome.path == "direct" and outcome.complete is False and outcome.missing == (b"\x07" * 32,)
+    assert list(outcome.imported) == keys and not outcome.dropped
+    assert outcome.nbytes == blocks * BIG.page_bytes
+    assert oracle.verify_manager(dst) == blocks
+    assert client.stats.pulls == {"direct": 1} and client.stats.pages == {"direct": blocks}
+    _no_leases(server, src)
+    assert server.stats.pulls == {"direct": 1}
+    again = get_runtime().run(pull_direct_into(client, server.address, dst, keys), 30)  # type: ignore[arg-type]
+    assert not again.imported and list(again.already_present) == keys
+    dst.check_invariants()
+    src.check_invariants()
+
+
+def test_direct_pull_of_scattered_pages_is_gathered(
+    pair: tuple[CacheManager, CacheManager, PageServer, PageClient],
+) -> None:
+    src, dst, server, client = pair
+    oracle = ContentOracle(BIG)
+    keys = _commit(src, oracle, 2, 8)
+    order = keys[::2] + keys[1::2]  # not one consecutive run: staged on the sender
+    pages = get_runtime().run(pull_direct(client, server.address, order, "cpu"), 30)  # type: ignore[arg-type]
+    assert list(pages.keys) == order and tuple(pages.data.shape) == (8, BIG.page_bytes)
+    for key, row in zip(pages.keys, pages.data):
+        assert oracle.check(row.numpy(), key)
+    outcome = import_direct(dst, pages)
+    assert list(outcome.imported) == order[:1] and len(outcome.dropped) == 7  # block 2's parent: later
+    assert oracle.verify_manager(dst) == 1
+    _no_leases(server, src)
+
+
+def test_corrupt_direct_payload_imports_nothing(
+    pair: tuple[CacheManager, CacheManager, PageServer, PageClient],
+) -> None:
+    src, dst, server, client = pair
+    keys = _commit(src, ContentOracle(BIG), 3, 4)
+    server.faults.corrupt_payload = True
+    with pytest.raises(TransferError) as info:
+        get_runtime().run(pull_direct_into(client, server.address, dst, keys), 30)  # type: ignore[arg-type]
+    assert info.value.reason == "integrity" and keys[0] in info.value.bad_keys
+    assert not dst.committed_blocks() and client.stats.failures == {"integrity": 1}
+    _no_leases(server, src)
+    server.faults.corrupt_payload = False
+    outcome = get_runtime().run(pull_direct_into(client, server.address, dst, keys), 30)  # type: ignore[arg-type]
+    assert len(outcome.imported) == 4
+
+
+def test_direct_pull_with_a_wrong_token_is_refused(
+    pair: tuple[CacheManager, CacheManager, PageServer, PageClient],
+) -> None:
+    src, dst, server, _ = pair
+    keys = _commit(src, ContentOracle(BIG), 4, 2)
+    stranger = PageClient(AuthToken.generate(), CFG)
+    with pytest.raises(TransferError) as info:
+        get_runtime().run(pull_direct_into(stranger, server.address, dst, keys), 30)  # type: ignore[arg-type]
+    stranger.close()
+    assert info.value.reason == "auth" and server.stats.auth_failures == 1
+    assert not dst.committed_blocks()
