@@ -8,6 +8,7 @@ a full /dev/shm later) and unlinked on close; a process killed with SIGKILL leav
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import os
@@ -26,6 +27,11 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "raykv-host-"
+
+
+def _consecutive(slots: list[PageId]) -> bool:
+    """True for a non-empty run ``s, s+1, s+2, ...``."""
+    return bool(slots) and all(b == a + 1 for a, b in itertools.pairwise(slots))
 
 
 class HostPool(PagePool):
@@ -103,11 +109,18 @@ class HostPool(PagePool):
         return raw.view(DTYPES[region.spec.dtype][1]).reshape(region.view_shape)
 
     def read_pages(self, slots: list[PageId], out: npt.NDArray[np.uint8]) -> None:
-        if slots:  # mode="clip": take(out=) with the default mode buffers the whole output
+        """One memcpy for a run of consecutive slots, else a gather (``mode="clip"``:
+        ``take(out=)`` with the default mode buffers the whole output first)."""
+        if _consecutive(slots):
+            np.copyto(out, self.array[slots[0] : slots[0] + len(slots)])
+        elif slots:
             np.take(self.array, np.asarray(slots, dtype=np.intp), axis=0, out=out, mode="clip")
 
     def write_pages(self, slots: list[PageId], data: npt.NDArray[np.uint8]) -> None:
-        if slots:
+        """One memcpy for a run of consecutive slots (a scatter is much slower), else a scatter."""
+        if _consecutive(slots):
+            np.copyto(self.array[slots[0] : slots[0] + len(slots)], data)
+        elif slots:
             self.array[np.asarray(slots, dtype=np.intp)] = data
 
     def close(self) -> None:
