@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import actors.ray_tree  # noqa: F401 - registers Ray's PrefixTree for the ray_prefix router
 from actors.worker import CacheWorker, RequestOutcome
 from raykv.config import BufferSpec, CacheConfig, KVLayout, LayerSpec, TierConfig
 from raykv.index import PrefixIndex, RouteMatch

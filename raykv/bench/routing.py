@@ -3,11 +3,12 @@
 Setup (same for both): the built-in replay workload, each session pinned to one of 8 workers
 (the state a cache-aware router converges to). raykv: a :class:`~raykv.index.PrefixIndex` holding
 every request's block keys on its worker; a decision is ``route(keys)`` + ``choose_loads``.
-Baseline: Ray's own ``PrefixTree`` (``ray.llm``, imported lazily) holding the same requests as
-text; a decision is ``prefix_match(text, replicas)`` plus ``get_smallest_tenants()`` when the match
-rate is under 10% (PrefixCacheAffinityRouter's calls). Text is 16 characters per 512-token block
-(the replay's encoding) and, in a second row, 2048 characters per block (about 4 characters per
-token, what Ray's character-level tree sees with real prompts). Figures are decisions/s (median
+Baseline: Ray's own ``PrefixTree`` (``ray.llm``, built by the factory ``actors/ray_tree.py``
+registers) holding the same requests as text; a decision is ``prefix_match(text, replicas)`` plus
+``get_smallest_tenants()`` when the match rate is under 10% (PrefixCacheAffinityRouter's calls).
+Text is 16 characters per 512-token block (the replay's encoding) and, in a second row, 2048
+characters per block (about 4 characters per token, what Ray's character-level tree sees with real
+prompts). Figures are decisions/s (median
 over passes, higher is better); ``info`` gives the median per-decision latency.
 """
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 import random
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +24,7 @@ from typing import Any
 from raykv.bench.harness import Benchmark, Row, gc_paused
 from raykv.index import OP_STORE, EventBatch, PrefixIndex
 from raykv.keys import ReuseScope, block_keys
+from raykv.replay.peer_tree import new_prefix_tree
 from raykv.replay.trace import BLOCK_TOKENS, Request, block_text, tokens_for
 from raykv.replay.workload import WorkloadSpec, generate
 from raykv.routing import RoutingConfig, choose_loads
@@ -74,13 +75,9 @@ def _raykv(
 
 
 def _ray(reqs: Sequence[Request], owner: Sequence[int], chars_per_block: int) -> Callable[[int], Any]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
-
     reps = chars_per_block // 16
     texts = ["".join(block_text(h) * reps for h in r.hash_ids) for r in reqs]
-    tree = PrefixTree()
+    tree = new_prefix_tree()
     tenants = [f"replica-{i}" for i in range(WORKERS)]
     tree.add_tenants(tenants, 0.0)
     for i, (text, w) in enumerate(zip(texts, owner)):

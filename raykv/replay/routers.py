@@ -1,4 +1,4 @@
-"""The routing policies a replay compares (pure; ``ray_prefix`` imports ray.llm lazily).
+"""The routing policies a replay compares (pure; ``ray_prefix`` gets Ray's tree from a factory).
 
 random
     Uniform random worker.
@@ -7,7 +7,8 @@ pow2
     Ray Serve's default PowerOfTwoChoicesRequestRouter, which compares ongoing-request counts.
 ray_prefix
     Ray Serve LLM's PrefixCacheAffinityRouter (ray 2.60) on Ray's own PrefixTree
-    (``ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree``), fed with
+    (``ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree``, built by the factory
+    ``actors/ray_tree.py`` registers in :mod:`raykv.replay.peer_tree`), fed with
     :func:`~raykv.replay.trace.block_text` of each hash id. Per request: draw the pow2 pair (the
     fallback); if max-min queue length > ``imbalanced_threshold`` use the pair; else
     ``prefix_match(text, all replicas)``; below ``match_rate_threshold`` take
@@ -36,13 +37,13 @@ from __future__ import annotations
 
 import math
 import random
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from raykv.errors import InvalidArgumentError
 from raykv.index import RouteMatch
+from raykv.replay.peer_tree import new_prefix_tree
 from raykv.replay.timing import ServerQueues, TimingConfig
 from raykv.replay.trace import BLOCK_TOKENS, Request, block_text
 from raykv.routing import RoutingConfig, choose_loads
@@ -153,11 +154,7 @@ class RayPrefixRouter(Pow2Router):
 
     def start(self, ctx: RouterContext) -> None:
         super().start(ctx)
-        with warnings.catch_warnings():  # Ray's imports emit pydantic deprecation warnings
-            warnings.simplefilter("ignore")
-            from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
-
-        self.tree: Any = PrefixTree()
+        self.tree: Any = new_prefix_tree()
         names = [f"replica-{i}" for i in range(ctx.servers)]
         self.rng.shuffle(names)  # Ray iterates its replica set in a fixed, arbitrary order
         self.tenants = names

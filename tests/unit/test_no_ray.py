@@ -168,3 +168,19 @@ def test_clean_import_keeps_ray_and_torch_out():
 def test_unknown_attribute_is_attribute_error():
     with pytest.raises(AttributeError):
         raykv.no_such_name  # noqa: B018
+
+
+def test_no_ray_import_statement_anywhere_in_raykv() -> None:
+    """Lazy imports inside functions count too: the Ray layer injects what raykv needs."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "raykv"
+    pattern = re.compile(r"^\s*(from\s+ray(\.|\s)|import\s+ray\b)")
+    hits = [
+        f"{path.relative_to(root.parent)}:{n}"
+        for path in root.rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.match(line)
+    ]
+    assert hits == []
