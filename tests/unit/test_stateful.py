@@ -9,11 +9,6 @@ event stream mirrors the committed set, the stats counters match what the test d
 committed block is matchable from its root. Every refusal (OutOfPagesError, resume() -> False,
 a rejected import) must leave the manager untouched, and OutOfPagesError / resume() -> False
 must only happen when room really could not be made (``achievable_room``).
-
-A second, smaller property test runs random operation sequences against a dict model of the keys
-that were committed (key -> scope and tokens) and checks the tree has no orphans and every
-committed chain is matchable from its root to at least its depth. A last, deterministic test
-pins down a planner case the machine's room check found.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ from typing import Any
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import settings
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
@@ -34,184 +29,31 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from stateful_support import (
+    BASES,
+    ORACLE,
+    PAGE,
+    ROOT_KEYS,
+    SCOPES,
+    SMALL_TOKEN,
+    TPB,
+    ExpectedStats,
+    achievable_room,
+    check_matchable,
+    make_config,
+    prompts,
+    record_keys,
+    snapshot,
+)
 
-from raykv.config import CacheConfig, KVLayout, TierConfig
 from raykv.errors import ImportRejectedError, IntegrityError, OutOfPagesError, ResourceBusyError, StateError
 from raykv.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged
 from raykv.keys import ReuseScope, block_keys
 from raykv.kvcache import KvCache, Status
 from raykv.manager import CacheManager
 from raykv.records import ExportedBlock
-from raykv.stats import CacheStats, StatsDelta
-from raykv.testing import ContentOracle
+from raykv.stats import StatsDelta
 from raykv.types import TierKind
-
-LAYOUT = KVLayout.uniform(2, 2, 8, tokens_per_block=4)
-TPB = LAYOUT.tokens_per_block
-PAGE = LAYOUT.page_bytes
-ORACLE = ContentOracle(LAYOUT)
-
-SCOPES = (ReuseScope(), ReuseScope(salt=1), ReuseScope(lora_id=7))
-ROOT_KEYS = {s.root_key(): s for s in SCOPES}
-
-# A few base prompts sharing prefixes with each other; requests take a prefix of one of them and
-# append tokens from a tiny alphabet, so blocks are reused (and committed twice) all the time.
-BASES = (
-    tuple(range(1, 17)),
-    (1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23, 24, 25),
-    (30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41),
-)
-SMALL_TOKEN = st.integers(0, 3)
-
-
-@st.composite
-def prompts(draw: st.DrawFn) -> tuple[int, ...]:
-    base = draw(st.sampled_from(BASES))
-    cut = draw(st.integers(0, len(base)))
-    suffix = draw(st.lists(SMALL_TOKEN, max_size=6))
-    return tuple(base[:cut]) + tuple(suffix)
-
-
-def make_config(host_pages: int, disk_pages: int | None, util: float) -> CacheConfig:
-    tiers = [TierConfig.host(host_pages * PAGE)]
-    if disk_pages is not None:
-        tiers.append(TierConfig.disk(disk_pages * PAGE))
-    return CacheConfig(layout=LAYOUT, tiers=tuple(tiers), max_util_for_resume=util)
-
-
-def live_pages(mgr: CacheManager) -> dict[int, Any]:
-    pages = {b.page.uid: b.page for b in mgr.tree.iter_blocks()}
-    for cache in mgr.open_caches():
-        for page in cache.pages():
-            pages[page.uid] = page
-    return pages
-
-
-def snapshot(mgr: CacheManager) -> tuple[Any, ...]:
-    """Everything a rejected call must leave untouched."""
-    pages = {
-        uid: (
-            p.level,
-            int(p.slot),
-            p.pins,
-            p.holders,
-            p.queued,
-            None if p.block is None else p.block.key,
-        )
-        for uid, p in live_pages(mgr).items()
-    }
-    caches = {
-        c.cache_id: (c.status, c.num_tokens, c.num_committed_blocks, tuple(p.uid for p in c.pages()))
-        for c in mgr.open_caches()
-    }
-    return (
-        mgr.committed_blocks(),
-        mgr.stats(),
-        tuple(p.num_used for p in mgr.pools),
-        mgr.events.last_event_id,
-        pages,
-        caches,
-        [[p.uid for p in mgr.policy.candidates(level)] for level in range(len(mgr.pools))],
-    )
-
-
-def achievable_room(mgr: CacheManager, exclude: set[int]) -> int:
-    """A lower bound on the top-tier slots that evictions could free, touching no ``exclude`` page.
-
-    Drop every committed block whose whole subtree is unpinned, unheld, unleased and not excluded
-    (a drop needs no room), then demote other unpinned, not excluded top-tier pages into the slots
-    the next tier has free or just freed. A refusal (OutOfPagesError, resume() -> False) for fewer
-    pages than this means room could have been made.
-    """
-    blocks = sorted(mgr.tree.iter_blocks(), key=lambda b: -b.ordinal)  # children first
-    droppable: dict[int, bool] = {}
-    for b in blocks:
-        page = b.page
-        droppable[id(b)] = (
-            page.holders == 0
-            and page.pins == 0
-            and page.leases == 0
-            and page.uid not in exclude
-            and all(droppable[id(c)] for c in b.children.values())
-        )
-    dropped = [b.page for b in blocks if droppable[id(b)]]
-    room = mgr.pools[0].num_free + sum(1 for p in dropped if p.level == 0)
-    if len(mgr.pools) > 1:
-        gone = {p.uid for p in dropped}
-        movable = sum(
-            1
-            for p in live_pages(mgr).values()
-            if p.level == 0 and p.pins == 0 and p.leases == 0 and p.uid not in exclude and p.uid not in gone
-        )
-        below = mgr.pools[1].num_free + sum(1 for p in dropped if p.level == 1)
-        room += min(movable, below)
-    return room
-
-
-def chain_depths(mgr: CacheManager) -> dict[bytes, int]:
-    """key -> number of blocks from its scope root (1 for block 0); asserts there are no orphans."""
-    depth: dict[bytes, int] = {}
-    for info in mgr.committed_blocks():  # parents are listed before children
-        if info.parent_key in ROOT_KEYS:
-            depth[info.key] = 1
-        else:
-            assert info.parent_key in depth, f"orphan block {info.key.hex()[:16]}: parent not committed"
-            depth[info.key] = depth[info.parent_key] + 1
-    return depth
-
-
-def check_matchable(mgr: CacheManager, model: dict[bytes, tuple[ReuseScope, tuple[int, ...]]]) -> None:
-    """Every committed block is known to the model and matchable from its root to its depth."""
-    depths = chain_depths(mgr)
-    for key, depth in depths.items():
-        assert key in model, f"committed block {key.hex()[:16]} was never committed nor imported"
-        scope, tokens = model[key]
-        assert len(tokens) == depth * TPB
-        by_tokens = mgr.probe(tokens, scope)
-        assert by_tokens.num_blocks >= depth, f"block at depth {depth} not matchable: {by_tokens}"
-        keys = block_keys(tokens, TPB, scope)
-        assert keys[-1] == key
-        assert mgr.probe(keys=keys).num_blocks == depth
-
-
-def record_keys(
-    model: dict[bytes, tuple[ReuseScope, tuple[int, ...]]], scope: ReuseScope, tokens: tuple[int, ...]
-) -> None:
-    """Remember the tokens behind every full block of ``tokens``."""
-    for i, key in enumerate(block_keys(tokens, TPB, scope)):
-        model[key] = (scope, tokens[: (i + 1) * TPB])
-
-
-class ExpectedStats:
-    """What one manager's cumulative counters must read, from what the test did and saw."""
-
-    def __init__(self, num_tiers: int) -> None:
-        self.hit_blocks = [0] * num_tiers
-        self.hit_tokens = [0] * num_tiers
-        self.miss_blocks = 0
-        self.miss_tokens = 0
-        self.imported = 0
-        self.exported = 0
-        self.committed = 0
-        self.removed_events = 0
-
-    def fold(self, delta: StatsDelta) -> None:
-        for i, (b, t) in enumerate(zip(delta.hit_blocks, delta.hit_tokens)):
-            self.hit_blocks[i] += b
-            self.hit_tokens[i] += t
-        self.miss_blocks += delta.miss_blocks
-        self.miss_tokens += delta.miss_tokens
-
-    def check(self, stats: CacheStats) -> None:
-        assert stats.hit_blocks == tuple(self.hit_blocks), (stats.hit_blocks, self.hit_blocks)
-        assert stats.hit_tokens == tuple(self.hit_tokens), (stats.hit_tokens, self.hit_tokens)
-        assert stats.miss_blocks == self.miss_blocks, (stats.miss_blocks, self.miss_blocks)
-        assert stats.miss_tokens == self.miss_tokens, (stats.miss_tokens, self.miss_tokens)
-        assert stats.imported_blocks == self.imported, (stats.imported_blocks, self.imported)
-        assert stats.exported_blocks == self.exported, (stats.exported_blocks, self.exported)
-        assert stats.committed_blocks == self.committed, (stats.committed_blocks, self.committed)
-        # Every drop of a committed block is one eviction and one BlockRemoved event.
-        assert sum(stats.evictions) == self.removed_events, (stats.evictions, self.removed_events)
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -705,115 +547,3 @@ TestCacheManagerStateful.settings = settings(
     stateful_step_count=50,
     deadline=None,
 )
-
-
-# ---- property test against a dict model of committed keys --------------------------------------
-OPS = st.one_of(
-    st.tuples(st.just("create"), prompts(), st.sampled_from(SCOPES), st.sampled_from([0, 35, 100])),
-    st.tuples(st.just("resume"), st.integers(0, 7)),
-    st.tuples(st.just("extend"), st.integers(0, 7), st.lists(SMALL_TOKEN, min_size=1, max_size=10)),
-    st.tuples(st.just("commit"), st.integers(0, 7), st.one_of(st.none(), st.integers(0, 40))),
-    st.tuples(st.just("suspend"), st.integers(0, 7)),
-    st.tuples(st.just("close"), st.integers(0, 7)),
-)
-
-
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    host=st.integers(6, 12),
-    disk=st.one_of(st.none(), st.integers(8, 16)),
-    util=st.sampled_from([1.0, 0.75]),
-    ops=st.lists(OPS, max_size=40),
-)
-def test_committed_blocks_have_no_orphans(
-    host: int, disk: int | None, util: float, ops: list[tuple[Any, ...]]
-) -> None:
-    model: dict[bytes, tuple[ReuseScope, tuple[int, ...]]] = {}
-    mgr = CacheManager(make_config(host, disk, util))
-    caches: list[KvCache] = []
-    try:
-        for op in ops:
-            name = op[0]
-            if name == "create":
-                caches.append(mgr.create(list(op[1]), scope=op[2], priority=op[3]))
-                continue
-            live = [c for c in caches if c.status is not Status.CLOSED]
-            if not live:
-                continue
-            cache = live[op[1] % len(live)]
-            if name == "resume":
-                cache.resume()
-            elif name == "extend":
-                if not cache.is_active:
-                    continue
-                old = cache.num_tokens
-                with contextlib.suppress(OutOfPagesError):
-                    cache.extend(op[2])
-                    ORACLE.fill_cache(cache, old // TPB)
-            elif name == "commit":
-                n = None if op[2] is None else min(op[2], cache.num_tokens)
-                tokens = tuple(int(t) for t in cache.tokens)
-                upto = len(tokens) if n is None else n
-                cache.commit(n)
-                record_keys(model, cache.scope, tokens[: upto // TPB * TPB])
-            elif name == "suspend":
-                cache.suspend()
-            elif name == "close":
-                cache.close()
-            mgr.check_invariants()
-            check_matchable(mgr, model)
-        for cache in caches:
-            cache.close()
-        mgr.check_invariants()
-        check_matchable(mgr, model)
-        assert set(chain_depths(mgr)) <= set(model)
-        ORACLE.verify_manager(mgr)
-    finally:
-        for cache in caches:
-            cache.close()
-        mgr.shutdown()
-
-
-# ---- regression: a drop on the top tier must let the planner use the tier below -----------------
-def test_extend_makes_room_when_a_drop_frees_the_tier_below() -> None:
-    """Found by the machine's ``achievable_room`` check (extend raised OutOfPagesError while room
-    could be made). A parent block P sits on the full disk tier, its child C on the host tier; the
-    other host pages are held by suspended requests (demotable, not droppable). Freeing 2 host
-    pages is possible: drop C, which makes P a droppable leaf; drop P, which frees a disk slot;
-    demote one held page there. The planner gives up instead ("the rest not evictable")."""
-    mgr = CacheManager(make_config(6, 8, 1.0))
-    caches: list[KvCache] = []
-
-    def request(tokens: list[int], priority: int, keep: bool) -> None:
-        cache = mgr.create(tokens, priority=priority)
-        caches.append(cache)
-        assert cache.resume()
-        reused = cache.num_reused_tokens
-        cache.extend(tokens[reused:])
-        ORACLE.fill_cache(cache, reused // TPB)
-        if keep:
-            cache.suspend()
-        else:
-            cache.commit()
-            cache.close()
-
-    try:
-        request([1, 2, 3, 4], 0, keep=False)  # P (priority 0: demoted first)
-        request([1, 2, 3, 4, 5, 6, 7, 8], 100, keep=False)  # C, child of P (priority 100)
-        for i in range(12):  # suspended requests holding one private page each
-            request([100 + i] * TPB, 0, keep=True)
-        assert [c.tier for c in mgr.committed_blocks()] == [TierKind.DISK, TierKind.HOST]
-        assert mgr.pools[0].num_free == 0 and mgr.pools[1].num_free == 0
-        cache = mgr.create([7] * 8)
-        caches.append(cache)
-        assert cache.resume()
-        assert achievable_room(mgr, set()) >= 2
-        cache.extend([7] * 8)  # raises OutOfPagesError: the bug
-        ORACLE.fill_cache(cache)
-        mgr.check_invariants()
-        ORACLE.verify_cache(cache)
-        ORACLE.verify_manager(mgr)
-    finally:
-        for cache in caches:
-            cache.close()
-        mgr.shutdown()
