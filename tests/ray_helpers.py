@@ -93,3 +93,36 @@ def expected_route(snapshots: Mapping[WorkerId, Mapping[bytes, int]], keys: Sequ
             tiers = [blocks[k] for k in keys[:n]]
             out[worker] = RouteMatch(worker, n, tiers.count(0), tiers.count(1), tiers.count(2), 0)
     return out
+
+
+def load_example(filename: str) -> Any:
+    """Import ``examples/<filename>`` as a module Serve replicas can unpickle by value."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import ray
+
+    path = Path(__file__).resolve().parents[1] / "examples" / filename
+    spec = importlib.util.spec_from_file_location(f"raykv_example_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    ray.cloudpickle.register_pickle_by_value(module)  # replicas cannot import it by name
+    return module
+
+
+@contextlib.contextmanager
+def serve_example(example: Any, prefix: str, num_workers: int, app_name: str) -> Iterator[tuple[Any, Any]]:
+    """A raykv deployment plus the example's Serve app; yields (deployment, handle), tears both down."""
+    from ray import serve
+
+    namespace = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    dep = raykv.start(num_workers=num_workers, config=example.cache_config(), namespace=namespace)
+    try:
+        serve.start(proxy_location="Disabled")
+        yield dep, serve.run(example.build_app(namespace), name=app_name, route_prefix=None)
+    finally:
+        serve.shutdown()
+        dep.shutdown()

@@ -9,11 +9,7 @@ succeed with correct outputs.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -24,37 +20,18 @@ pytest.importorskip("transformers")
 
 import numpy as np
 import ray
-from ray import serve
+from ray_helpers import load_example, serve_example
 
 import raykv
 from actors.cluster import RayKVCluster
 from actors.serve import router_counters
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve_app.py"
-
-
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("raykv_example_serve_app", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    ray.cloudpickle.register_pickle_by_value(module)  # replicas cannot import it by name
-    return module
-
 
 @pytest.fixture(scope="module")
 def app(ray_local: None) -> Iterator[tuple[ModuleType, RayKVCluster, Any]]:
-    example = load_example()
-    namespace = f"raykv-serve-{uuid.uuid4().hex[:8]}"
-    dep = raykv.start(num_workers=2, config=example.cache_config(), namespace=namespace)
-    try:
-        serve.start(proxy_location="Disabled")
-        handle = serve.run(example.build_app(namespace), name="raykv-it-serve", route_prefix=None)
+    example = load_example("serve_app.py")
+    with serve_example(example, "raykv-serve", 2, "raykv-it-serve") as (dep, handle):
         yield example, dep, handle
-    finally:
-        serve.shutdown()
-        dep.shutdown()
 
 
 def test_outputs_match_recompute_and_prefixes_stay_on_their_holder(app) -> None:

@@ -8,11 +8,7 @@ check the workers' own transfer counters: the decode workers pulled exactly thos
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -23,36 +19,17 @@ pytest.importorskip("transformers")
 pytest.importorskip("ucxx")
 
 import ray
-from ray import serve
+from ray_helpers import load_example, serve_example
 
 import raykv
 from actors.cluster import RayKVCluster
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pd_disagg.py"
-
-
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("raykv_example_pd_disagg", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    ray.cloudpickle.register_pickle_by_value(module)  # replicas cannot import it by name
-    return module
-
 
 @pytest.fixture(scope="module")
 def pd_app(ray_local: None) -> Iterator[tuple[ModuleType, RayKVCluster, Any]]:
-    example = load_example()
-    namespace = f"raykv-pd-{uuid.uuid4().hex[:8]}"
-    dep = raykv.start(num_workers=4, config=example.cache_config(), namespace=namespace)
-    try:
-        serve.start(proxy_location="Disabled")
-        handle = serve.run(example.build_app(namespace), name="raykv-it-pd", route_prefix=None)
+    example = load_example("pd_disagg.py")
+    with serve_example(example, "raykv-pd", 4, "raykv-it-pd") as (dep, handle):
         yield example, dep, handle
-    finally:
-        serve.shutdown()
-        dep.shutdown()
 
 
 def test_pd_pairs_by_cache_location_and_pulls_over_ucx(pd_app) -> None:
