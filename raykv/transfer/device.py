@@ -46,7 +46,7 @@ from raykv.transfer.client import PageClient, Peer
 from raykv.transfer.config import PeerAddress
 from raykv.transfer.importer import PullOutcome
 from raykv.transfer.payload import LeasedPayload
-from raykv.transfer.runtime import ByteBudget, abort_endpoint, as_transfer_error
+from raykv.transfer.runtime import ByteBudget, abort_endpoint
 from raykv.types import DEFAULT_PRIORITY, BlockKey, TierKind, check_block_key, check_priority
 
 if TYPE_CHECKING:
@@ -234,25 +234,12 @@ async def pull_direct(
         raise InvalidArgumentError("keys", "duplicate keys in one pull")
     device = torch.device(device)
     endpoint = peer.endpoint if isinstance(peer, PeerAddress) else (str(peer[0]), int(peer[1]))
-    timeout = client.config.timeout_s if timeout_s is None else timeout_s
     start = time.perf_counter()
     parts: list[tuple[wire.Header, Any, tuple[float, float, float]]] = []
     if checked:
         _bind(device)
-        try:
-            parts = await asyncio.wait_for(_pull_all(client, endpoint, checked, device), timeout)
-        except asyncio.TimeoutError:
-            client.stats.failures["timeout"] += 1
-            raise TransferError(
-                f"pull from {endpoint[0]}:{endpoint[1]} timed out", reason="timeout"
-            ) from None
-        except TransferError as exc:
-            client.stats.failures[getattr(exc, "reason", "unknown")] += 1
-            raise
-        except Exception as exc:
-            wrapped = as_transfer_error(exc)
-            client.stats.failures[getattr(wrapped, "reason", "unknown")] += 1
-            raise wrapped from None
+        # the client's guard: timeout, failure counting, errors wrapped as TransferError
+        parts = await client._guarded(endpoint, timeout_s, _pull_all(client, endpoint, checked, device))
     headers = [h for h, _, _ in parts]
     found = [BlockKey(k) for h in headers for k in h.keys]
     have = set(found)
