@@ -75,7 +75,7 @@ def _async(make: Callable[[int], Any], calls_each: int) -> float:
 def _ray_rows(quick: bool) -> list[Row]:
     started = not ray.is_initialized()
     if started:
-        ray.init(include_dashboard=False, log_to_driver=False, namespace="raykv-bench")
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, namespace="raykv-bench")
     try:
         shard, chains = _shard(20_000 if quick else 100_000)
         n = 50 if quick else 300

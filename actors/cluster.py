@@ -160,7 +160,8 @@ def _ensure_ray(address: str | None, namespace: str) -> None:
     if target:
         ray.init(address=target, namespace=namespace, log_to_driver=False)
     else:
-        ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False)
+        # "local": start an embedded instance, never attach to another one found on the machine
+        ray.init(address="local", namespace=namespace, include_dashboard=False, log_to_driver=False)
 
 
 def _registry_exists(namespace: str) -> bool:

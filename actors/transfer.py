@@ -231,7 +231,7 @@ def _object_store_rows(quick: bool) -> list[Any]:
     settings = QUICK if quick else FULL
     started = not ray.is_initialized()
     if started:
-        ray.init(include_dashboard=False, log_to_driver=False, namespace="raykv-bench")
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, namespace="raykv-bench")
     token, config = secrets.token_bytes(32), bench_config()
     peer = (
         ray.remote(BenchPeer)

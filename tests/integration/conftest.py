@@ -24,6 +24,7 @@ def ray_local() -> Iterator[None]:
     if ray.is_initialized():
         ray.shutdown()
     ray.init(
+        address="local",  # never attach to another Ray instance on this machine
         num_cpus=2,
         object_store_memory=100 * 1024 * 1024,
         include_dashboard=False,
