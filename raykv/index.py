@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ MAX_ROUTE_BLOCKS = 2**LANE_BITS - 1
 MAX_LANES = 4096
 OP_STORE, OP_REMOVE, OP_CLEAR = 0, 1, 2
 REORDER_WINDOW = 64
+CANON_LIMIT = 65_536  # distinct entry objects kept canonical (interned); beyond it the table restarts
 
 
 def shard_of(key: bytes, num_shards: int) -> int:
@@ -131,8 +133,8 @@ def merge_route(
 
     ``entries[i]`` is the entry of key i (None if nobody holds it); ``predicted[i]`` (or an empty
     list) a lane-spread mask of workers credited with key i. Workers with no prefix are omitted.
-    Runs of identical entries (a chain stored by the same workers on the same tiers) are counted
-    in one step.
+    Runs of identical entry objects (a chain stored by the same workers on the same tiers: the
+    index interns entries, so equal entries are usually one object) are counted in one step.
     """
     n = min(len(entries), MAX_ROUTE_BLOCKS)
     if n == 0:
@@ -151,13 +153,7 @@ def merge_route(
             alive = new
             if not alive:
                 break
-        j = i + 1
-        if predicted:
-            while j < n and entries[j] == e and predicted[j] == p:
-                j += 1
-        else:
-            while j < n and entries[j] == e:
-                j += 1
+        j = _run_end(entries, predicted, i, n)
         run = j - i
         if e is not None:
             cg += (e[1] & alive) * run
@@ -170,6 +166,25 @@ def merge_route(
     if alive:
         ends.append((i, alive))
     return _collect(ends, (cg, ch, cp), lane_names)
+
+
+def _run_end(entries: Sequence[Entry | None], predicted: Sequence[int], i: int, n: int) -> int:
+    """The end of the run of positions equal to position ``i`` (entry and predicted mask)."""
+    e = entries[i]
+    if entries[n - 1] is e and not predicted:
+        # The common whole-tail run, checked in one C-level pass (identity short-circuits).
+        rest = entries[i:n]
+        if rest.count(e) == n - i:  # type: ignore[attr-defined]
+            return n
+    j = i + 1
+    if predicted:
+        p = predicted[i]
+        while j < n and entries[j] is e and predicted[j] == p:
+            j += 1
+    else:
+        while j < n and entries[j] is e:
+            j += 1
+    return j
 
 
 def _collect(
@@ -207,19 +222,54 @@ def _collect_many(
         bits = np.frombuffer((mask & ((1 << (8 * width)) - 1)).to_bytes(width, "little"), dtype="<u2")
         blocks[bits != 0] = length
     lanes = np.flatnonzero(blocks)
-    out: dict[WorkerId, RouteMatch] = {}
-    rows = zip(
-        lanes.tolist(),
-        blocks[lanes].tolist(),
-        gpu[lanes].tolist(),
-        host[lanes].tolist(),
-        pred[lanes].tolist(),
-    )
-    for lane, b, g, h, p in rows:
-        name = lane_names.get(lane)
-        if name is not None:
-            out[name] = RouteMatch(name, b, g, h, b - g - h - p, p)
-    return out
+    b = blocks[lanes]
+    g, h, p = (a[lanes].astype(np.int64) for a in (gpu, host, pred))
+    names = list(map(lane_names.get, lanes.tolist()))
+    rows = zip(names, b.tolist(), g.tolist(), h.tolist(), (b - g - h - p).tolist(), p.tolist())
+    out: dict[WorkerId | None, RouteMatch] = dict(zip(names, map(_MAKE_MATCH, rows)))
+    out.pop(None, None)  # lanes without a registered worker
+    return out  # type: ignore[return-value]
+
+
+_MAKE_MATCH = functools.partial(tuple.__new__, RouteMatch)
+
+
+class _Memo:
+    """Per-batch entry transitions, keyed by the old entry's identity (the memo holds the old
+    entry, so its id cannot be reused while the memo lives). Keys sharing an entry share the
+    transition's result, which is interned, so one batch creates each new entry once."""
+
+    __slots__ = ("_cleared", "_stored")
+
+    def __init__(self) -> None:
+        self._stored: dict[tuple[int, int], tuple[Entry, Entry, bool]] = {}
+        self._cleared: dict[int, tuple[Entry, Entry | None]] = {}
+
+    def stored(
+        self, e: Entry, bit: int, fresh: Entry, intern: Callable[[Entry], Entry]
+    ) -> tuple[Entry, bool]:
+        """``e`` with ``bit`` now on ``fresh``'s tier, and whether ``bit`` was absent from ``e``."""
+        memo_key = (id(e), id(fresh))
+        hit = self._stored.get(memo_key)
+        if hit is None:
+            was_absent = not e[0] & bit
+            if not was_absent:
+                clear = ~bit
+                e2 = (e[0], e[1] & clear, e[2] & clear, e[3] & clear)
+            else:
+                e2 = e
+            new = intern((e2[0] | bit, e2[1] | fresh[1], e2[2] | fresh[2], e2[3] | fresh[3]))
+            hit = self._stored[memo_key] = (e, new, was_absent)
+        return hit[1], hit[2]
+
+    def cleared(self, e: Entry, clear: int, intern: Callable[[Entry], Entry]) -> Entry | None:
+        """``e`` without the bit ``~clear`` (None when nobody holds the key any more)."""
+        hit = self._cleared.get(id(e))
+        if hit is None:
+            held = e[0] & clear
+            new = intern((held, e[1] & clear, e[2] & clear, e[3] & clear)) if held else None
+            hit = self._cleared[id(e)] = (e, new)
+        return hit[1]
 
 
 class PrefixIndex:
@@ -245,6 +295,7 @@ class PrefixIndex:
         self._workers: dict[WorkerId, _Worker] = {}
         self._lanes: dict[int, WorkerId] = {}
         self._predicted: dict[bytes, dict[int, float]] = {}
+        self._canon: dict[Entry, Entry] = {}
         self.counters: collections.Counter[str] = collections.Counter()
 
     # ---- membership ----------------------------------------------------------------------------
@@ -274,8 +325,13 @@ class PrefixIndex:
     def _drop_entries(self, worker: WorkerId, state: _Worker) -> int:
         live = self._live_keys(state)
         clear = ~_lane_bit(state.lane)
+        entries, memo = self._entries, _Memo()
         for key in live:
-            self._clear_bit(key, clear)
+            new = memo.cleared(entries[key], clear, self._intern)
+            if new is None:
+                del entries[key]
+            else:
+                entries[key] = new
         n = len(live)
         state.key_log.clear()
         state.live = 0
@@ -283,15 +339,14 @@ class PrefixIndex:
             slots.pop(state.lane, None)
         return n
 
-    def _clear_bit(self, key: bytes, clear: int) -> None:
-        e = self._entries.get(key)
-        if e is None:
-            return
-        held = e[0] & clear
-        if held:
-            self._entries[key] = (held, e[1] & clear, e[2] & clear, e[3] & clear)
-        else:
-            del self._entries[key]
+    def _intern(self, entry: Entry) -> Entry:
+        """The canonical object equal to ``entry`` (so route() can find runs by identity)."""
+        canon = self._canon.get(entry)
+        if canon is None:
+            if len(self._canon) >= CANON_LIMIT:
+                self._canon.clear()
+            self._canon[entry] = canon = entry
+        return canon
 
     def _live_keys(self, state: _Worker) -> list[bytes]:
         """The keys this shard lists for a worker (its key log without stale or repeated keys)."""
@@ -368,9 +423,12 @@ class PrefixIndex:
     def _apply_ops(self, worker: WorkerId, state: _Worker, ops: Iterable[tuple[int, bytes, int]]) -> None:
         bit = _lane_bit(state.lane)
         clear = ~bit
-        fresh = ((bit, bit, 0, 0), (bit, 0, bit, 0), (bit, 0, 0, bit))
+        intern = self._intern
+        fresh = tuple(intern(f) for f in ((bit, bit, 0, 0), (bit, 0, bit, 0), (bit, 0, 0, bit)))
         entries, log = self._entries, state.key_log
         get, append = entries.get, log.append
+        memo = _Memo()
+        stored = memo.stored
         added = removed = 0
         for op, key, tier in ops:
             if op == OP_STORE:
@@ -379,18 +437,20 @@ class PrefixIndex:
                     entries[key] = fresh[tier]
                     append(key)
                     added += 1
-                else:
-                    f = fresh[tier]
-                    if e[0] & bit:
-                        e = (e[0], e[1] & clear, e[2] & clear, e[3] & clear)
-                    else:
-                        append(key)
-                        added += 1
-                    entries[key] = (e[0] | bit, e[1] | f[1], e[2] | f[2], e[3] | f[3])
+                    continue
+                new, was_absent = stored(e, bit, fresh[tier], intern)
+                entries[key] = new
+                if was_absent:
+                    append(key)
+                    added += 1
             elif op == OP_REMOVE:
                 e = get(key)
                 if e is not None and e[0] & bit:
-                    self._clear_bit(key, clear)
+                    new_e = memo.cleared(e, clear, intern)
+                    if new_e is None:
+                        del entries[key]
+                    else:
+                        entries[key] = new_e
                     removed += 1
             else:
                 state.live += added - removed
@@ -435,8 +495,7 @@ class PrefixIndex:
     # ---- queries -------------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> tuple[list[Entry | None], list[int]]:
         """Raw entries and predicted masks for ``keys`` (a copy; valid until the next change)."""
-        get = self._entries.get
-        entries = [get(k) for k in keys]
+        entries = list(map(self._entries.get, keys))
         pred = self._predicted
         if not pred:
             return entries, []
