@@ -35,7 +35,7 @@ from raykv.transfer import (
     PullOutcome,
     TransferConfig,
     get_runtime,
-    pull_into,
+    pull_best,
 )
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class WorkerTransfer:
         self, address: PeerAddress, keys: Sequence[bytes], prefer_shm: bool, verify: bool | None
     ) -> PullOutcome:
         assert self.client is not None
-        coro = pull_into(self.client, address, self.manager, keys, prefer_shm, verify)
+        coro = pull_best(self.client, address, self.manager, keys, prefer_shm, verify)
         return get_runtime().run(coro, self.client.config.timeout_s + 10)
 
     def stats(self) -> dict[str, Any]:

@@ -181,9 +181,11 @@ class AttachedPool(PageViews):
         self.arena.close()
 
 
-def attach(path: str, timeout: float = 10.0) -> AttachedPool:
+def attach(path: str, timeout: float = 10.0, device: int | None = None) -> AttachedPool:
     """Map the GPU pool served at ``path`` (a :class:`PoolExporter`'s socket) into this process.
 
+    ``device``: the device that reads and writes the mapping (default: the pool's own device; a
+    peer device reads it over NVLink or PCIe, see :class:`raykv.tiers.vmm.ImportedArena`).
     Raises TransferError when nothing serves there or the reply is malformed, CudaError when the
     driver refuses the import.
     """
@@ -192,7 +194,8 @@ def attach(path: str, timeout: float = 10.0) -> AttachedPool:
     conn.settimeout(timeout)
     try:
         header = _receive(conn, path, fds)
-        device = device_by_uuid(str(header["device_uuid"]))
+        if device is None:
+            device = device_by_uuid(str(header["device_uuid"]))
     except BaseException:
         for fd in fds:
             os.close(fd)

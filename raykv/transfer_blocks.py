@@ -25,7 +25,7 @@ import numpy.typing as npt
 from raykv.errors import ImportRejectedError, IntegrityError
 from raykv.radix import Block, Root
 from raykv.records import BlockRecords, ExportedBlock, ImportResult, crc32, page_checksum
-from raykv.types import BlockKey, Priority, check_block_key
+from raykv.types import BlockKey, PageId, Priority, check_block_key
 
 if TYPE_CHECKING:
     from raykv.manager import CacheManager
@@ -170,22 +170,27 @@ def _rows(data: npt.NDArray[np.uint8], new: list[int]) -> npt.NDArray[np.uint8]:
     return data[np.asarray(new, dtype=np.intp)]
 
 
+PageWriter = Callable[[list[PageId], list[int]], None]
+"""``write(slots, new)``: put the pages of records ``new`` into top-tier ``slots`` (same order)."""
+
+
 def _stage(
     mgr: CacheManager,
     records: BlockRecords,
-    data: npt.NDArray[np.uint8],
     new: list[int],
     priority: Priority,
     hold: bool,
+    write: PageWriter,
 ) -> _Staged:
-    """Make room, allocate and write the new blocks' pages (one batched copy). With ``hold`` the
-    pages and the cached parents are leased until :func:`_commit` or :func:`_abort`, so nothing
-    moves or goes (and ``clear_reusable``/``shutdown`` refuse) while the manager is unlocked."""
+    """Make room, allocate and ``write`` the new blocks' pages (one batched copy). With ``hold``
+    the pages and the cached parents are leased until :func:`_commit` or :func:`_abort`, so
+    nothing moves or goes (and ``clear_reusable``/``shutdown`` refuse) while the manager is
+    unlocked."""
     parents = [mgr.tree.get(BlockKey(records.parent_keys[i])) for i in new]
     held = [b.page for b in parents if b is not None]
     pages = mgr.allocate_pages(len(new), priority, {p.uid for p in held})
     try:
-        mgr.copy.write(0, [p.slot for p in pages], _rows(data, new))
+        write([p.slot for p in pages], new)
     except BaseException:
         mgr.pools[0].release([p.slot for p in pages])
         raise
@@ -253,12 +258,42 @@ def import_pages(
     """
     check_arrays(mgr, records, data, checksums, verify)
     bad = first_mismatch(data, checksums) if verify and checksums is not None else None
+
+    def write(slots: list[PageId], new: list[int]) -> None:
+        mgr.copy.write(0, slots, _rows(data, new))
+
+    return _import(mgr, records, bad, write, priority, confirm)
+
+
+def import_written(
+    mgr: CacheManager,
+    records: BlockRecords,
+    write: PageWriter,
+    priority: Priority,
+    confirm: Callable[[], object] | None = None,
+) -> ImportResult:
+    """:func:`import_pages` for pages that ``write(slots, new)`` copies into the newly allocated
+    top-tier ``slots`` itself (e.g. device to device from a peer's mapped GPU pool); it must have
+    completed the copy when it returns. Same rules: the records are validated first (nothing
+    changes on a problem), ``write`` runs under the manager's lock, ``confirm`` after it without
+    the lock; if either raises, the pages are given back and nothing is inserted."""
+    return _import(mgr, records, None, write, priority, confirm)
+
+
+def _import(
+    mgr: CacheManager,
+    records: BlockRecords,
+    bad: int | None,
+    write: PageWriter,
+    priority: Priority,
+    confirm: Callable[[], object] | None,
+) -> ImportResult:
     with mgr.locked():
         mgr._check_open()
         new = validate(mgr, records, bad)
         if not new:
             return ImportResult((), tuple(BlockKey(k) for k in records.keys))
-        staged = _stage(mgr, records, data, new, priority, hold=confirm is not None)
+        staged = _stage(mgr, records, new, priority, confirm is not None, write)
         if confirm is None:
             return _commit(mgr, records, staged)
     try:

@@ -11,6 +11,8 @@ blocks written by the device oracle; this process pulls them into a manager on c
   of a pull into request (to the header), payload and digest check;
 * ``direct pull+import``: the same plus :func:`raykv.transfer.device.import_direct` into the
   GPU tier, device synchronized;
+* ``gpu_peer pull+import``: :func:`raykv.transfer.gpu_peer.pull_gpu_peer_into`: cuda:1 maps the
+  server's GPU tier and copies the leased pages into its own GPU tier (the same-node path);
 * ``ucx pull+import``: the host path (:func:`raykv.transfer.pull_into`): pages land in host memory,
   CRC-32 on both sides, then imported (only with ``--host-path``; fewer samples: it is slow).
 
@@ -212,7 +214,14 @@ def _scenario(
     """Rows of one scenario (seconds per pull) against the server's ``entry``."""
     import torch
 
-    from raykv.transfer import PageClient, PeerAddress, TransferConfig, get_runtime, pull_into
+    from raykv.transfer import (
+        PageClient,
+        PeerAddress,
+        TransferConfig,
+        get_runtime,
+        pull_gpu_peer_into,
+        pull_into,
+    )
     from raykv.transfer.device import import_direct, pull_direct
 
     runtime = get_runtime()
@@ -249,6 +258,12 @@ def _scenario(
         torch.cuda.synchronize(dst_dev)
         assert len(outcome.imported) == len(keys)
 
+    def peer_pull_import() -> None:
+        peer = PeerAddress("127.0.0.1", entry["staged"])
+        outcome = runtime.run(pull_gpu_peer_into(client, peer, mgr, keys), 60)
+        torch.cuda.synchronize(dst_dev)
+        assert len(outcome.imported) == len(keys) and outcome.path == "gpu_peer"
+
     def ucx_pull_import() -> None:
         peer = PeerAddress("127.0.0.1", entry["in_place"])
         outcome = runtime.run(pull_into(slow, peer, mgr, keys, prefer_shm=False), 90)
@@ -269,6 +284,10 @@ def _scenario(
                 except Exception as exc:  # recorded; the variant's other row is skipped
                     errors.append(f"{sc.name} direct {what} ({variant}): {type(exc).__name__}: {exc}")
                     break
+        try:  # after the direct rows: the first gpu_peer pull makes the server's pool shared
+            rows.append(("gpu_peer pull+import", _median_seconds(peer_pull_import, clear, repeats, warmup)))
+        except Exception as exc:
+            errors.append(f"{sc.name} gpu_peer: {type(exc).__name__}: {exc}")
         if options.host_path:
             try:
                 rows.append(("ucx pull+import (host path)", _median_seconds(ucx_pull_import, clear, 2, 1)))
@@ -333,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     for error in result["errors"]:
         print("error:", error)
-    print(f"goal: direct pull+import of 256x2MiB >= {GOAL}x the raw peer copy")
+    print(f"goal: pull+import of 256x2MiB >= {GOAL}x the raw peer copy (gpu_peer on one node)")
     if opts.json:
         with open(opts.json, "w") as fh:
             json.dump(result, fh, indent=1)

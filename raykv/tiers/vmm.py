@@ -188,7 +188,10 @@ class VmmArena:
 class ImportedArena:
     """Chunks exported by another process (one POSIX fd each), mapped contiguously in this one.
 
-    The fds are consumed (closed) whether or not the import succeeds.
+    The fds are consumed (closed) whether or not the import succeeds. ``device``: the device
+    whose context maps the chunks and that gets read-write access to them; that may be another
+    device than the one holding the memory (a peer over NVLink or PCIe: the driver refuses with
+    CudaError when the two cannot access each other).
     """
 
     def __init__(self, device: int, fds: list[int], chunk_bytes: int) -> None:

@@ -4,10 +4,12 @@ A :class:`PageServer` serves one manager's *committed* pages to peers that hold 
 shared token; a :class:`PageClient` pulls a list of blocks by key from one or several servers and
 returns them intact (:class:`PulledPages`), ready for ``CacheManager.import_pages``.
 :func:`pull_into` does both steps, landing the pages in the manager's top tier with one copy, and
-imports only a complete, intact, parent-consistent prefix. Integrity: over UCX every page is
-checked against the sender's CRC-32; over same-node shared memory the pages are copied straight
-out of the owner's memory under its lease (no checksums unless asked; the owner confirms the
-lease instead), see :mod:`raykv.transfer.wire`.
+imports only a complete, intact, parent-consistent prefix; :func:`pull_best` first tries the
+same-node GPU-to-GPU path (:mod:`raykv.transfer.gpu_peer`) when the manager's top tier is a GPU.
+Integrity: over UCX every page is checked against the sender's CRC-32; over same-node shared
+memory (and GPU peer copies) the pages are copied straight out of the owner's memory under its
+lease (no checksums unless asked; the owner confirms the lease instead), see
+:mod:`raykv.transfer.wire`.
 
 Layers: ``config`` (settings, addresses) and ``auth`` (token, challenge-response) and ``wire``
 (control messages and their limits) at the bottom; ``runtime`` (the loop thread that owns UCX,
@@ -24,6 +26,7 @@ from __future__ import annotations
 from raykv.transfer.auth import AuthToken
 from raykv.transfer.client import ClientStats, PageClient, PulledPages
 from raykv.transfer.config import PeerAddress, TransferConfig, default_node_id
+from raykv.transfer.gpu_peer import pull_best, pull_gpu_peer_into
 from raykv.transfer.importer import PullOutcome, import_pulled, pull_into
 from raykv.transfer.runtime import TransferRuntime, get_runtime
 from raykv.transfer.server import PageServer, ServerFaults, ServerStats
@@ -43,5 +46,7 @@ __all__ = [
     "default_node_id",
     "get_runtime",
     "import_pulled",
+    "pull_best",
+    "pull_gpu_peer_into",
     "pull_into",
 ]

@@ -47,6 +47,7 @@ from raykv.transfer.config import PeerAddress, TransferConfig
 from raykv.transfer.connection import ClientConn as _Conn
 from raykv.transfer.connection import handshake
 from raykv.transfer.landing import Land, LeaseCheck, run_land
+from raykv.transfer.peer_pools import PeerPools
 from raykv.transfer.receive import SpareBuffers, compare, copy_shm, read_sums, receive_ucx
 from raykv.transfer.results import ClientStats, Part, PulledPages, check_out, merge
 from raykv.transfer.runtime import (
@@ -107,6 +108,8 @@ class PageClient:
         self._spare = SpareBuffers(min(SPARE_BYTES, self.config.client_inflight_bytes))
         self._ucx_ctx: Any = None
         self._ids = 0
+        self.gpu_pools = PeerPools()
+        """Owners' GPU tiers mapped by gpu_peer pulls (:mod:`raykv.transfer.gpu_peer`)."""
 
     # ---- public API ------------------------------------------------------------------------------
     async def pull(
@@ -225,6 +228,7 @@ class PageClient:
             if mapping is not None:
                 mapping.close()
         self._maps.clear()
+        self.gpu_pools.close()
 
     def close(self) -> None:
         self.runtime.run(self.aclose(), 30)

@@ -68,6 +68,9 @@ class TransferConfig:
     bytes straight out of the owner's memory while the owner holds a lease on them, so nothing
     travels that a checksum could guard; the owner acknowledges instead that the lease lasted
     until the client stopped reading). The ``ucx`` path always carries checksums.
+    ``use_gpu_peer``: allow the same-node ``gpu_peer`` path (:mod:`raykv.transfer.gpu_peer`): a
+    server exports its GPU tier to authenticated same-node peers, who copy leased pages device to
+    device (NVLink / PCIe peer access), no checksums, the lease acknowledged as on ``shm``.
     """
 
     host: str = "127.0.0.1"
@@ -85,6 +88,7 @@ class TransferConfig:
     node_id: str | None = None
     use_shm: bool = True
     verify_shm: bool = False
+    use_gpu_peer: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -108,7 +112,7 @@ class TransferConfig:
         object.__setattr__(self, "timeout_s", _positive_seconds("timeout_s", self.timeout_s))
         for name in ("ucx_net_devices", "ucx_tls", "node_id"):
             _optional_str(name, getattr(self, name))
-        for name in ("use_shm", "verify_shm"):
+        for name in ("use_shm", "verify_shm", "use_gpu_peer"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
 

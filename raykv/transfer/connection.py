@@ -28,6 +28,7 @@ class ClientConn:
     shm: wire.ShmInfo | None
     server_ucx: bytes | None
     endpoint: Any = None
+    gpu: bool = False  # the server offers the gpu_peer path (raykv.transfer.gpu_peer)
 
     def close(self) -> None:
         """Abort the UCX endpoint (cancelling its receives) and close the stream."""
@@ -76,4 +77,5 @@ async def handshake(
         max(1, min(wire.field(welcome, "max_payload", int), config.max_payload_bytes)),
         wire.ShmInfo.from_msg(welcome.get("shm")),
         server_ucx if isinstance(server_ucx, bytes) and server_ucx else None,
+        gpu=welcome.get("gpu") is True,
     )

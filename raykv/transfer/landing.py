@@ -75,7 +75,12 @@ async def run_land(land: Land[T], pulled: PulledPages, check: LeaseCheck) -> T:
     tier, which must stay leased until it stops): the check is cancelled, the thread is waited
     for, then CancelledError is raised.
     """
-    future = asyncio.get_running_loop().run_in_executor(None, land, pulled, check)
+    return await run_checked(lambda confirm: land(pulled, confirm), check)
+
+
+async def run_checked(work: Callable[[LeaseCheck], T], check: LeaseCheck) -> T:
+    """``work(check)`` in the default executor, with :func:`run_land`'s cancellation rules."""
+    future = asyncio.get_running_loop().run_in_executor(None, work, check)
     cancelled = False
     while not future.done():
         try:

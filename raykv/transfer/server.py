@@ -18,6 +18,9 @@ UCX never reads a page that has been released. Paths:
   acknowledges the client's ``done`` (the lease lasted while the client read).
 - ``direct``: asked for by :func:`raykv.transfer.device.pull_direct`: a few large UCX messages
   from the pages' own device, per-page digests computed there (:mod:`raykv.transfer.device`).
+- ``gpu_peer``: asked for by :func:`raykv.transfer.gpu_peer.pull_gpu_peer_into` from this node:
+  slots in the header, the client maps this manager's GPU tier (exported once, on first use) and
+  copies the leading run of GPU-resident leased pages device to device; ``ack`` as on ``shm``.
 - ``ucx``: everything else; the payload goes as a few large UCX tag messages (``chunk_bytes``
   each) straight from tier memory where possible (:class:`raykv.transfer.payload.LeasedPayload`).
 
@@ -31,16 +34,18 @@ import asyncio
 import collections
 import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from raykv.errors import RayKVError, TransferError
 from raykv.manager import CacheManager
-from raykv.records import BlockLease, page_checksum
+from raykv.records import BlockLease, LeasedBlock, page_checksum
 from raykv.tiers.host import HostPool
 from raykv.transfer import wire
 from raykv.transfer.auth import CLIENT_LABEL, NONCE_BYTES, SERVER_LABEL, AuthToken, new_nonce
 from raykv.transfer.config import PeerAddress, TransferConfig
+from raykv.transfer.gpu_peer import GpuPeerExport
 from raykv.transfer.payload import LeasedPayload, settle_pages
 from raykv.transfer.runtime import (
     INLINE_BYTES,
@@ -138,6 +143,7 @@ class PageServer:
         self._ucx_address: bytes | None = None
         self._ucx_ctx: Any = None
         self._shm_level, self._shm_info = _shared_tier(manager)
+        self.gpu_peer = GpuPeerExport(manager, self.config.use_gpu_peer)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> PeerAddress:
@@ -179,6 +185,7 @@ class PageServer:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=30)
         self._server = None
+        self.gpu_peer.close()
 
     @property
     def open_leases(self) -> int:
@@ -248,6 +255,7 @@ class PageServer:
                 "max_payload": self.config.max_payload_bytes,
                 "shm": self._shm_info.to_msg() if self._shm_info else None,
                 "ucx": self._ucx_address,
+                "gpu": self.gpu_peer.available,
             },
         )
 
@@ -292,8 +300,13 @@ class PageServer:
             await self._budget.acquire(nbytes)
             try:
                 path = "shm" if want == "shm" and self._shm_ok(conn, lease) else "ucx"
-                path = "direct" if want == "direct" else path
-                send = {"shm": self._send_shm, "ucx": self._send_ucx, "direct": self._send_direct}[path]
+                path = want if want in ("direct", "gpu_peer") else path
+                send = {
+                    "shm": self._send_shm,
+                    "ucx": self._send_ucx,
+                    "direct": self._send_direct,
+                    "gpu_peer": self._send_gpu_peer,
+                }[path]
                 await asyncio.wait_for(send(conn, rid, lease, tag), self.config.timeout_s)
             finally:
                 self._budget.release(nbytes)
@@ -313,9 +326,16 @@ class PageServer:
         )
 
     def _header(
-        self, rid: int, path: str, lease: BlockLease, layout: list[int], sums: list[int] | None = None
+        self,
+        rid: int,
+        path: str,
+        lease: BlockLease,
+        layout: list[int],
+        sums: list[int] | None = None,
+        blocks: Sequence[LeasedBlock] | None = None,
     ) -> dict[str, Any]:
-        blocks = lease.blocks
+        """The header of a pull: ``blocks`` (default: every leased block) and the layout."""
+        blocks = lease.blocks if blocks is None else blocks
         return wire.Header(
             rid,
             path,
@@ -403,6 +423,10 @@ class PageServer:
         from raykv.transfer.device import send_direct
 
         await send_direct(self, conn, rid, lease, tag)
+
+    async def _send_gpu_peer(self, conn: _Conn, rid: int, lease: BlockLease, tag: int) -> None:
+        """The ``gpu_peer`` path (:mod:`raykv.transfer.gpu_peer`): the peer copies from our GPU tier."""
+        await self.gpu_peer.serve(self, conn, rid, lease)
 
     async def _await_done(self, conn: _Conn, rid: int, sends: asyncio.Future[Any] | None) -> None:
         """Wait for the client's ``done`` and for our sends; a closed connection fails at once."""

@@ -10,18 +10,23 @@ Messages (``t`` field):
 =========  =========  ==================================================================
 hello      s -> c     protocol version, server nonce (see :mod:`raykv.transfer.auth`)
 auth       c -> s     client proof, client nonce, client node id, client UCX worker address
-welcome    s -> c     server proof, node id, page size, limits, shared-memory file, UCX address
-pull       c -> s     request id, keys (<= max_keys), wanted path ("shm"/"ucx"/"direct"), tag base,
-                      shm only: ``sums`` (send checksums), ``ack`` (acknowledge ``done``)
+welcome    s -> c     server proof, node id, page size, limits, shared-memory file, UCX address,
+                      ``gpu``: whether same-node peers may map its GPU tier (gpu_peer path)
+pull       c -> s     request id, keys (<= max_keys), wanted path ("shm"/"ucx"/"direct"/
+                      "gpu_peer"), tag base, shm only: ``sums`` (send checksums), ``ack``
+                      (acknowledge ``done``; gpu_peer always acknowledges)
+gpu_pool   s -> c     gpu_peer path, right before its header: the GPU tier's export socket,
+                      device UUID and slot count (:mod:`raykv.transfer.gpu_peer`)
 header     s -> c     keys found (request order), parent keys, parent_is_root, num_tokens,
                       page size, path, payload layout: pages per chunk (ucx, direct) or slots
-                      (shm); direct: a device digest per page (:mod:`raykv.transfer.device`)
+                      (shm, gpu_peer); direct: a device digest per page
+                      (:mod:`raykv.transfer.device`)
 sums       s -> c     one CRC-32 (:func:`raykv.records.page_checksum`) per page, sent right
                       after the header's payload has been handed to UCX (see below); for a
                       payload of at most 256 KiB they travel in ``header`` instead. Always
                       on the ucx path; on the shm path only when the pull asked for ``sums``
-done       c -> s     the client has the pages (shm: it stopped reading the shared tier)
-ack        s -> c     shm path, when the pull asked for it: the lease was held until ``done``
+done       c -> s     the client has the pages (shm, gpu_peer: it stopped reading the tier)
+ack        s -> c     shm and gpu_peer paths, when asked: the lease was held until ``done``
                       arrived, so every byte the client read was the leased page
 error      both       reason + message; the connection is closed after it
 =========  =========  ==================================================================
@@ -50,7 +55,7 @@ import msgpack
 from raykv.errors import TransferError
 
 VERSION = 2
-PATHS = ("shm", "ucx", "direct")
+PATHS = ("shm", "ucx", "direct", "gpu_peer")
 _LEN = struct.Struct(">I")
 
 

@@ -25,7 +25,15 @@ from raykv import ContentOracle, TransferError  # noqa: E402
 from raykv.bench.gpu_transfer import Scenario, ServerProcess, _transports, gpu_manager  # noqa: E402
 from raykv.gpu_oracle import DeviceOracle  # noqa: E402
 from raykv.manager import CacheManager  # noqa: E402
-from raykv.transfer import PageClient, PeerAddress, TransferConfig, get_runtime, pull_into  # noqa: E402
+from raykv.transfer import (  # noqa: E402
+    PageClient,
+    PeerAddress,
+    TransferConfig,
+    get_runtime,
+    pull_best,
+    pull_gpu_peer_into,
+    pull_into,
+)
 from raykv.transfer.device import pull_direct_into  # noqa: E402
 from raykv.types import BlockKey  # noqa: E402
 
@@ -124,3 +132,58 @@ def test_wrong_token_is_refused(remote: Remote) -> None:
     assert info.value.reason == "auth"
     assert remote.stats("staged")["auth_failures"] >= 1
     assert not remote.mgr.committed_blocks()
+
+
+def test_gpu_peer_pull_copies_device_to_device(remote: Remote) -> None:
+    remote.mgr.clear_reusable()
+    before = remote.stats("staged")["pulls"].get("gpu_peer", 0)
+    peer = remote.peers["staged"]
+    outcome = get_runtime().run(pull_gpu_peer_into(remote.client, peer, remote.mgr, remote.keys), 60)
+    assert outcome.path == "gpu_peer" and outcome.complete and list(outcome.imported) == remote.keys
+    assert outcome.nbytes == len(remote.keys) * remote.mgr.layout.page_bytes
+    _verify(remote.mgr, remote.keys)
+    assert remote.client.stats.last_path[str(peer)] == "gpu_peer"
+    stats = remote.stats("staged")
+    assert stats["pulls"]["gpu_peer"] == before + 1 and "unavailable" not in stats["errors"]
+    again = get_runtime().run(pull_gpu_peer_into(remote.client, peer, remote.mgr, remote.keys), 60)
+    assert not again.imported and list(again.already_present) == remote.keys
+
+
+def test_gpu_peer_pull_of_a_scattered_subset_and_unknown_keys(remote: Remote) -> None:
+    remote.mgr.clear_reusable()
+    keys = remote.keys[:40:3]  # only block 0 has its parent here
+    unknown = [bytes(32), b"\x01" * 32]
+    outcome = get_runtime().run(
+        pull_gpu_peer_into(remote.client, remote.peers["staged"], remote.mgr, [*keys, *unknown]), 60
+    )
+    assert list(outcome.imported) == keys[:1] and list(outcome.dropped) == keys[1:]
+    assert list(outcome.missing) == unknown
+    _verify(remote.mgr, keys[:1])
+
+
+def test_pull_best_prefers_gpu_peer_and_honours_the_switch(remote: Remote) -> None:
+    remote.mgr.clear_reusable()
+    outcome = get_runtime().run(pull_best(remote.client, remote.peers["staged"], remote.mgr, remote.keys), 60)
+    assert outcome.path == "gpu_peer" and outcome.complete
+    _verify(remote.mgr, remote.keys)
+    remote.mgr.clear_reusable()
+    off = PageClient(remote.token, CFG.replace(use_gpu_peer=False))
+    try:
+        outcome = get_runtime().run(pull_best(off, remote.peers["staged"], remote.mgr, remote.keys), 60)
+    finally:
+        off.close()
+    assert outcome.path == "ucx" and outcome.complete
+    _verify(remote.mgr, remote.keys)
+
+
+def test_gpu_peer_wrong_token_is_refused(remote: Remote) -> None:
+    remote.mgr.clear_reusable()
+    stranger = PageClient(secrets.token_bytes(32), CFG)
+    try:
+        with pytest.raises(TransferError) as info:
+            get_runtime().run(
+                pull_gpu_peer_into(stranger, remote.peers["staged"], remote.mgr, remote.keys), 60
+            )
+    finally:
+        stranger.close()
+    assert info.value.reason == "auth" and not remote.mgr.committed_blocks()

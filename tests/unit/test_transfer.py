@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from transfer_support import commit, seq
 
 from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError
 from raykv.transfer import AuthToken, PageClient, PageServer, TransferConfig, get_runtime, pull_into, wire
@@ -46,20 +47,6 @@ def manager(layout: KVLayout, host_pages: int, shared: bool, disk_pages: int = 0
     if disk_pages:
         tiers.append(TierConfig.disk(disk_pages * layout.page_bytes))
     return CacheManager(CacheConfig(layout, tuple(tiers)))
-
-
-def commit(mgr: CacheManager, oracle: ContentOracle, tokens: list[int]) -> list[bytes]:
-    """Run one request with oracle KV and commit it; returns its block keys."""
-    with mgr.create(tokens) as cache:
-        assert cache.resume()
-        cache.extend(tokens[cache.num_reused_tokens :])
-        oracle.fill_cache(cache, cache.num_reused_tokens // mgr.tokens_per_block)
-        cache.commit()
-        return [bytes(cache.block_key(i)) for i in range(len(tokens) // mgr.tokens_per_block)]
-
-
-def seq(seed: int, blocks: int, tpb: int = 4) -> list[int]:
-    return [seed * 10_000 + i for i in range(blocks * tpb)]
 
 
 @pytest.fixture

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from transfer_support import commit, run, seq
 
-from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError
-from raykv.transfer import AuthToken, PageClient, PageServer, TransferConfig, get_runtime, pull_into
+from raykv import CacheConfig, CacheManager, KVLayout, TierConfig, TransferError
+from raykv.transfer import AuthToken, PageClient, PageServer, TransferConfig, pull_into
 from raykv.transfer.importer import import_pulled
 
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
@@ -64,23 +65,6 @@ def make_pair(layout: KVLayout) -> Iterator[Callable[..., Pair]]:
         pair.server.close()
         pair.src.shutdown()
         pair.dst.shutdown()
-
-
-def commit(mgr: CacheManager, oracle: ContentOracle, tokens: list[int]) -> list[bytes]:
-    with mgr.create(tokens) as cache:
-        assert cache.resume()
-        cache.extend(tokens[cache.num_reused_tokens :])
-        oracle.fill_cache(cache, cache.num_reused_tokens // mgr.tokens_per_block)
-        cache.commit()
-        return [bytes(cache.block_key(i)) for i in range(len(tokens) // mgr.tokens_per_block)]
-
-
-def seq(seed: int, blocks: int, tpb: int = 4) -> list[int]:
-    return [seed * 10_000 + i for i in range(blocks * tpb)]
-
-
-def run(coro: object) -> object:
-    return get_runtime().run(coro, 30)  # type: ignore[arg-type]
 
 
 def test_shm_pull_carries_checksums_only_when_asked(make_pair, oracle) -> None:

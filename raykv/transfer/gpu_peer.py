@@ -1,0 +1,306 @@
+"""The ``gpu_peer`` pull path: same-node GPU to GPU, one device copy from the owner's GPU tier.
+
+UCX moves device pages between two processes at a fraction of what the GPUs can do: a staging copy
+and digests on the sender, a digest on the receiver, then the import copies the pages again
+(:mod:`raykv.transfer.device`). On one node the receiver can instead map the owner's GPU tier and
+copy the leased pages straight into its own newly allocated slots, the way the ``shm`` path reads
+a peer's shared host tier:
+
+- owner (:class:`GpuPeerExport`, one per page server): on the first ``gpu_peer`` pull it exports
+  its CUDA virtual-memory pool (:class:`raykv.ipc.PoolExporter`: a Unix socket of mode 0600 in a
+  private directory, POSIX fds of the pool's chunks handed only to processes of the same user).
+  Per pull it leases the blocks, answers with the leading run of them that is on its GPU tier
+  (their slots; the other keys are left out of the header, so the client reports them missing),
+  waits for the client's ``done`` and acknowledges it before the lease ends.
+- client (:func:`pull_gpu_peer_into`): maps the owner's pool once per owner, with access for its
+  own top tier's device (NVLink or PCIe peer access; the driver refuses otherwise), then imports
+  with :func:`raykv.transfer_blocks.import_written`: room is made and slots allocated, the pages
+  are copied device to device by the tier's copy engine (one DMA copy per consecutive run), the
+  copy is waited for, ``done``/``ack`` confirms that the lease lasted, and only then are the
+  blocks inserted. Nothing is imported on any failure.
+
+No checksums: no byte leaves GPU memory or crosses a network, and the pages are read in place
+under the owner's lease (a checksum guards transit, not memory; the token guards who may ask).
+The path needs both processes on one node (equal node ids), a VMM pool on the owner, a GPU top
+tier on the client, and ``TransferConfig.use_gpu_peer`` on both sides; otherwise
+:func:`pull_gpu_peer_into` raises TransferError with reason "unavailable" and
+:func:`pull_best` takes the host path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from raykv.errors import TransferError
+from raykv.manager import CacheManager
+from raykv.records import BlockLease, BlockRecords
+from raykv.transfer import wire
+from raykv.transfer.client import PageClient, Peer, _request
+from raykv.transfer.connection import ClientConn
+from raykv.transfer.importer import PullOutcome, pull_into
+from raykv.transfer.landing import LeaseCheck, run_checked
+from raykv.transfer.peer_pools import PoolInfo
+from raykv.transfer_blocks import import_written
+from raykv.types import DEFAULT_PRIORITY, BlockKey, PageId, Priority, TierKind, check_priority
+
+if TYPE_CHECKING:
+    from raykv.ipc import AttachedPool, PoolExporter
+    from raykv.transfer.server import PageServer
+
+log = logging.getLogger(__name__)
+
+PATH = "gpu_peer"
+
+
+# ---- owner ------------------------------------------------------------------------------------
+class GpuPeerExport:
+    """The owner side: whether the path is on offer, the pool export, and serving one pull."""
+
+    def __init__(self, manager: CacheManager, enabled: bool) -> None:
+        self.manager = manager
+        pool: Any = manager.top_pool
+        arena = getattr(pool, "arena", None)
+        self.available = bool(
+            enabled and pool.kind is TierKind.GPU and arena is not None and arena.exportable
+        )
+        self._exporter: PoolExporter | None = None
+        self._uuid = ""
+        self._lock = threading.Lock()
+
+    def exporter(self) -> PoolExporter:
+        """The pool's exporter, started on first use (the pool is ``shared`` from then on)."""
+        with self._lock:
+            if self._exporter is None:
+                from raykv.ipc import PoolExporter
+                from raykv.tiers.cuda_util import device_uuid
+
+                pool: Any = self.manager.top_pool
+                self._exporter = PoolExporter(pool)
+                self._uuid = device_uuid(pool.device.index)
+                log.info("gpu_peer: exporting the GPU tier of %s at %s", pool.device, self._exporter.path)
+            return self._exporter
+
+    async def serve(self, server: PageServer, conn: Any, rid: int, lease: BlockLease) -> None:
+        """Answer one ``gpu_peer`` pull (the caller holds and ends ``lease``)."""
+        if not self.available or conn.node != server.node_id:
+            raise TransferError(
+                "the gpu_peer path needs a GPU tier and a peer on this node", reason="unavailable"
+            )
+        run = []
+        for block in lease.blocks:
+            if block.level != 0:
+                break
+            run.append(block)
+        loop = asyncio.get_running_loop()
+        exporter = self._exporter
+        if exporter is None:
+            exporter = await loop.run_in_executor(None, self.exporter)
+        pool: Any = self.manager.top_pool
+        slots = [b.slot for b in run]
+        if len(pool.events) and pool.events.pending(slots):  # a copy into or out of them is in flight
+            await loop.run_in_executor(None, pool.events.wait_host, slots)
+        info = {
+            "t": "gpu_pool",
+            "id": rid,
+            "path": exporter.path,
+            "uuid": self._uuid,
+            "slots": pool.num_slots,
+        }
+        await server._send(conn, info)
+        await server._send(conn, server._header(rid, PATH, lease, slots, blocks=run))
+        await server._after_header(conn)
+        await server._await_done(conn, rid, None)
+        await server._send(conn, {"t": "ack", "id": rid})
+
+    def close(self) -> None:
+        """Stop exporting (peers keep the mappings they have). Idempotent."""
+        with self._lock:
+            if self._exporter is not None:
+                self._exporter.close()
+                self._exporter = None
+
+
+# ---- client -----------------------------------------------------------------------------------
+def usable(client: PageClient, conn: ClientConn, manager: CacheManager) -> bool:
+    """Whether a pull over ``conn`` into ``manager`` can take the gpu_peer path."""
+    return bool(
+        client.config.use_gpu_peer
+        and conn.gpu
+        and conn.node == client.node_id
+        and manager.top_pool.kind is TierKind.GPU
+    )
+
+
+async def pull_gpu_peer_into(
+    client: PageClient,
+    peer: Peer,
+    manager: CacheManager,
+    keys: Sequence[bytes],
+    timeout_s: float | None = None,
+    priority: int = DEFAULT_PRIORITY,
+) -> PullOutcome:
+    """Pull ``keys`` from ``peer`` over ``gpu_peer`` and import them into ``manager`` (on the
+    runtime loop). Keys the peer lacks or holds on another tier than its GPU tier (and every key
+    after the first such one) come back in ``missing``/``dropped``; nothing else is left out.
+
+    Raises ValueError for malformed or duplicate keys; TransferError with reason "unavailable"
+    when the path cannot be used (see the module docstring; nothing was asked of the peer), any
+    other TransferError for a failed pull (nothing imported; the caller recomputes or falls
+    back); OutOfPagesError when this manager cannot make room (nothing imported).
+    """
+    checked, endpoint = _request(peer, keys)
+    prio = check_priority(priority)
+    start = time.perf_counter()
+    if not checked:
+        return PullOutcome((), (), (), (), PATH, 0, 0.0)
+    outcome = await client._guarded(endpoint, timeout_s, _pull_all(client, endpoint, checked, manager, prio))
+    return dataclasses.replace(outcome, seconds=time.perf_counter() - start)
+
+
+async def _pull_all(
+    client: PageClient, peer: tuple[str, int], keys: list[BlockKey], manager: CacheManager, priority: Priority
+) -> PullOutcome:
+    conn = await client._checkout(peer)
+    if not usable(client, conn, manager):
+        client._idle.setdefault(peer, []).append(conn)
+        raise TransferError("the gpu_peer path is not available to this peer", reason="unavailable")
+    outcomes: list[PullOutcome] = []
+    try:
+        per_batch = max(1, min(conn.max_keys, conn.max_payload // max(1, conn.page_bytes)))
+        for first in range(0, len(keys), per_batch):
+            outcomes.append(
+                await _pull_batch(client, conn, keys[first : first + per_batch], manager, priority)
+            )
+    except BaseException:
+        conn.close()
+        raise
+    client._idle.setdefault(peer, []).append(conn)
+    return merge_outcomes(outcomes, PATH)
+
+
+async def _pull_batch(
+    client: PageClient, conn: ClientConn, keys: list[BlockKey], manager: CacheManager, priority: Priority
+) -> PullOutcome:
+    client._ids += 1
+    rid = client._ids
+    await client._send(
+        conn, {"t": "pull", "id": rid, "keys": list(keys), "path": PATH, "tag": 0, "ack": True}
+    )
+    limit = min(conn.max_payload, client.config.max_payload_bytes)
+    info = PoolInfo.from_msg(await wire.read_message(conn.reader, client.config.max_header_bytes), rid)
+    header = wire.Header.from_msg(
+        await wire.read_message(conn.reader, client.config.max_header_bytes), list[bytes](keys), limit
+    )
+    if header.request_id != rid or header.page_bytes != conn.page_bytes or header.path != PATH:
+        raise wire.protocol_error("header does not answer this request")
+    if header.page_bytes != manager.layout.page_bytes:
+        raise TransferError("import refused: page size differs from this manager's", reason="rejected")
+    pool: Any = manager.top_pool
+    loop = asyncio.get_running_loop()
+    source = client.gpu_pools.cached(info, pool.device.index)
+    if source is None:  # first pull from this owner, or its pool grew: map it (blocking)
+        source = await loop.run_in_executor(None, client.gpu_pools.get, info, pool.device.index)
+    slots = [int(s) for s in header.layout]
+    if slots and max(slots) >= source.num_slots:
+        raise wire.protocol_error("the peer named a slot outside its GPU tier")
+    records = BlockRecords(header.keys, header.parents, header.roots, header.tokens)
+    n = _importable(manager, records)
+    check = LeaseCheck(loop, lambda: client._finish_shm(conn, header), client.config.timeout_s)
+
+    def write(dst: list[PageId], new: list[int]) -> None:
+        copy_from(source, [slots[i] for i in new], pool, dst)
+
+    result = await run_checked(
+        lambda confirm: import_written(manager, records.head(n), write, priority, confirm), check
+    )
+    if not check.done:  # nothing new to import: the lease still ends with done/ack
+        await client._finish_shm(conn, header)
+    have = set(header.keys)
+    client.stats.pulls[PATH] += 1
+    client.stats.pages[PATH] += len(result.imported)
+    client.stats.bytes[PATH] += len(result.imported) * header.page_bytes
+    client.stats.last_path[f"{conn.peer[0]}:{conn.peer[1]}"] = PATH
+    return PullOutcome(
+        imported=result.imported,
+        already_present=result.already_present,
+        missing=tuple(k for k in keys if k not in have),
+        dropped=tuple(BlockKey(k) for k in header.keys[n:]),
+        path=PATH,
+        nbytes=len(result.imported) * header.page_bytes,
+        seconds=0.0,
+    )
+
+
+def _importable(manager: CacheManager, records: BlockRecords) -> int:
+    """How many leading records have their parent (a root, cached, or earlier in the batch)."""
+    seen: set[bytes] = set()
+    with manager.locked():
+        for i, (key, parent, root) in enumerate(
+            zip(records.keys, records.parent_keys, records.parent_is_root)
+        ):
+            if not (root or parent in seen or parent in manager.tree):
+                return i
+            seen.add(key)
+    return len(records)
+
+
+def copy_from(source: AttachedPool, src: list[int], pool: Any, dst: list[PageId]) -> None:
+    """Copy pages ``src`` of a mapped peer pool onto pages ``dst`` of ``pool`` (a GpuPool) with
+    the pool's copy engine; returns once the copy completed (the caller's lease may end then)."""
+    waits = pool.events.pending(list(dst))
+    event = pool.copier.copy("d2d", source.base_address, src, pool.base_address, dst, pool.page_bytes, waits)
+    if event is not None:
+        event.synchronize()
+
+
+# ---- both paths ---------------------------------------------------------------------------------
+def merge_outcomes(outcomes: Sequence[PullOutcome], path: str) -> PullOutcome:
+    """One outcome for consecutive pulls of one request (``missing``/``dropped`` of the last)."""
+    if len(outcomes) == 1:
+        return outcomes[0]
+    return PullOutcome(
+        imported=tuple(k for o in outcomes for k in o.imported),
+        already_present=tuple(k for o in outcomes for k in o.already_present),
+        missing=tuple(k for o in outcomes for k in o.missing),
+        dropped=tuple(k for o in outcomes for k in o.dropped),
+        path=path,
+        nbytes=sum(o.nbytes for o in outcomes),
+        seconds=sum(o.seconds for o in outcomes),
+    )
+
+
+async def pull_best(
+    client: PageClient,
+    peer: Peer,
+    manager: CacheManager,
+    keys: Sequence[bytes],
+    prefer_shm: bool = True,
+    verify: bool | None = None,
+) -> PullOutcome:
+    """Pull ``keys`` into ``manager`` on the fastest path: ``gpu_peer`` first where it is
+    available, then :func:`raykv.transfer.importer.pull_into` (shm or ucx) for the keys it did not
+    bring (held off the peer's GPU tier, or all of them when the path is unavailable). Errors as
+    for :func:`pull_into`; a failed second pull leaves the first one's blocks imported."""
+    first: PullOutcome | None = None
+    if manager.top_pool.kind is TierKind.GPU and client.config.use_gpu_peer:
+        try:
+            first = await pull_gpu_peer_into(client, peer, manager, keys)
+        except TransferError as exc:
+            if getattr(exc, "reason", "") != "unavailable":
+                raise
+    if first is None:
+        return await pull_into(client, peer, manager, keys, prefer_shm, verify)
+    rest = [*first.missing, *first.dropped]
+    if not rest:
+        return first
+    order = {k: i for i, k in enumerate(keys)}
+    rest.sort(key=lambda k: order[k])
+    second = await pull_into(client, peer, manager, rest, prefer_shm, verify)
+    merged = merge_outcomes([first, second], f"{PATH}+{second.path}")
+    return dataclasses.replace(merged, missing=second.missing, dropped=second.dropped)

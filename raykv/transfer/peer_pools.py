@@ -1,0 +1,76 @@
+"""A page client's mappings of same-node owners' GPU tiers (the ``gpu_peer`` path's state; see
+:mod:`raykv.transfer.gpu_peer`). Kept apart so the client needs no CUDA import to hold one."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import TYPE_CHECKING, Any
+
+from raykv.transfer import wire
+
+if TYPE_CHECKING:
+    from raykv.ipc import AttachedPool
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolInfo:
+    """What a ``gpu_pool`` message says: the owner's export socket, device UUID and slots."""
+
+    path: str
+    uuid: str
+    slots: int
+
+    @classmethod
+    def from_msg(cls, msg: dict[str, Any], rid: int) -> PoolInfo:
+        msg = wire.expect_type(msg, "gpu_pool")
+        if msg.get("id") != rid:
+            raise wire.protocol_error("'gpu_pool' for another request")
+        path, uuid, slots = (
+            wire.field(msg, "path", str),
+            wire.field(msg, "uuid", str),
+            wire.field(msg, "slots", int),
+        )
+        if not (0 < len(path) <= 4096 and len(uuid) <= 128 and 0 < slots < (1 << 40)):
+            raise wire.protocol_error("field of 'gpu_pool' out of range")
+        return cls(path, uuid, slots)
+
+
+class PeerPools:
+    """A client's mappings of owners' GPU tiers, by export socket (one per owner and device).
+
+    A mapping is replaced when the owner's pool has grown past it; replaced mappings stay mapped
+    until :meth:`close` (a pull may still be copying from them)."""
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[str, int], AttachedPool] = {}
+        self._retired: list[AttachedPool] = []
+        self._lock = threading.Lock()
+
+    def cached(self, info: PoolInfo, device: int) -> AttachedPool | None:
+        """The current mapping of ``info``'s pool on ``device`` if it covers every slot, else None
+        (never blocks)."""
+        have = self._maps.get((info.path, device))
+        return have if have is not None and have.num_slots >= info.slots else None
+
+    def get(self, info: PoolInfo, device: int) -> AttachedPool:
+        """The mapping of ``info``'s pool on ``device`` (blocking: maps it when needed)."""
+        from raykv.ipc import attach
+
+        key = (info.path, device)
+        with self._lock:
+            have = self._maps.get(key)
+            if have is not None and have.num_slots >= info.slots:
+                return have
+            fresh = attach(info.path, device=device)
+            if have is not None:
+                self._retired.append(have)
+            self._maps[key] = fresh
+            return fresh
+
+    def close(self) -> None:
+        with self._lock:
+            for pool in [*self._maps.values(), *self._retired]:
+                pool.close()
+            self._maps.clear()
+            self._retired.clear()

@@ -1,0 +1,146 @@
+"""The gpu_peer path's negotiation on machines without a GPU tier (the copy itself: tests/gpu).
+
+A server without an exportable GPU tier does not offer the path; a client asks for it only when
+offered; ``pull_best`` then takes shm/ucx. A peer that asks anyway is refused with "unavailable"
+and holds no lease. Content is checked with the oracle; invariants hold on both managers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+from transfer_support import commit, run, seq
+
+from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError
+from raykv.transfer import (
+    AuthToken,
+    PageClient,
+    PageServer,
+    TransferConfig,
+    pull_best,
+    pull_gpu_peer_into,
+    wire,
+)
+from raykv.transfer.gpu_peer import merge_outcomes
+from raykv.transfer.importer import PullOutcome
+from raykv.transfer.peer_pools import PoolInfo
+
+CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
+
+
+class Pair:
+    def __init__(self, layout: KVLayout) -> None:
+        self.token = AuthToken.generate()
+        host = TierConfig.host(32 * layout.page_bytes, pin_memory=False, shared=True)
+        self.src = CacheManager(CacheConfig(layout, (host,)))
+        self.dst = CacheManager(
+            CacheConfig(layout, (TierConfig.host(32 * layout.page_bytes, pin_memory=False),))
+        )
+        self.server = PageServer(self.src, self.token, CFG)
+        self.server.start()
+        self.client = PageClient(self.token, CFG)
+
+    def settled(self) -> None:
+        deadline = time.monotonic() + 5
+        while self.src._leases and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.server.open_leases == 0 and not self.src._leases and not self.dst._leases
+        self.src.check_invariants()
+        self.dst.check_invariants()
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.close()
+        self.src.shutdown()
+        self.dst.shutdown()
+
+
+@pytest.fixture
+def pair(layout: KVLayout) -> Iterator[Pair]:
+    made = Pair(layout)
+    yield made
+    made.close()
+
+
+def test_host_only_server_does_not_offer_the_path(pair: Pair) -> None:
+    assert not pair.server.gpu_peer.available
+
+    async def welcome() -> bool:
+        conn = await pair.client._checkout(pair.server.address.endpoint)  # type: ignore[union-attr]
+        pair.client._idle.setdefault(conn.peer, []).append(conn)
+        return conn.gpu
+
+    assert run(welcome()) is False
+
+
+def test_gpu_peer_pull_without_a_gpu_is_unavailable_and_changes_nothing(
+    pair: Pair, oracle: ContentOracle
+) -> None:
+    keys = commit(pair.src, oracle, seq(1, 4))
+    with pytest.raises(TransferError) as info:
+        run(pull_gpu_peer_into(pair.client, pair.server.address, pair.dst, keys))  # type: ignore[arg-type]
+    assert info.value.reason == "unavailable"
+    assert not pair.dst.committed_blocks() and pair.server.stats.pulls == {}
+    assert pair.client.stats.failures["unavailable"] == 1
+    pair.settled()
+
+
+def test_pull_best_falls_back_to_shared_memory(pair: Pair, oracle: ContentOracle) -> None:
+    keys = commit(pair.src, oracle, seq(2, 6))
+    outcome = run(pull_best(pair.client, pair.server.address, pair.dst, keys))  # type: ignore[arg-type]
+    assert isinstance(outcome, PullOutcome)
+    assert outcome.path == "shm" and outcome.complete and list(outcome.imported) == keys
+    for key in keys:
+        block = pair.dst.tree.get(key)  # type: ignore[arg-type]
+        assert block is not None
+        assert oracle.check(pair.dst.pools[0].array[block.page.slot], key)  # type: ignore[attr-defined]
+    pair.settled()
+
+
+def test_server_refuses_a_gpu_peer_request_it_cannot_serve(pair: Pair, oracle: ContentOracle) -> None:
+    keys = commit(pair.src, oracle, seq(3, 3))
+
+    async def ask() -> None:
+        conn = await pair.client._checkout(pair.server.address.endpoint)  # type: ignore[union-attr]
+        try:
+            await pair.client._send(conn, {"t": "pull", "id": 1, "keys": keys, "path": "gpu_peer", "tag": 0})
+            wire.expect_type(await wire.read_message(conn.reader, 1 << 20), "gpu_pool")
+        finally:
+            conn.close()
+
+    with pytest.raises(TransferError) as info:
+        run(ask())
+    assert info.value.reason == "unavailable"
+    assert pair.server.stats.errors["unavailable"] == 1
+    pair.settled()
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        {"t": "gpu_pool", "id": 2, "path": "/x", "uuid": "u", "slots": 4},  # another request
+        {"t": "gpu_pool", "id": 1, "path": "", "uuid": "u", "slots": 4},
+        {"t": "gpu_pool", "id": 1, "path": "/x", "uuid": "u", "slots": 0},
+        {"t": "gpu_pool", "id": 1, "path": "/x", "uuid": 7, "slots": 4},
+        {"t": "header", "id": 1},
+    ],
+)
+def test_malformed_pool_messages_are_protocol_errors(msg: dict[str, object]) -> None:
+    with pytest.raises(TransferError) as info:
+        PoolInfo.from_msg(msg, 1)
+    assert info.value.reason == "protocol"
+    assert PoolInfo.from_msg({"t": "gpu_pool", "id": 1, "path": "/x", "uuid": "u", "slots": 4}, 1).slots == 4
+
+
+def test_merged_outcomes_concatenate_in_pull_order() -> None:
+    k = [bytes([i]) * 32 for i in range(5)]
+    a = PullOutcome((k[0],), (k[1],), (k[2],), (), "gpu_peer", 10, 0.5)
+    b = PullOutcome((k[2],), (), (k[3],), (k[4],), "ucx", 5, 0.25)
+    m = merge_outcomes([a, b], "gpu_peer+ucx")
+    assert m.imported == (k[0], k[2]) and m.already_present == (k[1],)
+    assert m.missing == (k[2], k[3]) and m.dropped == (k[4],) and m.nbytes == 15 and m.seconds == 0.75
+    assert merge_outcomes([a], "x") is a
+    assert asyncio.iscoroutinefunction(pull_best)
