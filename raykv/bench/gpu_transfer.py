@@ -136,13 +136,19 @@ def serve(spec: dict[str, Any]) -> int:
 
 
 class ServerProcess:
-    """A :func:`serve` process (cuda ``device``), its ready message, and a ``stats`` call."""
+    """A :func:`serve` process (cuda ``device``; ``env``: extra environment, e.g.
+    CUDA_VISIBLE_DEVICES), its ready message, and a ``stats`` call."""
 
     def __init__(
-        self, token: bytes, scenarios: list[Scenario], device: int = 0, timeout: float = 240
+        self,
+        token: bytes,
+        scenarios: list[Scenario],
+        device: int = 0,
+        timeout: float = 240,
+        env: dict[str, str] | None = None,
     ) -> None:
         spec = {"device": device, "scenarios": [vars(s) for s in scenarios]}
-        env = dict(os.environ, RAYKV_TRANSFER_TOKEN=token.hex())
+        env = dict(os.environ, **(env or {}), RAYKV_TRANSFER_TOKEN=token.hex())
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in close()

@@ -37,7 +37,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from raykv.errors import TransferError
+from raykv.errors import CudaError, TransferError
 from raykv.manager import CacheManager
 from raykv.records import BlockLease, BlockRecords
 from raykv.transfer import wire
@@ -134,6 +134,7 @@ def usable(client: PageClient, conn: ClientConn, manager: CacheManager) -> bool:
         and conn.gpu
         and conn.node == client.node_id
         and manager.top_pool.kind is TierKind.GPU
+        and conn.peer not in client.gpu_pools.refused
     )
 
 
@@ -205,7 +206,14 @@ async def _pull_batch(
     loop = asyncio.get_running_loop()
     source = client.gpu_pools.cached(info, pool.device.index)
     if source is None:  # first pull from this owner, or its pool grew: map it (blocking)
-        source = await loop.run_in_executor(None, client.gpu_pools.get, info, pool.device.index)
+        try:
+            source = await loop.run_in_executor(None, client.gpu_pools.get, info, pool.device.index)
+        except (CudaError, TransferError) as exc:
+            # e.g. no peer access between the two GPUs: never ask this peer again (the caller
+            # falls back; closing the connection ends the owner's lease)
+            client.gpu_pools.refused.add(conn.peer)
+            log.warning("gpu_peer: cannot map the GPU tier of %s (%s); using other paths", conn.peer, exc)
+            raise TransferError(f"cannot map the peer's GPU tier: {exc}", reason="unavailable") from None
     slots = [int(s) for s in header.layout]
     if slots and max(slots) >= source.num_slots:
         raise wire.protocol_error("the peer named a slot outside its GPU tier")

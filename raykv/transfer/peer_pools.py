@@ -46,6 +46,8 @@ class PeerPools:
         self._maps: dict[tuple[str, int], AttachedPool] = {}
         self._retired: list[AttachedPool] = []
         self._lock = threading.Lock()
+        self.refused: set[tuple[str, int]] = set()
+        """Peers (control endpoints) whose GPU tier could not be mapped here: not asked again."""
 
     def cached(self, info: PoolInfo, device: int) -> AttachedPool | None:
         """The current mapping of ``info``'s pool on ``device`` if it covers every slot, else None
