@@ -103,7 +103,8 @@ def commit_blocks(manager: Any, pages: int, seed: int) -> list[bytes]:
 
 
 def serve(spec: dict[str, Any]) -> int:
-    """The server process: build, commit, serve; then answer ``stats`` lines until ``quit``/EOF."""
+    """The server process: build, commit, serve; then answer ``stats`` and ``fault`` lines until
+    ``quit``/EOF."""
     from raykv.transfer import AuthToken, PageServer, TransferConfig
 
     token = AuthToken(bytes.fromhex(os.environ["RAYKV_TRANSFER_TOKEN"]))
@@ -126,6 +127,10 @@ def serve(spec: dict[str, Any]) -> int:
     for line in sys.stdin:
         if line.strip() == "stats":
             _emit({name: s.stats.as_dict() for name, s in servers.items()})
+        elif line.startswith("fault "):  # fault SERVER NAME JSON-VALUE (test hook)
+            _, name, fault, value = line.split(" ", 3)
+            setattr(servers[name].faults, fault, json.loads(value))
+            _emit({"fault": fault})
         elif line.strip() == "quit":
             break
     for server in servers.values():
@@ -189,6 +194,13 @@ class ServerProcess:
         self.proc.stdin.write("stats\n")
         self.proc.stdin.flush()
         return self._read(30)  # type: ignore[no-any-return]
+
+    def set_fault(self, server: str, name: str, value: Any) -> None:
+        """Set a :class:`raykv.transfer.ServerFaults` field on one of the process's servers."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"fault {server} {name} {json.dumps(value)}\n")
+        self.proc.stdin.flush()
+        self._read(30)
 
     def close(self) -> None:
         if self.proc.poll() is None:

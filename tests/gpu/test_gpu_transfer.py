@@ -187,3 +187,24 @@ def test_gpu_peer_wrong_token_is_refused(remote: Remote) -> None:
     finally:
         stranger.close()
     assert info.value.reason == "auth" and not remote.mgr.committed_blocks()
+
+
+def test_gpu_peer_owner_gone_after_the_header_imports_nothing(remote: Remote) -> None:
+    remote.mgr.clear_reusable()
+    name = f"{SCENARIO.name}/staged"
+    remote.server.set_fault(name, "drop_after_header", True)
+    try:
+        with pytest.raises(TransferError) as info:
+            get_runtime().run(
+                pull_gpu_peer_into(remote.client, remote.peers["staged"], remote.mgr, remote.keys), 60
+            )
+    finally:
+        remote.server.set_fault(name, "drop_after_header", False)
+    assert info.value.reason in ("closed", "protocol", "fault")
+    assert not remote.mgr.committed_blocks() and not remote.mgr._leases
+    remote.mgr.check_invariants()
+    outcome = get_runtime().run(
+        pull_gpu_peer_into(remote.client, remote.peers["staged"], remote.mgr, remote.keys), 60
+    )
+    assert outcome.complete  # the owner ended that lease; the next pull works
+    _verify(remote.mgr, remote.keys)
