@@ -270,8 +270,9 @@ def _object_store_rows(quick: bool) -> list[Any]:
 
 
 def _pull_into_buffer(client: PageClient, address: PeerAddress, keys: list[bytes], out: Any) -> None:
-    pulled = client.runtime.run(client.pull(address, keys, True, out=out), 300)
-    assert pulled.path == "shm" and len(pulled.keys) == len(keys), pulled.path
+    """A same-node pull as a caller makes it: one-sided once connected, else the request path."""
+    pulled = client.pull_sync(address, keys, True, out=out)
+    assert pulled.path in ("shm_read", "shm") and len(pulled.keys) == len(keys), pulled.path
 
 
 def _object_store_get(peer: Any, page: int, count: int) -> None:

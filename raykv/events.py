@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Union
 
@@ -70,6 +71,9 @@ class EventQueue:
         self._next_id = 1
         self._lock = threading.Lock()
         self.dropped = 0
+        self.listeners: list[Callable[[CacheEvent], None]] = []
+        """Called with each event as it is emitted (by the emitting thread, under the manager's
+        lock, after the change it reports); they must be quick and must not raise."""
 
     @property
     def last_event_id(self) -> int:
@@ -87,7 +91,9 @@ class EventQueue:
                 self._queue.popleft()
                 self.dropped += 1
             self._queue.append(event)
-            return event
+        for listener in self.listeners:
+            listener(event)
+        return event
 
     def stored(
         self, key: BlockKey, parent: BlockKey, tier: TierKind, num_tokens: int, request_id: int | None

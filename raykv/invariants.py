@@ -104,3 +104,23 @@ def check_manager(mgr: CacheManager) -> None:
     for level, pool in enumerate(mgr.pools):
         assert stats.bytes_in_use[level] == pool.num_used * pool.page_bytes
     assert mgr.events.last_event_id >= len(mgr.events)
+    _check_directories(mgr)
+
+
+def _check_directories(mgr: CacheManager) -> None:
+    """A shared host tier's directory binds only committed blocks where they are; with no GPU tier
+    (every copy synchronous) it binds every committed block on that tier."""
+    from raykv.tiers.shm_directory import expected_bindings
+    from raykv.types import TierKind
+
+    synchronous = TierKind.GPU not in mgr.tier_kinds
+    for level, pool in enumerate(mgr.pools):
+        directory = getattr(pool, "slot_directory", None)
+        if directory is None:
+            continue
+        expected = expected_bindings(mgr, level)
+        if synchronous:
+            directory.check(expected)
+        else:
+            bound = directory.bound()
+            assert all(expected.get(slot) == key for slot, key in bound.items()), "stale directory binding"

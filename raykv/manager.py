@@ -42,7 +42,7 @@ from raykv.records import (
     ProbeResult,
 )
 from raykv.stats import CacheStats, Counters, RequestStats, StatsDelta
-from raykv.tiers import PagePool, make_pool
+from raykv.tiers import PagePool, make_pool, shm_directory
 from raykv.transfer_blocks import export_blocks, import_blocks, import_pages
 from raykv.types import (
     DEFAULT_PRIORITY,
@@ -97,6 +97,7 @@ class CacheManager:
         self._pinned_top = 0
         self._closed = False
         self._finalizer = weakref.finalize(self, _close_pools, pools)
+        shm_directory.install(self)
         log.debug(
             "CacheManager up: tiers %s, page %d bytes",
             [(p.kind.name, p.num_slots) for p in pools],

@@ -6,9 +6,12 @@ holds a committed chain of blocks, and serves it with a PageServer. This process
 N blocks, which sit in consecutive slots (sent in place, copied with one memcpy). Rows, each
 moving the same bytes between the same two processes in the same run:
 
-- ``shm pull``: same-node shared-memory path with its defaults (one copy out of the owner's
-  mapping, no checksums: the owner acknowledges the lease instead) vs a plain ``np.copyto`` of
-  the same pages out of the same mapping. Goal >= 0.5x.
+- ``shm_read pull``: what a same-node pull does by default once connected: a one-sided read
+  (:mod:`raykv.transfer.shm_read`: slots from the owner's directory, one copy out of its mapping,
+  generations checked, no request) vs a plain ``np.copyto`` of the same pages out of the same
+  mapping. Goal >= 0.5x.
+- ``shm pull``: the same-node request path (one-sided reads off: request, header, one copy out of
+  the owner's mapping, no checksums: the owner acknowledges the lease instead) vs the same memcpy.
 - ``ucx pull``: the UCX path (per-page CRC-32 on both sides, overlapped with the transfer) vs raw
   ucxx: one request message, then one contiguous buffer of the same size sent with ucxx from the
   peer's tier memory. Goal >= 0.8x for 16 pages or more.
@@ -183,7 +186,8 @@ class _Client:
     per page size a destination manager for the pull+import rows (its tier pre-touched)."""
 
     def __init__(self, token: bytes, config: TransferConfig, info: dict[int, Any], peer_ucx: bytes) -> None:
-        self.client = PageClient(token, config)
+        self.client = PageClient(token, config.replace(use_shm_read=False))  # the request paths
+        self.local = PageClient(token, config)  # one-sided same-node reads (the default)
         self.info = info
         self.runtime = get_runtime()
         self.runtime.run(self._connect(peer_ucx), 60)
@@ -208,17 +212,25 @@ class _Client:
         pulled = self.client.runtime.run(pull, 300)
         assert len(pulled.keys) == count and pulled.path == ("shm" if shm else "ucx"), pulled.path
 
-    def import_sampler(self, page: int, count: int, shm: bool) -> Sampler:
+    def read_local(self, page: int, count: int, out: np.ndarray) -> None:
+        """A one-sided pull (``PageClient.pull_sync`` in this thread; the first one connects)."""
+        address, keys, _ = self.info[page]
+        pulled = self.local.pull_sync(address, keys[:count], out=out)
+        assert len(pulled.keys) == count and pulled.path in ("shm_read", "shm"), pulled.path
+
+    def import_sampler(self, page: int, count: int, shm: bool, one_sided: bool = False) -> Sampler:
         """Times one ``pull_into`` of ``count`` pages (emptying the destination first, untimed)."""
         address, keys, _ = self.info[page]
         dst = self.dst[page]
+        client = self.local if one_sided else self.client
+        paths = ("shm_read", "shm") if one_sided else ("shm",) if shm else ("ucx",)
 
         def sample() -> float:
             dst.clear_reusable()
             start = time.perf_counter()
-            outcome = self.runtime.run(pull_into(self.client, address, dst, keys[:count], shm), 300)
+            outcome = self.runtime.run(pull_into(client, address, dst, keys[:count], shm), 300)
             seconds = time.perf_counter() - start
-            assert len(outcome.imported) == count and outcome.path == ("shm" if shm else "ucx")
+            assert len(outcome.imported) == count and outcome.path in paths, outcome.path
             return seconds
 
         return sample
@@ -237,6 +249,7 @@ class _Client:
         for mapping in self.maps.values():
             mapping.close()
         self.client.close()
+        self.local.close()
         for mgr in self.dst.values():
             mgr.shutdown()
 
@@ -263,12 +276,21 @@ def _size_rows(cl: _Client, settings: TransferSettings, page: int, count: int, d
         return timed(functools.partial(cl.pull, page, count, shm, dst, verify))
 
     size = label(count, page)
+    local = timed(functools.partial(cl.read_local, page, count, dst))
     cases: list[tuple[str, Sampler, Sampler, float | None, str]] = [
-        (f"shm pull {size}", pull(True, None), memcpy, 0.5, "vs memcpy"),
+        (f"shm_read pull {size}", local, memcpy, 0.5, "vs memcpy; one-sided, no request"),
+        (f"shm pull {size}", pull(True, None), memcpy, None, "vs memcpy; request + ack"),
         (f"ucx pull {size}", pull(False, None), raw, 0.8 if count >= 16 else None, "vs raw ucxx"),
     ]
     if count >= 16:
         cases += [
+            (
+                f"shm_read pull+import {size}",
+                cl.import_sampler(page, count, True, True),
+                memcpy,
+                None,
+                "vs memcpy",
+            ),
             (f"shm pull+import {size}", cl.import_sampler(page, count, True), memcpy, None, "vs memcpy"),
             (f"ucx pull+import {size}", cl.import_sampler(page, count, False), raw, None, "vs raw ucxx"),
             (f"shm pull {size}, verified", pull(True, True), memcpy, None, "vs memcpy; CRC on both sides"),

@@ -19,8 +19,9 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.config import DTYPES, KVLayout, TierConfig
-from raykv.errors import OutOfMemoryError
+from raykv.errors import OutOfMemoryError, StateError
 from raykv.tiers.base import PagePool
+from raykv.tiers.shm_directory import ShmDirectory
 from raykv.types import PageId, TierKind
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,16 @@ class HostPool(PagePool):
         self._mmap: mmap.mmap | None = None
         self.shm_path: str | None = None
         """Path of the backing /dev/shm file of a shared tier (None when not shared or closed)."""
+        self.slot_directory: ShmDirectory | None = None
+        """Which committed block sits in which slot, for one-sided same-node reads (shared tiers;
+        see :mod:`raykv.tiers.shm_directory`)."""
         if config.shared:
             self.array = self._allocate_shared()
+            assert self.shm_path is not None
+            try:
+                self.slot_directory = ShmDirectory(self.shm_path, self.num_slots, self.page_bytes)
+            except OSError as exc:
+                log.warning("host tier: no directory for one-sided reads (%s)", exc)
         else:
             self.array = self._allocate(pin)
 
@@ -123,9 +132,21 @@ class HostPool(PagePool):
         elif slots:
             self.array[np.asarray(slots, dtype=np.intp)] = data
 
+    def release(self, slots: list[PageId]) -> None:
+        """Return slots to the free list; their directory records go first (see the module doc)."""
+        if self.slot_directory is not None:
+            for slot in slots:
+                if not self._used[slot]:
+                    raise StateError(f"{self.kind.name} slot {slot} released twice")
+            self.slot_directory.unbind(slots)
+        super().release(slots)
+
     def close(self) -> None:
         super().close()
         self._torch_buffer = None
+        if self.slot_directory is not None:
+            self.slot_directory.close()
+            self.slot_directory = None
         if self.shm_path is not None:
             try:
                 os.unlink(self.shm_path)

@@ -11,8 +11,11 @@ it sees the connection go. Cancelling the calling task cleans up the same way.
 
 Keys the peer does not have are not an error: they are listed in ``PulledPages.missing``.
 
-Paths: ``shm`` when the server runs on this node (same node id), has a shared host tier that this
-process can map, and every page is on it; ``ucx`` otherwise. ``ClientStats`` counts pulls, pages
+Paths: ``shm_read`` once this client has connected to a same-node server whose shared host tier
+and slot directory it could map, when the directory lists every key (a one-sided read in the
+calling task's thread, no request: :mod:`raykv.transfer.shm_read`); ``shm`` when the server runs
+on this node (same node id), has a shared host tier that this process can map, and every page is
+on it; ``ucx`` otherwise. ``ClientStats`` counts pulls, pages
 and bytes per path; each result says which path it used. Checksums: always on ``ucx`` (the
 receiver's pass overlaps with the transfer); on ``shm`` only with ``verify`` (default
 ``TransferConfig.verify_shm``, off): the pages are copied straight out of the owner's memory under
@@ -41,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.errors import InvalidArgumentError, TransferError
-from raykv.transfer import wire
+from raykv.transfer import shm_read, wire
 from raykv.transfer.auth import AuthToken
 from raykv.transfer.config import PeerAddress, TransferConfig
 from raykv.transfer.connection import ClientConn as _Conn
@@ -108,6 +111,8 @@ class PageClient:
         self._spare = SpareBuffers(min(SPARE_BYTES, self.config.client_inflight_bytes))
         self._ucx_ctx: Any = None
         self._ids = 0
+        self._local: dict[tuple[str, int], shm_read.LocalPeer] = {}
+        self._retired_local: list[shm_read.LocalPeer] = []
         self.gpu_pools = PeerPools()
         """Owners' GPU tiers mapped by gpu_peer pulls (:mod:`raykv.transfer.gpu_peer`)."""
 
@@ -138,6 +143,10 @@ class PageClient:
         start = time.perf_counter()
         if not checked:
             return merge([], [], 0.0)
+        if prefer_shm and verify is not True:
+            fast = self._read_local(endpoint, checked, out)
+            if fast is not None:
+                return fast
         parts, _ = await self._guarded(
             endpoint, timeout_s, self._pull_all(endpoint, checked, _Options(prefer_shm, verify, out))
         )
@@ -166,6 +175,19 @@ class PageClient:
         loop = asyncio.get_running_loop()
         if not checked:
             return await run_land(land, merge([], [], 0.0), LeaseCheck(loop))
+        if prefer_shm and verify is not True:
+            local = self._local.get(endpoint)
+            got = shm_read.view(local, checked) if local is not None else None
+            if got is not None:
+                assert local is not None
+                try:
+                    result = await run_land(land, got[0], shm_read.StableCheck(loop, local, got[1], checked))
+                except TransferError as exc:
+                    if getattr(exc, "reason", "") != "stale":
+                        raise
+                else:
+                    self._count(shm_read.PATH, endpoint, len(checked), got[0].nbytes)
+                    return result
         opts = _Options(prefer_shm, verify, None, land)
         parts, landed = await self._guarded(endpoint, timeout_s, self._pull_all(endpoint, checked, opts))
         if landed is not None:
@@ -208,9 +230,20 @@ class PageClient:
         return out
 
     def pull_sync(
-        self, peer: Peer, keys: Sequence[bytes], prefer_shm: bool = True, verify: bool | None = None
+        self,
+        peer: Peer,
+        keys: Sequence[bytes],
+        prefer_shm: bool = True,
+        verify: bool | None = None,
+        out: npt.NDArray[np.uint8] | None = None,
     ) -> PulledPages:
-        pull = self.pull(peer, keys, prefer_shm, verify=verify)
+        """:meth:`pull` from any other thread; a one-sided same-node read runs in this thread."""
+        if prefer_shm and verify is not True:
+            checked, endpoint = _request(peer, keys)
+            fast = self._read_local(endpoint, checked, out) if checked else None
+            if fast is not None:
+                return fast
+        pull = self.pull(peer, keys, prefer_shm, verify=verify, out=out)
         return self.runtime.run(pull, self.config.timeout_s + 5)
 
     def pull_many_sync(
@@ -229,6 +262,10 @@ class PageClient:
                 mapping.close()
         self._maps.clear()
         self.gpu_pools.close()
+        for local in [*self._local.values(), *self._retired_local]:
+            local.close()
+        self._local.clear()
+        self._retired_local.clear()
 
     def close(self) -> None:
         self.runtime.run(self.aclose(), 30)
@@ -261,7 +298,49 @@ class PageClient:
             if not (conn.reader.at_eof() or conn.writer.is_closing()):
                 return conn
             conn.close()  # the server closed it meanwhile (restart, shutdown)
-        return await asyncio.wait_for(self._connect(peer), self.config.connect_timeout_s)
+        conn = await asyncio.wait_for(self._connect(peer), self.config.connect_timeout_s)
+        self._register_local(peer, conn)
+        return conn
+
+    # ---- one-sided same-node reads (raykv.transfer.shm_read) -----------------------------------
+    def _register_local(self, peer: tuple[str, int], conn: _Conn) -> None:
+        """Map a same-node peer's shared tier and directory for one-sided reads (once per file)."""
+        info = conn.shm
+        config = self.config
+        if info is None or conn.node != self.node_id or not (config.use_shm and config.use_shm_read):
+            return
+        if not shm_read.usable():
+            return
+        have = self._local.get(peer)
+        if have is not None and have.path == info.path:
+            return
+        try:
+            fresh = shm_read.LocalPeer(info)
+        except TransferError as exc:
+            log.info("one-sided reads from %s unavailable (%s)", peer, exc)
+            return
+        if have is not None:
+            self._retired_local.append(have)  # a read may still use it; closed with the client
+        self._local[peer] = fresh
+
+    def _read_local(
+        self, peer: tuple[str, int], keys: list[BlockKey], out: npt.NDArray[np.uint8] | None
+    ) -> PulledPages | None:
+        """The pages read one-sided from a mapped same-node peer, or None (then ask the peer)."""
+        local = self._local.get(peer)
+        if local is None:
+            return None
+        check_out(out, len(keys), local.mapping.array.shape[1])
+        pulled = shm_read.read(local, keys, out)
+        if pulled is not None:
+            self._count(shm_read.PATH, peer, len(keys), pulled.nbytes)
+        return pulled
+
+    def _count(self, path: str, peer: tuple[str, int], pages: int, nbytes: int) -> None:
+        self.stats.pulls[path] += 1
+        self.stats.pages[path] += pages
+        self.stats.bytes[path] += nbytes
+        self.stats.last_path[f"{peer[0]}:{peer[1]}"] = path
 
     # ---- pulls -----------------------------------------------------------------------------------
     async def _pull_all(

@@ -68,6 +68,8 @@ class TransferConfig:
     bytes straight out of the owner's memory while the owner holds a lease on them, so nothing
     travels that a checksum could guard; the owner acknowledges instead that the lease lasted
     until the client stopped reading). The ``ucx`` path always carries checksums.
+    ``use_shm_read``: read a same-node peer's shared tier one-sided, with no request, when its
+    directory lists every key (:mod:`raykv.transfer.shm_read`; needs ``use_shm``).
     ``use_gpu_peer``: allow the same-node ``gpu_peer`` path (:mod:`raykv.transfer.gpu_peer`): a
     server exports its GPU tier to authenticated same-node peers, who copy leased pages device to
     device (NVLink / PCIe peer access), no checksums, the lease acknowledged as on ``shm``.
@@ -88,6 +90,7 @@ class TransferConfig:
     node_id: str | None = None
     use_shm: bool = True
     verify_shm: bool = False
+    use_shm_read: bool = True
     use_gpu_peer: bool = True
 
     def __post_init__(self) -> None:
@@ -112,7 +115,7 @@ class TransferConfig:
         object.__setattr__(self, "timeout_s", _positive_seconds("timeout_s", self.timeout_s))
         for name in ("ucx_net_devices", "ucx_tls", "node_id"):
             _optional_str(name, getattr(self, name))
-        for name in ("use_shm", "verify_shm", "use_gpu_peer"):
+        for name in ("use_shm", "verify_shm", "use_shm_read", "use_gpu_peer"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
 

@@ -81,8 +81,9 @@ def test_prefill_worker_dying_mid_transfer(pd: RayKVCluster) -> None:
     try:
         _check_failed_pull(pending, start)
     finally:
-        if shm_path and os.path.exists(shm_path):  # SIGKILL left the shared tier's file behind
-            os.unlink(shm_path)
+        for path in (shm_path, f"{shm_path}.dir") if shm_path else ():
+            if os.path.exists(path):  # SIGKILL left the shared tier's files behind
+                os.unlink(path)
     assert snapshot_view(decode) == before  # nothing half-imported
     get(decode.check.remote())
     assert get(decode.transfer_stats.remote())["open_leases"] == 0

@@ -40,8 +40,10 @@ def prompts(draw: st.DrawFn) -> tuple[int, ...]:
     return tuple(base[:cut]) + tuple(suffix)
 
 
-def make_config(host_pages: int, disk_pages: int | None, util: float) -> CacheConfig:
-    tiers = [TierConfig.host(host_pages * PAGE)]
+def make_config(host_pages: int, disk_pages: int | None, util: float, shared: bool = False) -> CacheConfig:
+    """``shared``: the host tier lives in /dev/shm with a slot directory (checked by the
+    invariants after every step)."""
+    tiers = [TierConfig.host(host_pages * PAGE, shared=shared)]
     if disk_pages is not None:
         tiers.append(TierConfig.disk(disk_pages * PAGE))
     return CacheConfig(layout=LAYOUT, tiers=tuple(tiers), max_util_for_resume=util)

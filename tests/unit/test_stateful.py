@@ -78,7 +78,7 @@ class CacheMachine(RuleBasedStateMachine):
         disk2=st.one_of(st.none(), st.integers(4, 12)),
     )
     def setup(self, host: int, disk: int | None, util: float, host2: int, disk2: int | None) -> None:
-        self.mgr = CacheManager(make_config(host, disk, util))
+        self.mgr = CacheManager(make_config(host, disk, util, shared=True))
         self.mgr2 = CacheManager(make_config(host2, disk2, 1.0))
         for m in (self.mgr, self.mgr2):
             assert m.top_pool.num_slots == (host if m is self.mgr else host2)

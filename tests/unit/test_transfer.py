@@ -359,7 +359,7 @@ def test_server_survives_oversized_and_malformed_requests(
     for junk in [(1 << 31).to_bytes(4, "big"), (5).to_bytes(4, "big") + b"\xc1" * 5, b"\x00\x00\x00\x01\x80"]:
         get_runtime().run(raw(junk), 10)  # the server answers with an error (or closes) and moves on
     with pytest.raises(TransferError) as info:  # more keys than the server allows in one request
-        bad = PageClient(pair.token, CFG.replace(max_keys=8))
+        bad = PageClient(pair.token, CFG.replace(max_keys=8, use_shm_read=False))
         try:
             bad.runtime.run(bad._checkout(pair.server.address.endpoint), 10)  # type: ignore[union-attr]
             conn = bad.runtime.run(bad._checkout(pair.server.address.endpoint), 10)  # type: ignore[union-attr]
@@ -421,5 +421,9 @@ def test_bench_rows_come_from_a_peer_process() -> None:
     from raykv.bench.transfer import TransferSettings, run_process_rows
 
     rows = run_process_rows(TransferSettings(page_sizes=(64 << 10,), counts=(2,), repeats=1, warmup=0))
-    assert [r.name for r in rows] == ["shm pull 2 x 64 KiB", "ucx pull 2 x 64 KiB"]
+    assert [r.name for r in rows] == [
+        "shm_read pull 2 x 64 KiB",
+        "shm pull 2 x 64 KiB",
+        "ucx pull 2 x 64 KiB",
+    ]
     assert all(r.error is None and r.ours > 0 and r.baseline and r.baseline > 0 for r in rows)

@@ -117,8 +117,9 @@ def test_pull_into_over_several_batches_lands_once(make_pair, oracle) -> None:
 
 def test_lease_ending_early_imports_nothing(make_pair, oracle) -> None:
     """The owner drops the connection right after the header (ending its lease): without its
-    acknowledgement the pages read from its memory may not be the leased ones."""
-    pair = make_pair()
+    acknowledgement the pages read from its memory may not be the leased ones. (One-sided reads
+    off: they ask the owner nothing, see test_transfer_shm_read.py.)"""
+    pair = make_pair(CFG.replace(use_shm_read=False))
     keys = commit(pair.src, oracle, seq(5, 4))
     pair.server.faults.drop_after_header = True
     with pytest.raises(TransferError) as info:

@@ -1,0 +1,220 @@
+"""One-sided same-node reads (``shm_read``) and the shared tier's slot directory.
+
+After one request to a same-node owner, the client maps its shared tier and directory; pulls of
+keys the directory lists are then served without asking the owner. Every test checks content with
+the oracle, that a page changing mid-read is never returned or imported, and that the request
+paths take over whenever the directory cannot answer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from transfer_support import commit, run, seq
+
+from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError
+from raykv.errors import StateError
+from raykv.tiers import shm_directory
+from raykv.tiers.shm_directory import DirectoryReader, ShmDirectory
+from raykv.transfer import AuthToken, PageClient, PageServer, TransferConfig, pull_into, shm_read
+
+CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
+pytestmark = pytest.mark.skipif(not shm_directory.supported(), reason="one-sided reads need x86-64")
+
+
+class Pair:
+    def __init__(self, layout: KVLayout, config: TransferConfig = CFG) -> None:
+        self.token = AuthToken.generate()
+        tiers = (
+            TierConfig.host(16 * layout.page_bytes, pin_memory=False, shared=True),
+            TierConfig.disk(16 * layout.page_bytes),
+        )
+        self.src = CacheManager(CacheConfig(layout, tiers))
+        self.dst = CacheManager(
+            CacheConfig(layout, (TierConfig.host(32 * layout.page_bytes, pin_memory=False),))
+        )
+        self.server = PageServer(self.src, self.token, config)
+        self.address = self.server.start()
+        self.client = PageClient(self.token, config)
+
+    def settled(self) -> None:
+        deadline = time.monotonic() + 5
+        while self.src._leases and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.server.open_leases == 0 and not self.src._leases and not self.dst._leases
+        self.src.check_invariants()  # includes the directory against the tree
+        self.dst.check_invariants()
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.close()
+        self.src.shutdown()
+        self.dst.shutdown()
+
+
+@pytest.fixture
+def pair(layout: KVLayout) -> Iterator[Pair]:
+    made = Pair(layout)
+    yield made
+    made.close()
+
+
+def _check(oracle: ContentOracle, pulled: object, keys: list[bytes]) -> None:
+    assert list(pulled.keys) == keys  # type: ignore[attr-defined]
+    assert all(oracle.check(row, key) for key, row in zip(keys, pulled.data))  # type: ignore[attr-defined]
+
+
+def test_second_pull_reads_one_sided_without_asking_the_owner(pair: Pair, oracle: ContentOracle) -> None:
+    keys = commit(pair.src, oracle, seq(1, 6))
+    first = pair.client.pull_sync(pair.address, keys)
+    assert first.path == "shm"  # the first request maps the owner's tier and directory
+    served = pair.server.stats.pulls.copy()
+    for sub in (keys, keys[2:5], keys[::-1]):
+        pulled = pair.client.pull_sync(pair.address, sub)
+        assert pulled.path == "shm_read" and pulled.verified and not pulled.missing
+        _check(oracle, pulled, sub)
+        assert list(pulled.parent_keys[1:]) == list(sub[:-1]) or sub != keys
+    out = np.zeros((8, pair.src.layout.page_bytes), dtype=np.uint8)
+    pulled = run(pair.client.pull(pair.address, keys, out=out))
+    assert pulled.path == "shm_read" and np.shares_memory(pulled.data, out)  # type: ignore[attr-defined]
+    _check(oracle, pulled, keys)
+    assert pair.server.stats.pulls == served  # the owner was not asked again
+    assert pair.client.stats.pulls["shm_read"] == 4
+    pair.settled()
+
+
+def test_keys_the_directory_lacks_go_through_the_owner(pair: Pair, oracle: ContentOracle) -> None:
+    keys = commit(pair.src, oracle, seq(2, 10))
+    commit(pair.src, oracle, seq(3, 12))  # demotes part of the first chain to disk
+    pair.client.pull_sync(pair.address, keys[:1])
+    on_disk = [k for k, t in zip(keys, pair.src.probe(keys=keys).tiers) if t.name == "DISK"]
+    assert on_disk
+    pulled = pair.client.pull_sync(pair.address, keys)
+    assert pulled.path == "shm,ucx" or pulled.path in ("shm", "ucx")  # asked: not all on the tier
+    _check(oracle, pulled, keys)
+    unknown = bytes(32)
+    pulled = pair.client.pull_sync(pair.address, [keys[0], unknown])
+    assert pulled.path != "shm_read" and list(pulled.missing) == [unknown]
+    pair.settled()
+
+
+def test_a_page_evicted_mid_read_is_never_returned(
+    pair: Pair, oracle: ContentOracle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = commit(pair.src, oracle, seq(4, 4))
+    pair.client.pull_sync(pair.address, keys)
+    local = pair.client._local[pair.address.endpoint]
+    real_copy = shm_read.copy_rows
+
+    def copy_then_evict(src: np.ndarray, slots: list[int], out: np.ndarray) -> None:
+        real_copy(src, slots, out)
+        with pair.src.locked():
+            pair.src.clear_reusable()  # the owner drops every block (and unbinds the slots)
+        commit(pair.src, oracle, seq(5, 4))  # and reuses the slots for other blocks
+
+    monkeypatch.setattr(shm_read, "copy_rows", copy_then_evict)
+    assert shm_read.read(local, keys) is None
+    monkeypatch.setattr(shm_read, "copy_rows", real_copy)
+    pulled = pair.client.pull_sync(pair.address, keys)  # falls back: the owner no longer has them
+    assert pulled.path != "shm_read" and list(pulled.missing) == keys
+    pair.settled()
+
+
+def test_pull_into_lands_one_sided_and_a_stale_page_rejects_the_import(
+    pair: Pair, oracle: ContentOracle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = commit(pair.src, oracle, seq(6, 5))
+    pair.client.pull_sync(pair.address, keys[:1])
+    outcome = run(pull_into(pair.client, pair.address, pair.dst, keys))
+    assert outcome.path == "shm_read" and outcome.imported == tuple(keys)  # type: ignore[attr-defined]
+    assert oracle.verify_manager(pair.dst) == 5
+    pair.dst.clear_reusable()
+    real_view = shm_read.view
+
+    def view_then_evict(local: shm_read.LocalPeer, wanted: list[bytes]) -> object:
+        got = real_view(local, wanted)
+        pair.src.clear_reusable()  # every located slot changes before the import confirms
+        return got
+
+    monkeypatch.setattr(shm_read, "view", view_then_evict)
+    outcome = run(pull_into(pair.client, pair.address, pair.dst, keys))
+    assert outcome.imported == () and list(outcome.missing) == keys  # type: ignore[attr-defined]
+    assert pair.dst.committed_blocks() == []
+    pair.settled()
+
+
+def test_switched_off_never_reads_one_sided(layout: KVLayout, oracle: ContentOracle) -> None:
+    made = Pair(layout, CFG.replace(use_shm_read=False))
+    try:
+        keys = commit(made.src, oracle, seq(7, 3))
+        for _ in range(3):
+            assert made.client.pull_sync(made.address, keys).path == "shm"
+        assert not made.client._local
+    finally:
+        made.close()
+
+
+# ---- the directory itself -----------------------------------------------------------------------
+def _key(i: int) -> bytes:
+    """Distinct keys whose tags are never the empty (0) or deleted (1) marker."""
+    return ((i + 2) * 0x9E3779B97F4A7C15 % (1 << 64) | 2).to_bytes(8, "little") + bytes([i % 251]) * 24
+
+
+def test_directory_binds_unbinds_and_rebuilds(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "raykv-test-tier")
+    directory = ShmDirectory(path, 64, 4096)
+    try:
+        reader = DirectoryReader(path, 64, 4096)
+        expected: dict[int, bytes] = {}
+        for round_ in range(6):  # churn: forces deleted cells and rebuilds
+            for slot in range(64):
+                key = _key(round_ * 64 + slot)
+                directory.bind(slot, key, bytes(32), slot % 2 == 0, 16)
+                expected[slot] = key
+            directory.check(expected)
+            for slot, key in expected.items():
+                assert reader.find(key) == slot
+            located = reader.locate([expected[3], expected[9]])
+            assert located is not None and located.slots == [3, 9] and located.roots == [False, False]
+            assert located.tokens == [16, 16]
+            directory.unbind(list(range(0, 64, 3)))
+            for slot in range(0, 64, 3):
+                assert reader.find(expected.pop(slot)) is None
+            directory.check(expected)
+        assert reader.locate([expected[1], bytes(32)]) is None
+        reader.close()
+    finally:
+        directory.close()
+    assert not os.path.exists(path + ".dir")
+
+
+def test_keys_whose_tag_reads_empty_are_bound_but_not_indexed(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "raykv-test-tier")
+    directory = ShmDirectory(path, 8, 4096)
+    try:
+        odd = bytes(8) + b"\x07" * 24  # first 8 bytes are 0: the "empty" tag
+        directory.bind(2, odd, bytes(32), True, 4)
+        directory.check({2: odd})
+        assert DirectoryReader(path, 8, 4096).find(odd) is None  # the owner serves it on request
+    finally:
+        directory.close()
+
+
+def test_reader_refuses_a_foreign_or_mismatched_file(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "raykv-test-tier")
+    directory = ShmDirectory(path, 8, 4096)
+    try:
+        with pytest.raises(StateError):
+            DirectoryReader(path, 16, 4096)  # another size
+        with open(path + ".dir", "r+b") as fh:
+            fh.write(b"NOTRAYKV")
+        with pytest.raises(StateError):
+            DirectoryReader(path, 8, 4096)
+    finally:
+        directory.close()
+    with pytest.raises(TransferError):
+        shm_read.LocalPeer(type("Info", (), {"path": path, "num_slots": 8, "page_bytes": 4096})())  # type: ignore[arg-type]
