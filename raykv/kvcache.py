@@ -27,7 +27,7 @@ from raykv.errors import InvalidArgumentError, StateError
 from raykv.keys import MultimodalItem, ReuseScope, TokenSeq, chain_keys, check_mm_items, tokens_to_array
 from raykv.page import Page
 from raykv.stats import StatsDelta
-from raykv.types import BlockKey, PageId, Priority
+from raykv.types import BlockKey, PageId, Priority, TierKind
 
 if TYPE_CHECKING:
     from raykv.manager import CacheManager
@@ -226,7 +226,9 @@ class KvCache:
     def commit(self, num_tokens: int | None = None) -> int:
         """Commit the full blocks among the first ``num_tokens`` tokens (default: all held).
 
-        Their KV must already be written. Each newly committed block becomes matchable (a
+        Their KV must already be written, or queued on the current CUDA stream for a GPU tier
+        (an event recorded there orders every later copy or peer read after it). Each newly
+        committed block becomes matchable (a
         BlockStored event) unless an identical block is already cached. Folds this request's
         pending stats into the manager. Returns how many blocks were newly committed.
         """
@@ -239,9 +241,14 @@ class KvCache:
             last = upto // self.tokens_per_block
             keys = self._full_keys(last)
             start = self._num_committed
+            written = []
             for i in range(start, last):
                 if keys[i] not in mgr.tree:
                     self._insert(i)
+                    written.append(self._pages[i])
+            if written and mgr.tier_kinds[0] is TierKind.GPU:
+                # The engine's KV writes may still be queued: order every later reader after them.
+                mgr.pools[0].record_written([p.slot for p in written if p.level == 0])  # type: ignore[attr-defined]
             self._num_committed = max(start, last)
             mgr.counters.committed_blocks += max(0, last - start)
             self._fold_stats()

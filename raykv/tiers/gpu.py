@@ -250,6 +250,16 @@ class GpuPool(PageViews, PagePool):
         else:
             self.events.wait_stream(slots, stream or self._torch.cuda.current_stream(self.device))
 
+    def record_written(self, slots: list[PageId]) -> None:
+        """Pages ``slots`` were written by work queued on the current stream (a commit): copies
+        out of them, and same-node peers reading them (``gpu_peer``), wait for that work first."""
+        if not slots:
+            return
+        with torch_errors("record the commit's event"):
+            event = self._torch.cuda.Event()
+            event.record(self._torch.cuda.current_stream(self.device))
+        self.events.set(list(slots), event)
+
     def allocate(self, count: int) -> list[PageId]:
         """Take ``count`` free slots; a slot still being drained is waited for (see module doc)."""
         slots = super().allocate(count)

@@ -82,3 +82,37 @@ def test_gpu_tier_larger_than_free_memory_fails_clearly() -> None:
     config = raykv.CacheConfig(layout, (raykv.TierConfig.gpu(free * 2),))
     with pytest.raises(raykv.OutOfMemoryError, match="GPU tier wants"):
         raykv.CacheManager(config)
+
+
+def test_commit_orders_later_readers_after_kv_still_queued_on_the_stream() -> None:
+    """The engine commits right after queueing its KV writes (no synchronize): a read of those
+    pages (a demotion, a peer's gpu_peer copy) must still see the finished KV, not what the pages
+    held before the queued writes ran."""
+    from raykv.gpu_oracle import DeviceOracle
+
+    mgr = _manager(gpu_pages=4, host_pages=8, disk_pages=8)
+    pool = mgr.top_pool
+    prompt = list(range(64))
+    kv = mgr.create(prompt)
+    assert kv.resume()
+    kv.extend(prompt)
+    slots = list(kv.page_ids())
+    keys = [kv.block_key(i) for i in range(kv.num_blocks)]
+    DeviceOracle(mgr.layout, pool.device).fill_cache(pool, kv)
+    index = torch.as_tensor(slots, dtype=torch.long, device=pool.device)
+    correct = pool.tensor.index_select(0, index).clone()  # type: ignore[attr-defined]
+    pool.tensor.index_fill_(0, index, 0)  # type: ignore[attr-defined]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # the stream stays busy (~0.1 s) ...
+    pool.tensor.index_copy_(0, index, correct)  # type: ignore[attr-defined]  # ... before the KV lands
+    kv.commit()
+    assert pool.events.pending(slots)  # type: ignore[attr-defined]  # the commit's event
+    kv.close()
+    pool.events.wait_host(slots)  # type: ignore[attr-defined]  # what the gpu_peer owner does first
+    side = torch.cuda.Stream(pool.device)  # a reader not ordered after the engine's stream
+    with torch.cuda.stream(side):
+        data = pool.tensor.index_select(0, index).cpu().numpy()  # type: ignore[attr-defined]
+    host = raykv.ContentOracle(mgr.layout)
+    assert len(keys) == 4 and all(host.check(row, key) for row, key in zip(data, keys))
+    mgr.check_invariants()
+    mgr.shutdown()
