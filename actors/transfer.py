@@ -37,6 +37,7 @@ from raykv.transfer import (
     get_runtime,
     pull_best,
 )
+from raykv.transfer.importer import pull_into_local
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,10 @@ class WorkerTransfer:
         self, address: PeerAddress, keys: Sequence[bytes], prefer_shm: bool, verify: bool | None
     ) -> PullOutcome:
         assert self.client is not None
+        if prefer_shm and verify is not True:  # same node, every key in the owner's directory
+            local = pull_into_local(self.client, address, self.manager, keys)
+            if local is not None:
+                return local
         coro = pull_best(self.client, address, self.manager, keys, prefer_shm, verify)
         return get_runtime().run(coro, self.client.config.timeout_s + 10)
 

@@ -50,6 +50,7 @@ from raykv.config import CacheConfig, KVLayout, TierConfig
 from raykv.manager import CacheManager
 from raykv.records import crc32
 from raykv.transfer import PageClient, PageServer, PeerAddress, TransferConfig, get_runtime, pull_into
+from raykv.transfer.importer import pull_into_local
 from raykv.transfer.runtime import active_transports, configure_ucx, ucx_address, ucx_context, ucx_endpoint
 from raykv.transfer.shm import ShmMapping
 
@@ -228,7 +229,9 @@ class _Client:
         def sample() -> float:
             dst.clear_reusable()
             start = time.perf_counter()
-            outcome = self.runtime.run(pull_into(client, address, dst, keys[:count], shm), 300)
+            outcome = pull_into_local(client, address, dst, keys[:count]) if one_sided else None
+            if outcome is None:
+                outcome = self.runtime.run(pull_into(client, address, dst, keys[:count], shm), 300)
             seconds = time.perf_counter() - start
             assert len(outcome.imported) == count and outcome.path in paths, outcome.path
             return seconds

@@ -27,7 +27,7 @@ from raykv.transfer.auth import AuthToken
 from raykv.transfer.client import ClientStats, PageClient, PulledPages
 from raykv.transfer.config import PeerAddress, TransferConfig, default_node_id
 from raykv.transfer.gpu_peer import pull_best, pull_gpu_peer_into
-from raykv.transfer.importer import PullOutcome, import_pulled, pull_into
+from raykv.transfer.importer import PullOutcome, import_pulled, pull_into, pull_into_local
 from raykv.transfer.runtime import TransferRuntime, get_runtime
 from raykv.transfer.server import PageServer, ServerFaults, ServerStats
 
@@ -49,4 +49,5 @@ __all__ = [
     "pull_best",
     "pull_gpu_peer_into",
     "pull_into",
+    "pull_into_local",
 ]

@@ -336,6 +336,25 @@ class PageClient:
             self._count(shm_read.PATH, peer, len(keys), pulled.nbytes)
         return pulled
 
+    def land_local(self, peer: Peer, keys: Sequence[bytes], land: Land[T]) -> T | None:
+        """``land(pulled, confirm)`` for a one-sided read, in this thread (no loop, no request);
+        None, with nothing landed, when that path cannot serve every key or a page changed
+        meanwhile (then use :meth:`pull_land`). ``confirm`` fails if any page changed."""
+        checked, endpoint = _request(peer, keys)
+        local = self._local.get(endpoint)
+        got = shm_read.view(local, checked) if checked and local is not None else None
+        if got is None:
+            return None
+        assert local is not None
+        try:
+            result = land(got[0], shm_read.StableCheck(None, local, got[1], checked))
+        except TransferError as exc:
+            if getattr(exc, "reason", "") == "stale":
+                return None
+            raise
+        self._count(shm_read.PATH, endpoint, len(checked), got[0].nbytes)
+        return result
+
     def _count(self, path: str, peer: tuple[str, int], pages: int, nbytes: int) -> None:
         self.stats.pulls[path] += 1
         self.stats.pages[path] += pages

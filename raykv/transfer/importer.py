@@ -121,3 +121,19 @@ async def pull_into(
         return dataclasses.replace(outcome, seconds=time.perf_counter() - start)
 
     return await client.pull_land(peer, keys, land, prefer_shm, verify=verify)
+
+
+def pull_into_local(
+    client: PageClient, peer: Peer, manager: CacheManager, keys: Sequence[bytes]
+) -> PullOutcome | None:
+    """:func:`pull_into` over a one-sided same-node read, in the calling thread (no event loop,
+    no request: :mod:`raykv.transfer.shm_read`). None, with nothing imported, when that path
+    cannot serve every key or a page changed meanwhile; the caller then uses :func:`pull_into`.
+    Import errors raise as for :func:`pull_into`."""
+    start = time.perf_counter()
+
+    def land(pulled: PulledPages, confirm: Callable[[], None]) -> PullOutcome:
+        outcome = import_pulled(manager, pulled, confirm)
+        return dataclasses.replace(outcome, seconds=time.perf_counter() - start)
+
+    return client.land_local(peer, keys, land)

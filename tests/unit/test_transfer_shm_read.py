@@ -20,7 +20,15 @@ from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig
 from raykv.errors import StateError
 from raykv.tiers import shm_directory
 from raykv.tiers.shm_directory import DirectoryReader, ShmDirectory
-from raykv.transfer import AuthToken, PageClient, PageServer, TransferConfig, pull_into, shm_read
+from raykv.transfer import (
+    AuthToken,
+    PageClient,
+    PageServer,
+    TransferConfig,
+    pull_into,
+    pull_into_local,
+    shm_read,
+)
 
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
 pytestmark = pytest.mark.skipif(not shm_directory.supported(), reason="one-sided reads need x86-64")
@@ -143,6 +151,29 @@ def test_pull_into_lands_one_sided_and_a_stale_page_rejects_the_import(
     monkeypatch.setattr(shm_read, "view", view_then_evict)
     outcome = run(pull_into(pair.client, pair.address, pair.dst, keys))
     assert outcome.imported == () and list(outcome.missing) == keys  # type: ignore[attr-defined]
+    assert pair.dst.committed_blocks() == []
+    pair.settled()
+
+
+def test_pull_into_local_imports_in_the_calling_thread(
+    pair: Pair, oracle: ContentOracle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = commit(pair.src, oracle, seq(8, 4))
+    assert pull_into_local(pair.client, pair.address, pair.dst, keys) is None  # never connected yet
+    pair.client.pull_sync(pair.address, keys[:1])
+    outcome = pull_into_local(pair.client, pair.address, pair.dst, keys)
+    assert outcome is not None and outcome.path == "shm_read" and outcome.imported == tuple(keys)
+    assert oracle.verify_manager(pair.dst) == 4
+    pair.dst.clear_reusable()
+    real_view = shm_read.view
+
+    def view_then_evict(local: shm_read.LocalPeer, wanted: list[bytes]) -> object:
+        got = real_view(local, wanted)
+        pair.src.clear_reusable()
+        return got
+
+    monkeypatch.setattr(shm_read, "view", view_then_evict)
+    assert pull_into_local(pair.client, pair.address, pair.dst, keys) is None  # stale: nothing
     assert pair.dst.committed_blocks() == []
     pair.settled()
 
