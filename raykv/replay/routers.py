@@ -29,7 +29,8 @@ raykv
     the simulator's exact outstanding work, which depends on output lengths no router knows.
 raykv_pull
     raykv with ``allow_pulls``: a worker may pull the part of the prefix another worker holds; the
-    pull's credit ``w_remote`` comes from the timing model (1 - pull time / prefill time).
+    pull's credit ``w_remote`` comes from the timing model (1 - pull time / prefill time). No hot
+    waiver: a pull, not a recompute, spreads a hot prefix (the waiver only cost hits here).
 pooled
     The ideal: one cache of the same total capacity shared by every server, served by the least
     outstanding work (ties random); an upper bound on hits and an anchor for TTFT.
@@ -208,7 +209,8 @@ class RaykvTuning:
     token 10x (a worker holding 10 more blocks of the prompt wins unless ~51k more units are queued
     on it), which keeps the index's prefixes in one copy (hit ratio) on the Mooncake traces.
     ``hot_load_cost`` replaces it when the winner's prefix is hot (routed to it by a request still
-    in flight there: a burst of requests on one prefix), so bursts spread by estimated TTFT. The
+    in flight there: a burst of requests on one prefix), so bursts spread by estimated TTFT
+    (raykv only; raykv_pull spreads them by pulling). The
     guard drops workers whose load exceeds the least-loaded one's by more than ``guard_requests``
     mean no-cache requests. ``w_lower`` credits a block on a lower tier. ``w_remote`` caps the
     credit of a block another worker holds (None: 1 - pull time / prefill time from the timing
@@ -273,9 +275,8 @@ class RaykvRouter(Router):
         dec = queues.mean_decode_units
         loads = [q + dec * n for q, n in zip(queues.queued_prefill, queues.in_flight)]
         self._keys, self._queues = p.keys, queues
-        d = choose_loads(
-            p.req.input_length, self.ctx.worker_ids, loads, matches, self.cfg, self.rng, self._hot
-        )
+        hot = None if self.allow_pulls else self._hot  # with pulls a hot prefix spreads by pulling
+        d = choose_loads(p.req.input_length, self.ctx.worker_ids, loads, matches, self.cfg, self.rng, hot)
         server = self.server_of[d.worker]
         if d.pull_from is None:
             return Choice(server, None, d.cached_blocks, 0)
