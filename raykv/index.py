@@ -205,7 +205,7 @@ def _collect(
             gpu = (cg >> shift) & 0xFFFF
             host = (ch >> shift) & 0xFFFF
             pred = (cp >> shift) & 0xFFFF
-            out[name] = RouteMatch(name, blocks, gpu, host, blocks - gpu - host - pred, pred)
+            out[name] = _MAKE_MATCH((name, blocks, gpu, host, blocks - gpu - host - pred, pred))
     return out
 
 

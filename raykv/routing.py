@@ -8,18 +8,32 @@ For a request of ``num_tokens`` tokens and each candidate worker:
 
 ``gpu/host/disk/predicted`` come from the index's RouteMatch for that worker; ``pullable`` is how
 many more leading blocks some other worker holds beyond this worker's own prefix (only when
-cross-worker pulls are enabled). ``load`` is the worker's outstanding work in token-equivalents:
-queued prefill tokens plus ``decode_weight`` per running decode. A load-imbalance guard drops
-candidates whose load exceeds ``imbalance_factor`` x the least-loaded candidate's load plus
-``imbalance_slack`` tokens (so a hot prefix cannot pile everything on one worker). The lowest cost
-wins; ties break by a seeded RNG, so a router replays identically.
+cross-worker pulls are enabled; ``1 - w_remote`` is a pulled block's transfer time as a fraction of
+its prefill time). ``load`` is the work queued ahead of the request on that worker, in
+token-equivalents as its worker reports them: queued prefill tokens plus ``decode_weight`` (the
+expected decode work of one request, in prefill-token units) per request decoding or waiting to.
+
+Contract: with ``prefill_cost == load_cost == 1`` the cost is the request's estimated time to first
+token on that worker, times the worker's prefill speed (a FIFO worker first works off its queue,
+then prefills what it does not hold). ``load_cost < 1`` keeps a prefix where it is: it charges
+``1 / load_cost - 1`` extra token-equivalents per recomputed token, the price of the duplicate
+copy a recompute leaves and of the work it adds for everyone queued after it. That price is wrong
+for a *hot* prefix, one a request still in flight on its holder is using: a second copy then serves
+concurrent requests (a burst of agent branches) instead of going stale, and the holder's queue is
+made of those very requests. A caller that can tell (``hot``: was the winner's cached prefix routed
+to it by a request that has not finished?) gets the decision re-made with ``hot_load_cost``
+(default 1: pure estimated TTFT).
+
+A load-imbalance guard drops candidates whose load exceeds ``imbalance_factor`` x the least-loaded
+candidate's load plus ``imbalance_slack`` tokens (so a prefix cannot pile everything on one worker).
+The lowest cost wins; ties break by a seeded RNG, so a router replays identically.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -30,7 +44,7 @@ from raykv.types import WorkerId
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """Weights of the cost model (all must be finite and >= 0; tier weights at most 1)."""
+    """Weights of the cost model (module docstring; all finite and >= 0, tier weights at most 1)."""
 
     tokens_per_block: int = 16
     w_gpu: float = 1.0
@@ -41,6 +55,7 @@ class RoutingConfig:
     allow_pulls: bool = False
     prefill_cost: float = 1.0
     load_cost: float = 1.0
+    hot_load_cost: float = 1.0
     decode_weight: float = 64.0
     imbalance_factor: float = 2.0
     imbalance_slack: float = 4096.0
@@ -53,7 +68,7 @@ class RoutingConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
                 raise InvalidArgumentError(name, f"tier weight must be in [0, 1], got {value!r}")
-        for name in ("prefill_cost", "load_cost", "decode_weight", "imbalance_slack"):
+        for name in ("prefill_cost", "load_cost", "hot_load_cost", "decode_weight", "imbalance_slack"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise InvalidArgumentError(name, f"must be finite and >= 0, got {value!r}")
@@ -73,6 +88,11 @@ class WorkerLoad:
         return self.queued_prefill_tokens + decode_weight * self.running_decodes
 
 
+HotPrefix = Callable[[WorkerId, int], bool]
+"""``hot(worker, blocks)``: is ``worker``'s cached prefix of ``blocks`` blocks in use by a request
+still in flight on it? (see the module docstring)"""
+
+
 class Decision(NamedTuple):
     """The chosen worker, its cost, the blocks it already holds, and any pull it should do."""
 
@@ -90,6 +110,7 @@ def choose(
     matches: Mapping[WorkerId, RouteMatch],
     cfg: RoutingConfig,
     rng: random.Random | None = None,
+    hot: HotPrefix | None = None,
 ) -> Decision:
     """Pick the lowest-cost candidate. Raises InvalidArgumentError when there is none."""
     dw = cfg.decode_weight
@@ -100,6 +121,7 @@ def choose(
         matches,
         cfg,
         rng,
+        hot,
     )
 
 
@@ -110,35 +132,60 @@ def choose_loads(
     matches: Mapping[WorkerId, RouteMatch],
     cfg: RoutingConfig,
     rng: random.Random | None = None,
+    hot: HotPrefix | None = None,
 ) -> Decision:
     """:func:`choose` with the candidates as parallel lists: ``workers[i]`` has ``loads[i]``
-    outstanding tokens (no per-call objects: the hot path of a router). Same result as choose."""
+    token-equivalents queued (no per-call objects: the hot path of a router). The lowest cost wins,
+    ties (within 1e-9) break by ``rng`` (else by a fresh ``Random(cfg.seed)``), and ``costs`` lists
+    every candidate the load guard kept, in order. ``hot(worker, blocks)`` is asked at most once,
+    about the winner's cached prefix; True re-makes the decision with ``cfg.hot_load_cost``."""
     if not workers:
         raise InvalidArgumentError("candidates", "no candidate workers")
+    d = _decide(num_tokens, workers, loads, matches, cfg, cfg.load_cost, rng)
+    rehome = cfg.hot_load_cost != cfg.load_cost and d.cached_blocks > 0
+    if rehome and hot is not None and hot(d.worker, d.cached_blocks):
+        d = _decide(num_tokens, workers, loads, matches, cfg, cfg.hot_load_cost, rng)
+    return d
+
+
+def _decide(
+    num_tokens: int,
+    workers: Sequence[WorkerId],
+    loads: Sequence[float],
+    matches: Mapping[WorkerId, RouteMatch],
+    cfg: RoutingConfig,
+    lc: float,
+    rng: random.Random | None,
+) -> Decision:
     floor = min(loads)
     limit = max(floor, cfg.imbalance_factor * floor + cfg.imbalance_slack)  # the floor always stays
-    wg, wh, wd, wp = cfg.w_gpu, cfg.w_host, cfg.w_disk, cfg.w_predicted
     best_holder, best_blocks = None, 0
-    held: dict[WorkerId, tuple[int, float]] = {}
-    for worker, m in matches.items():
-        if m.blocks > best_blocks:
-            best_holder, best_blocks = worker, m.blocks
-        held[worker] = (m.blocks, wg * m.gpu + wh * m.host + wd * m.disk + wp * m.predicted)
-    tpb, pulls, w_remote = cfg.tokens_per_block, cfg.allow_pulls, cfg.w_remote
-    pc, lc = cfg.prefill_cost, cfg.load_cost
-    nothing = (0, 0.0)
-    costs: list[tuple[WorkerId, float, int, int]] = []
+    if cfg.allow_pulls:
+        for holder, held in matches.items():
+            if held[1] > best_blocks:
+                best_holder, best_blocks = holder, held[1]
+    wg, wh, wd, wp = cfg.w_gpu, cfg.w_host, cfg.w_disk, cfg.w_predicted
+    tpb, remote, pc = cfg.tokens_per_block, cfg.tokens_per_block * cfg.w_remote, cfg.prefill_cost
+    get = matches.get
+    costs: list[tuple[WorkerId, float]] = []
+    low = math.inf
     for worker, load in zip(workers, loads):
         if load > limit:
             continue
-        own, credit = held.get(worker, nothing)
-        pull = best_blocks - own if pulls and best_blocks > own and best_holder != worker else 0
-        left = num_tokens - tpb * (credit + w_remote * pull)
-        costs.append((worker, pc * left + lc * load if left > 0 else lc * load, own, pull))
-    low = min(c[1] for c in costs)
+        m = get(worker)
+        if m is None:
+            left = num_tokens - remote * best_blocks
+        else:  # RouteMatch fields by position: worker, blocks, gpu, host, disk, predicted
+            left = num_tokens - tpb * (wg * m[2] + wh * m[3] + wd * m[4] + wp * m[5])
+            if best_blocks > m[1] and best_holder != worker:
+                left -= remote * (best_blocks - m[1])
+        cost = pc * left + lc * load if left > 0 else lc * load
+        costs.append((worker, cost))
+        if cost < low:
+            low = cost
     ties = [c for c in costs if c[1] <= low + 1e-9]
-    pick = ties[0] if len(ties) == 1 else (rng or random.Random(cfg.seed)).choice(ties)
-    worker, cost, own, pull = pick
-    return Decision(
-        worker, cost, own, best_holder if pull > 0 else None, pull, tuple((w, c) for w, c, _, _ in costs)
-    )
+    worker, cost = ties[0] if len(ties) == 1 else (rng or random.Random(cfg.seed)).choice(ties)
+    won = get(worker)
+    own = won[1] if won is not None else 0
+    pull = best_blocks - own if best_blocks > own and best_holder != worker else 0
+    return Decision(worker, cost, own, best_holder if pull else None, pull, tuple(costs))

@@ -19,12 +19,18 @@ ray_prefix
     an actor, adding RPC latency not counted here). Ray's router does not know cache salts.
 raykv
     The global index (``PrefixIndex.route`` over the request's block keys) scored by
-    :func:`raykv.routing.choose_loads`: uncached prefill tokens + ``load_cost`` x outstanding
-    work, a load guard, seeded ties; optionally (``RaykvTuning.predict``) the index is credited
-    with the request's keys until the worker's events land.
+    :func:`raykv.routing.choose_loads`: estimated time to first token on each worker (the work
+    queued ahead of it, from what a deployment reports, plus the prefill it does not hold), with
+    recomputed tokens charged ``1 / load_cost`` (keeps prefixes where they are) unless the prefix
+    is hot (in use by a request of this router still in flight on its holder), a load guard,
+    seeded ties; optionally (``RaykvTuning.predict``) the index is credited with the request's keys
+    until the worker's events land. The load it sees per worker is ``queued_prefill + (mean decode
+    units of finished requests) x in_flight`` (:class:`~raykv.replay.timing.ServerQueues`), not
+    the simulator's exact outstanding work, which depends on output lengths no router knows.
 raykv_pull
     raykv with ``allow_pulls``: a worker may pull the part of the prefix another worker holds; the
-    pull's credit ``w_remote`` comes from the timing model (1 - pull time / prefill time).
+    pull's credit ``w_remote`` comes from the timing model (1 - pull time / prefill time). No hot
+    waiver: a pull, not a recompute, spreads a hot prefix (the waiver only cost hits here).
 pooled
     The ideal: one cache of the same total capacity shared by every server, served by the least
     outstanding work (ties random); an upper bound on hits and an anchor for TTFT.
@@ -197,15 +203,19 @@ class RayPrefixRouter(Pow2Router):
 
 @dataclass(frozen=True)
 class RaykvTuning:
-    """raykv's knobs for the replay: load weight, load guard, and tier weights.
+    """raykv's knobs for the replay: recompute penalty, load guard, tier weights.
 
-    ``load_cost`` weighs outstanding work (units) against uncached prefill tokens (0.1: a worker
-    holding 10 more blocks of the prompt wins unless it has ~51k more units queued). The guard
-    drops workers whose outstanding work exceeds the least-loaded one's by more than
-    ``guard_requests`` mean no-cache requests. ``w_lower`` credits a block on a lower tier. ``w_remote``
-    caps the credit of a block another worker holds (None: 1 - pull time / prefill time from the
-    timing model; lower values pull only when the holder is much busier, which keeps fewer
-    duplicate copies).
+    ``load_cost`` is RoutingConfig's: 1 routes by estimated TTFT alone; 0.1 charges a recomputed
+    token 10x (a worker holding 10 more blocks of the prompt wins unless ~51k more units are queued
+    on it), which keeps the index's prefixes in one copy (hit ratio) on the Mooncake traces.
+    ``hot_load_cost`` replaces it when the winner's prefix is hot (routed to it by a request still
+    in flight there: a burst of requests on one prefix), so bursts spread by estimated TTFT
+    (raykv only; raykv_pull spreads them by pulling). The
+    guard drops workers whose load exceeds the least-loaded one's by more than ``guard_requests``
+    mean no-cache requests. ``w_lower`` credits a block on a lower tier. ``w_remote`` caps the
+    credit of a block another worker holds (None: 1 - pull time / prefill time from the timing
+    model; lower values pull only when the holder is much busier, which keeps fewer duplicate
+    copies).
 
     ``predict`` credits the chosen worker with the request's keys in the index until its events
     land (what a live router does, since events lag). Off by default here: the replay applies
@@ -215,6 +225,7 @@ class RaykvTuning:
     """
 
     load_cost: float = 0.1
+    hot_load_cost: float = 1.0
     guard_requests: float = 8.0
     w_lower: float = 0.9
     predict: bool = False
@@ -222,7 +233,7 @@ class RaykvTuning:
 
 
 class RaykvRouter(Router):
-    """Cache-aware routing on the global index with :func:`raykv.routing.choose`."""
+    """Cache-aware routing on the global index with :func:`raykv.routing.choose_loads`."""
 
     name = "raykv"
 
@@ -248,25 +259,41 @@ class RaykvRouter(Router):
             w_remote=min(1.0, w_remote),
             allow_pulls=self.allow_pulls,
             load_cost=t.load_cost,
-            decode_weight=0.0,
+            hot_load_cost=t.hot_load_cost,
+            decode_weight=0.0,  # loads are computed here, with the learned decode estimate
             imbalance_factor=1.0,
             imbalance_slack=t.guard_requests * ctx.mean_work,
             seed=ctx.seed,
         )
         self.server_of = {w: i for i, w in enumerate(ctx.worker_ids)}
-        self.guard_fired = 0
+        self._routed: dict[bytes, tuple[int, float]] = {}  # key -> (server, when) of its last request
+        self._keys: Sequence[bytes] = ()
+        self._queues: ServerQueues | None = None
 
     def choose(self, p: Prepared, queues: ServerQueues) -> Choice:
         matches = self.ctx.route(p.keys)
-        d = choose_loads(
-            p.req.input_length, self.ctx.worker_ids, queues.outstanding(), matches, self.cfg, self.rng
-        )
+        dec = queues.mean_decode_units
+        loads = [q + dec * n for q, n in zip(queues.queued_prefill, queues.in_flight)]
+        self._keys, self._queues = p.keys, queues
+        hot = None if self.allow_pulls else self._hot  # with pulls a hot prefix spreads by pulling
+        d = choose_loads(p.req.input_length, self.ctx.worker_ids, loads, matches, self.cfg, self.rng, hot)
         server = self.server_of[d.worker]
         if d.pull_from is None:
             return Choice(server, None, d.cached_blocks, 0)
         return Choice(server, self.server_of[d.pull_from], d.cached_blocks, d.pull_blocks)
 
+    def _hot(self, worker: WorkerId, blocks: int) -> bool:
+        """Did a request that is still in flight on ``worker`` bring it the prefix's last block?
+        In flight = routed there since the server was last idle (what its reports tell)."""
+        last = self._routed.get(self._keys[blocks - 1])
+        if last is None or self._queues is None:
+            return False
+        server = self.server_of[worker]
+        q = self._queues
+        return last[0] == server and q.in_flight[server] > 0 and last[1] >= q.busy_since[server]
+
     def routed(self, p: Prepared, choice: Choice) -> None:
+        self._routed.update(dict.fromkeys(p.keys, (choice.server, self.ctx.clock())))
         if self.tuning.predict and p.keys:
             self.ctx.predict(self.ctx.worker_ids[choice.server], p.keys)
 

@@ -18,9 +18,17 @@ the *modelled* engine (``kv_bytes_per_token`` per token, default Llama-3.1-8B in
 
 ``speed`` (units per second per server) is calibrated so that the trace's *no-cache* work (every
 input token prefilled) is ``target_load`` (70%) of W servers' capacity over the trace's span, as
-in ../shared/reference/router_baselines.md; cache hits lower the realised utilisation. The load
-signals routers see are exact and instantaneous: outstanding work (units not yet served) and queue
-length (requests dispatched and not finished), both at the arrival time.
+in ../shared/reference/router_baselines.md; cache hits lower the realised utilisation.
+
+Load signals, all at the arrival time: ``queue_lengths`` / ``in_flight`` (requests dispatched and
+not finished: what Ray's routers compare), ``busy_since`` (when each server last went from idle to
+busy), ``queued_prefill`` (prompt tokens still to prefill: the
+uncached tokens of requests whose prefill has not started plus what is left of the one in
+progress, as an engine's scheduler knows them; what a raykv worker reports as
+``queued_prefill_tokens``) and ``mean_decode_units`` (mean decode units of the requests finished so
+far: what a router can learn from completions). ``outstanding`` (exact units not yet served) uses
+the output lengths of requests still decoding, which no deployment knows in advance: only the
+pooled ideal uses it.
 """
 
 from __future__ import annotations
@@ -107,7 +115,18 @@ class ServerQueues:
         self.now = 0.0
         self.free_at = [0.0] * servers
         self.work = [0.0] * servers  # units served (or queued) per server over the run
-        self._finishes: list[collections.deque[float]] = [collections.deque() for _ in range(servers)]
+        self.queued_prefill = [0.0] * servers  # reported at the last advance (module docstring)
+        self._prefill_sum = [0.0] * servers  # uncached tokens of the requests in _prefills
+        self._finishes: list[collections.deque[tuple[float, float]]] = [
+            collections.deque() for _ in range(servers)
+        ]
+        self._prefills: list[collections.deque[tuple[float, float]]] = [
+            collections.deque() for _ in range(servers)
+        ]
+        self.in_flight = [0] * servers  # requests dispatched and not finished (at the last advance)
+        self.busy_since = [0.0] * servers  # when each server last went from idle to busy
+        self._done = 0
+        self._done_decode = 0.0
 
     @property
     def servers(self) -> int:
@@ -115,10 +134,27 @@ class ServerQueues:
 
     def advance(self, now: float) -> None:
         """Move the clock to ``now`` (never backwards) and retire finished requests."""
-        self.now = max(self.now, now)
-        for queue in self._finishes:
-            while queue and queue[0] <= self.now:
-                queue.popleft()
+        self.now = now = max(self.now, now)
+        speed, reported = self.speed, self.queued_prefill
+        for server, queue in enumerate(self._prefills):
+            while queue and queue[0][0] <= now:
+                self._prefill_sum[server] -= queue.popleft()[1]
+            if not queue:
+                self._prefill_sum[server] = reported[server] = 0.0  # no float drift
+                continue
+            end, head = queue[0]  # the head may be part-way through its prefill
+            reported[server] = self._prefill_sum[server] - head + min(head, (end - now) * speed)
+        for server, queue in enumerate(self._finishes):
+            if queue and queue[0][0] <= now:
+                while queue and queue[0][0] <= now:
+                    self._done += 1
+                    self._done_decode += queue.popleft()[1]
+                self.in_flight[server] = len(queue)
+
+    @property
+    def mean_decode_units(self) -> float:
+        """Mean decode units (``work - uncached``) of the requests finished so far (0 before any)."""
+        return self._done_decode / self._done if self._done else 0.0
 
     def outstanding(self) -> list[float]:
         """Per server, units of work not yet served at ``now``."""
@@ -126,18 +162,25 @@ class ServerQueues:
         return [max(0.0, f - now) * speed for f in self.free_at]
 
     def queue_lengths(self) -> list[int]:
-        """Per server, requests dispatched and not finished at ``now``."""
-        return [len(q) for q in self._finishes]
+        """Per server, requests dispatched and not finished at ``now`` (a copy of ``in_flight``)."""
+        return list(self.in_flight)
 
     def dispatch(self, server: int, pre_s: float, uncached: float, work: float) -> Served:
         """Queue a request arriving at ``now``: ``pre_s`` seconds of transfers, then ``work``
         units of which the first ``uncached`` are the prefill that precedes the first token."""
         start = max(self.now, self.free_at[server])
         ttft = start - self.now + pre_s + uncached / self.speed
+        prefilled = start + pre_s + uncached / self.speed
         finish = start + pre_s + work / self.speed
         self.free_at[server] = finish
         self.work[server] += work
-        self._finishes[server].append(finish)
+        self._finishes[server].append((finish, work - uncached))
+        self._prefills[server].append((prefilled, uncached))
+        if not self.in_flight[server]:
+            self.busy_since[server] = self.now
+        self.in_flight[server] += 1
+        self._prefill_sum[server] += uncached
+        self.queued_prefill[server] += uncached
         return Served(start, ttft, finish)
 
     def imbalance(self) -> float:

@@ -12,7 +12,15 @@ from raykv.errors import InvalidArgumentError
 from raykv.replay import GridSpec, TimingConfig, generate, run_grid
 from raykv.replay.engine import RunResult, prepare, replay
 from raykv.replay.report import format_table, goal_checks, summarize, write_json, write_plot
-from raykv.replay.routers import ROUTERS, Choice, Pow2Router, RaykvRouter, make_router, parse_routers
+from raykv.replay.routers import (
+    ROUTERS,
+    Choice,
+    Pow2Router,
+    RaykvRouter,
+    RaykvTuning,
+    make_router,
+    parse_routers,
+)
 from raykv.replay.trace import BLOCK_TOKENS, Request
 from raykv.replay.workload import WorkloadSpec
 
@@ -48,6 +56,37 @@ def test_pull_moves_the_prefix_to_an_idle_worker() -> None:
     assert pulled.ttft[1] < 1.0  # a ~40 ms pull and one block of prefill, no queueing
     local = run("raykv", reqs)  # without pulls: wait behind the long request, or recompute
     assert local.reused[1] in (0, 10) and local.ttft[1] > pulled.ttft[1]
+
+
+def _raykv(reqs: list[Request], tuning: RaykvTuning, workers: int = 2) -> RunResult:
+    with in_process(workers, 64) as backend:
+        return replay(prepare(reqs), RaykvRouter(tuning=tuning), backend, TIMING, 1000.0, workers)
+
+
+def test_a_burst_on_one_prefix_spreads_by_estimated_ttft() -> None:
+    ctx = list(range(8))  # 4096 tokens: 4.1 s of prefill at 1000 tokens/s
+    burst = [req(0.0, ctx), req(0.01, [*ctx, 100]), req(0.02, [*ctx, 101])]
+    res = _raykv(burst, RaykvTuning())
+    # The second waits for the first's prefill (about as long as recomputing); the third would wait
+    # for both: its prefix is hot (the first is still in flight on the holder), so it recomputes.
+    assert res.chosen[1] == res.chosen[0] and res.chosen[2] != res.chosen[0]
+    assert res.ttft[2] < 4.7
+    sticky = _raykv(burst, RaykvTuning(hot_load_cost=0.1))  # no waiver: all three queue up
+    assert sticky.chosen == [sticky.chosen[0]] * 3 and sticky.ttft[2] > res.ttft[2] + 0.3
+
+
+def test_a_cold_prefix_keeps_its_recompute_charge() -> None:
+    # The prefix's request finished long ago; the holder is now busy with unrelated work (which
+    # went there for the shared first block). Not hot: the request stays with its prefix, where
+    # routing by estimated TTFT alone would recompute it elsewhere and leave a duplicate.
+    ctx = list(range(8))
+    other = [0, *range(60, 70)]  # shares block 0 with ctx; 5.6 s of prefill on the holder
+    reqs = [req(0.0, ctx), req(0.0, [50]), req(10.0, other), req(10.01, [*ctx, 100])]
+    res = _raykv(reqs, RaykvTuning())
+    holder = res.chosen[0]
+    assert res.chosen[2] == holder and res.chosen[3] == holder and res.reused[3] == 8
+    ttft_only = _raykv(reqs, RaykvTuning(load_cost=1.0))
+    assert ttft_only.chosen[3] != ttft_only.chosen[0] and ttft_only.reused[3] == 0
 
 
 def test_ray_prefix_uses_rays_tree_and_ignores_salts() -> None:

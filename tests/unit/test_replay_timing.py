@@ -36,6 +36,24 @@ def test_clock_never_goes_back_and_idle_servers_start_at_arrival() -> None:
     assert q.imbalance() == pytest.approx(2.0)  # all work on one of two servers
 
 
+def test_reported_load_is_prefill_left_in_flight_and_learned_decode() -> None:
+    q = ServerQueues(2, speed=100.0)
+    q.advance(0.0)
+    q.dispatch(0, pre_s=0.0, uncached=100, work=150)  # prefill until 1.0, decode until 1.5
+    q.dispatch(0, pre_s=0.0, uncached=200, work=300)  # starts 1.5, prefill until 3.5, done 4.5
+    assert q.queued_prefill == [300.0, 0.0] and q.in_flight == [2, 0] and q.mean_decode_units == 0.0
+    q.advance(0.5)
+    assert q.queued_prefill[0] == pytest.approx(250.0)  # half of the first prefill is done
+    q.advance(2.0)  # the first finished (50 decode units); the second is 0.5 s into its prefill
+    assert q.queued_prefill[0] == pytest.approx(150.0)
+    assert q.in_flight == [1, 0] and q.mean_decode_units == pytest.approx(50.0)
+    q.advance(4.0)  # decoding: no prefill left, still in flight
+    assert q.queued_prefill == [0.0, 0.0] and q.in_flight == [1, 0] and q.busy_since == [0.0, 0.0]
+    q.advance(9.0)
+    q.dispatch(0, 0.0, 10, 10)
+    assert q.in_flight == [1, 0] and q.busy_since[0] == 9.0 and q.mean_decode_units == pytest.approx(75.0)
+
+
 def test_calibration_puts_no_cache_work_at_target_load() -> None:
     reqs = [Request(0.0, 1000, 100, (0, 1)), Request(10.0, 500, 0, (2,))]
     t = TimingConfig(target_load=0.5, decode_units_per_token=2.0)

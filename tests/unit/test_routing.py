@@ -8,7 +8,7 @@ import pytest
 
 from raykv.errors import InvalidArgumentError
 from raykv.index import RouteMatch
-from raykv.routing import RoutingConfig, WorkerLoad, choose
+from raykv.routing import RoutingConfig, WorkerLoad, choose, choose_loads
 from raykv.types import WorkerId
 
 A, B, C = WorkerId("a"), WorkerId("b"), WorkerId("c")
@@ -70,6 +70,35 @@ def test_predicted_blocks_count_like_gpu_by_default() -> None:
     assert choose(160, loads(a=0, b=0), matches, CFG).worker == A
 
 
+def test_equal_weights_make_the_cost_the_estimated_ttft() -> None:
+    # A FIFO worker first works off its queue, then prefills what it lacks: with prefill_cost ==
+    # load_cost == 1 the cost is that time in tokens, so a busy holder loses to an idle worker.
+    cfg = RoutingConfig(tokens_per_block=16, load_cost=1.0, imbalance_slack=1e9)
+    matches = {A: RouteMatch(A, 4, gpu=4)}
+    d = choose(160, loads(a=500, b=0), matches, cfg)
+    assert d.worker == B and dict(d.costs) == {A: pytest.approx(500 + 96), B: pytest.approx(160)}
+    # A 10x recompute charge keeps the prefix on its holder (the TTFT there is 596, not 160).
+    sticky = RoutingConfig(tokens_per_block=16, load_cost=0.1, imbalance_slack=1e9)
+    assert choose(160, loads(a=500, b=0), matches, sticky).worker == A
+
+
+def test_a_hot_prefix_is_routed_by_estimated_ttft() -> None:
+    cfg = RoutingConfig(tokens_per_block=16, load_cost=0.1, hot_load_cost=1.0, imbalance_slack=1e9)
+    matches = {A: RouteMatch(A, 4, gpu=4)}
+    asked: list[tuple[WorkerId, int]] = []
+
+    def hot(worker: WorkerId, blocks: int) -> bool:
+        asked.append((worker, blocks))
+        return True
+
+    d = choose(160, loads(a=500, b=0), matches, cfg, hot=hot)
+    assert d.worker == B and d.cached_blocks == 0 and asked == [(A, 4)]
+    assert choose(160, loads(a=500, b=0), matches, cfg, hot=lambda w, n: False).worker == A
+    # Nothing cached on the winner: nothing to ask.
+    asked.clear()
+    assert choose(160, loads(a=0, b=10), {}, cfg, hot=hot).worker == A and asked == []
+
+
 @pytest.mark.parametrize(
     "field,value",
     [
@@ -77,6 +106,7 @@ def test_predicted_blocks_count_like_gpu_by_default() -> None:
         ("w_host", -0.1),
         ("prefill_cost", float("nan")),
         ("imbalance_factor", 0.5),
+        ("hot_load_cost", -1.0),
         ("tokens_per_block", 0),
     ],
 )
@@ -88,3 +118,44 @@ def test_bad_config_is_rejected(field: str, value: float) -> None:
 def test_no_candidates_is_an_error() -> None:
     with pytest.raises(InvalidArgumentError):
         choose(10, [], {}, CFG)
+
+
+def _reference_costs(
+    num_tokens: int, ls: list[float], matches: dict[WorkerId, RouteMatch], cfg: RoutingConfig
+) -> dict[WorkerId, float]:
+    """The module docstring's formula, written plainly."""
+    floor = min(ls)
+    limit = max(floor, cfg.imbalance_factor * floor + cfg.imbalance_slack)
+    best = max((m.blocks for m in matches.values()), default=0) if cfg.allow_pulls else 0
+    out = {}
+    for w, load in zip([A, B, C], ls):
+        if load > limit:
+            continue
+        m = matches.get(w, RouteMatch(w, 0))
+        pull = best - m.blocks if best > m.blocks else 0
+        credit = cfg.w_gpu * m.gpu + cfg.w_host * m.host + cfg.w_disk * m.disk + cfg.w_predicted * m.predicted
+        left = num_tokens - cfg.tokens_per_block * (credit + cfg.w_remote * pull)
+        out[w] = cfg.prefill_cost * max(0.0, left) + cfg.load_cost * load
+    return out
+
+
+def test_costs_follow_the_documented_formula() -> None:
+    rng = random.Random(3)
+    for _ in range(500):
+        cfg = RoutingConfig(
+            tokens_per_block=16,
+            allow_pulls=rng.random() < 0.5,
+            w_remote=rng.random(),
+            load_cost=rng.choice([0.1, 1.0]),
+            imbalance_slack=rng.choice([0.0, 500.0]),
+        )
+        matches: dict[WorkerId, RouteMatch] = {}
+        for w in (A, B, C):
+            if rng.random() < 0.6:
+                gpu, host, disk = rng.randrange(4), rng.randrange(4), rng.randrange(4)
+                matches[w] = RouteMatch(w, gpu + host + disk + 1, gpu, host, disk, 1)
+        ls = [rng.choice([0.0, rng.random() * 1000]) for _ in range(3)]
+        d = choose_loads(200, [A, B, C], ls, matches, cfg, random.Random(0))
+        ref = _reference_costs(200, ls, matches, cfg)
+        assert dict(d.costs) == pytest.approx(ref)
+        assert ref[d.worker] == pytest.approx(min(ref.values()))
