@@ -97,9 +97,11 @@ class InProcessBackend:
         return _levels(out, self.kinds)
 
     def pull(self, src: WorkerId, dst: WorkerId, keys: Sequence[bytes]) -> int:
-        """Export ``keys`` from ``src`` and import them into ``dst``; returns blocks imported."""
+        """Export ``keys`` from ``src`` and import them into ``dst``; returns blocks imported.
+        The source's copies then become its first victims (``cool_blocks``: one copy is enough)."""
         blocks = self.workers[src].export_blocks(keys)
         result = self.workers[dst].import_blocks(blocks)
+        self.workers[src].cool_blocks(keys)
         self.workers[dst].flush_events()
         return len(result.imported)
 
@@ -164,7 +166,9 @@ class RayBackend:
             exported = self.cluster.workers[src].export_blocks.remote(list(keys))
             imported = len(self._ray.get(handle.import_blocks.remote(exported)).imported)
             self.pull_paths["object store"] = self.pull_paths.get("object store", 0) + imported
-        self._ray.get(handle.flush_and_wait.remote())
+        self._ray.get(
+            [handle.flush_and_wait.remote(), self.cluster.workers[src].cool_blocks.remote(list(keys))]
+        )
         return imported
 
     def verify(self, sample: int) -> int:

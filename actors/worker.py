@@ -252,6 +252,10 @@ class CacheWorker:
     def import_blocks(self, blocks: Sequence[ExportedBlock]) -> ImportResult:
         return self.manager.import_blocks(blocks)
 
+    def cool_blocks(self, keys: Sequence[bytes]) -> int:
+        """First to go when room is needed (see ``CacheManager.cool_blocks``)."""
+        return self.manager.cool_blocks(keys)
+
     def verify_all(self) -> int:
         """Oracle-verify every committed block; returns how many (AssertionError if bad)."""
         return self.oracle.verify_manager(self.manager)

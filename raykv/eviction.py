@@ -25,6 +25,8 @@ class EvictionPolicy(Protocol):
 
     def touch(self, page: Page) -> None: ...
 
+    def cool(self, page: Page) -> None: ...
+
     def candidates(self, level: int) -> Iterator[Page]: ...
 
     def count(self, level: int) -> int: ...
@@ -61,6 +63,11 @@ class PriorityLRU:
         """Mark a queued page as just used (moves it to the back of its priority's queue)."""
         if page.queued:
             self._levels[page.level][page.priority].move_to_end(page.uid)
+
+    def cool(self, page: Page) -> None:
+        """Mark a queued page as the least recently used of its priority (the next victim)."""
+        if page.queued:
+            self._levels[page.level][page.priority].move_to_end(page.uid, last=False)
 
     def candidates(self, level: int) -> Iterator[Page]:
         queues = self._levels[level]

@@ -260,6 +260,19 @@ class CacheManager:
         prio = check_priority(priority)
         return import_pages(self, records, data, checksums, verify, prio, confirm)
 
+    def cool_blocks(self, keys: Sequence[bytes]) -> int:
+        """Make the committed blocks among ``keys`` the first to be demoted or evicted within their
+        priority (e.g. a source whose copy a peer just pulled: one copy is enough). Missing or
+        pinned blocks are skipped; nothing else changes. Returns how many were cooled.
+        ValueError for a malformed key."""
+        checked = check_block_keys(keys)
+        with self.locked():
+            self._check_open()
+            found = [b for b in (self.tree.get(k) for k in checked) if b is not None]
+            for block in found:  # each goes before the previous one: the deepest block is first
+                self.policy.cool(block.page)
+            return sum(1 for b in found if b.page.queued)
+
     def lease_blocks(self, keys: Sequence[bytes]) -> BlockLease:
         """Hold the committed blocks among ``keys`` in place for a zero-copy sender.
 

@@ -189,6 +189,23 @@ def test_lru_respected_when_freeing_several_pages(make_manager, run_request):
     assert (mgr.probe(old).num_blocks, mgr.probe(new).num_blocks) == (0, 2)
 
 
+def test_cooled_blocks_go_first_deepest_first(make_manager, run_request):
+    mgr = make_manager(5)
+    old, new = toks(1, 12), toks(2, 8)
+    run_request(mgr, old)
+    run_request(mgr, new)  # `old` is the least recently used chain, `new` the most
+    keys = [bytes(k) for k in block_keys(new, TPB)]
+    assert mgr.cool_blocks([*keys, bytes(32)]) == 2  # an unknown key is skipped
+    mgr.check_invariants()
+    run_request(mgr, toks(3, 4))  # one page needed: the deepest cooled block goes
+    assert (mgr.probe(old).num_blocks, mgr.probe(new).num_blocks) == (3, 1)
+    run_request(mgr, toks(4, 8))  # two more: the rest of `new`, then the LRU leaf of `old`
+    assert (mgr.probe(old).num_blocks, mgr.probe(new).num_blocks) == (2, 0)
+    with pytest.raises(ValueError):
+        mgr.cool_blocks([b"short"])
+    mgr.check_invariants()
+
+
 # ---- churn: parents, events and bytes stay consistent --------------------------------------------
 
 

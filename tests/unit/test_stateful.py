@@ -426,6 +426,16 @@ class CacheMachine(RuleBasedStateMachine):
         mgr, mgr2 = self.managers()
         self._exchange(mgr2, mgr, data)
 
+    @rule(tokens=prompts(), scope=st.sampled_from(SCOPES), which=st.booleans())
+    def cool(self, tokens: tuple[int, ...], scope: ReuseScope, which: bool) -> None:
+        """Cooling reorders eviction only: the committed blocks and their tiers stay as they are."""
+        mgr = self.managers()[0 if which else 1]
+        before = {c.key: c.tier for c in mgr.committed_blocks()}
+        keys = block_keys(tokens, TPB, scope)
+        movable = [k for k in keys if k in before and mgr.tree.blocks[k].page.queued]  # not pinned
+        assert mgr.cool_blocks(keys) == len(movable)
+        assert {c.key: c.tier for c in mgr.committed_blocks()} == before
+
     # ---- observation and global operations ----------------------------------------------------
     @rule(tokens=prompts(), scope=st.sampled_from(SCOPES), which=st.booleans())
     def probe(self, tokens: tuple[int, ...], scope: ReuseScope, which: bool) -> None:
