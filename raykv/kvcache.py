@@ -241,14 +241,14 @@ class KvCache:
             last = upto // self.tokens_per_block
             keys = self._full_keys(last)
             start = self._num_committed
-            written = []
-            for i in range(start, last):
-                if keys[i] not in mgr.tree:
-                    self._insert(i)
-                    written.append(self._pages[i])
-            if written and mgr.tier_kinds[0] is TierKind.GPU:
-                # The engine's KV writes may still be queued: order every later reader after them.
-                mgr.pools[0].record_written([p.slot for p in written if p.level == 0])  # type: ignore[attr-defined]
+            new = [i for i in range(start, last) if keys[i] not in mgr.tree]
+            if new and mgr.tier_kinds[0] is TierKind.GPU:
+                # The engine's KV writes may still be queued: order every later reader (copies out,
+                # gpu_peer readers) after them, before the blocks become visible.
+                slots = [self._pages[i].slot for i in new if self._pages[i].level == 0]
+                mgr.pools[0].record_written(slots)  # type: ignore[attr-defined]
+            for i in new:
+                self._insert(i)
             self._num_committed = max(start, last)
             mgr.counters.committed_blocks += max(0, last - start)
             self._fold_stats()

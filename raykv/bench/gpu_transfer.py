@@ -11,8 +11,10 @@ blocks written by the device oracle; this process pulls them into a manager on c
   of a pull into request (to the header), payload and digest check;
 * ``direct pull+import``: the same plus :func:`raykv.transfer.device.import_direct` into the
   GPU tier, device synchronized;
-* ``gpu_peer pull+import``: :func:`raykv.transfer.gpu_peer.pull_gpu_peer_into`: cuda:1 maps the
-  server's GPU tier and copies the leased pages into its own GPU tier (the same-node path);
+* ``gpu_peer pull+import``: :func:`raykv.transfer.gpu_peer.pull_gpu_peer_into` with one-sided
+  reads off: cuda:1 maps the server's GPU tier and copies the leased pages into its own GPU tier
+  (request, header, copy, done/ack); ``gpu_read pull+import``: the same call with its defaults,
+  which after the first request copies with no request at all (the owner's slot directory);
 * ``ucx pull+import``: the host path (:func:`raykv.transfer.pull_into`): pages land in host memory,
   CRC-32 on both sides, then imported (only with ``--host-path``; fewer samples: it is slow).
 
@@ -28,6 +30,7 @@ environment (``RAYKV_TRANSFER_TOKEN``, hex), never on the command line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import queue
@@ -276,11 +279,14 @@ def _scenario(
         torch.cuda.synchronize(dst_dev)
         assert len(outcome.imported) == len(keys)
 
-    def peer_pull_import() -> None:
+    asking = PageClient(token, TransferConfig(host="127.0.0.1", timeout_s=30.0, use_shm_read=False))
+
+    def peer_pull_import(one_sided: bool) -> None:
         peer = PeerAddress("127.0.0.1", entry["staged"])
-        outcome = runtime.run(pull_gpu_peer_into(client, peer, mgr, keys), 60)
+        outcome = runtime.run(pull_gpu_peer_into(client if one_sided else asking, peer, mgr, keys), 60)
         torch.cuda.synchronize(dst_dev)
-        assert len(outcome.imported) == len(keys) and outcome.path == "gpu_peer"
+        assert len(outcome.imported) == len(keys)
+        assert outcome.path in (("gpu_read", "gpu_peer") if one_sided else ("gpu_peer",)), outcome.path
 
     def ucx_pull_import() -> None:
         peer = PeerAddress("127.0.0.1", entry["in_place"])
@@ -302,10 +308,12 @@ def _scenario(
                 except Exception as exc:  # recorded; the variant's other row is skipped
                     errors.append(f"{sc.name} direct {what} ({variant}): {type(exc).__name__}: {exc}")
                     break
-        try:  # after the direct rows: the first gpu_peer pull makes the server's pool shared
-            rows.append(("gpu_peer pull+import", _median_seconds(peer_pull_import, clear, repeats, warmup)))
-        except Exception as exc:
-            errors.append(f"{sc.name} gpu_peer: {type(exc).__name__}: {exc}")
+        for label, one_sided in (("gpu_peer pull+import", False), ("gpu_read pull+import", True)):
+            try:  # after the direct rows: the first gpu_peer pull makes the server's pool shared
+                fn = functools.partial(peer_pull_import, one_sided)
+                rows.append((label, _median_seconds(fn, clear, repeats, warmup)))
+            except Exception as exc:
+                errors.append(f"{sc.name} {label}: {type(exc).__name__}: {exc}")
         if options.host_path:
             try:
                 rows.append(("ucx pull+import (host path)", _median_seconds(ucx_pull_import, clear, 2, 1)))
@@ -314,6 +322,7 @@ def _scenario(
     finally:
         client.close()
         slow.close()
+        asking.close()
         mgr.shutdown()
     raw_s = rows[0][1]
     out = [

@@ -68,8 +68,10 @@ class TransferConfig:
     bytes straight out of the owner's memory while the owner holds a lease on them, so nothing
     travels that a checksum could guard; the owner acknowledges instead that the lease lasted
     until the client stopped reading). The ``ucx`` path always carries checksums.
-    ``use_shm_read``: read a same-node peer's shared tier one-sided, with no request, when its
-    directory lists every key (:mod:`raykv.transfer.shm_read`; needs ``use_shm``).
+    ``use_shm_read``: read a same-node peer's tier one-sided, with no request, when its slot
+    directory lists every key (:mod:`raykv.transfer.shm_read` for shared host tiers, needs
+    ``use_shm``; ``gpu_read`` in :mod:`raykv.transfer.gpu_peer` for GPU tiers, needs
+    ``use_gpu_peer``).
     ``use_gpu_peer``: allow the same-node ``gpu_peer`` path (:mod:`raykv.transfer.gpu_peer`): a
     server exports its GPU tier to authenticated same-node peers, who copy leased pages device to
     device (NVLink / PCIe peer access), no checksums, the lease acknowledged as on ``shm``.

@@ -32,14 +32,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import secrets
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from raykv.errors import CudaError, TransferError
+from raykv.events import BlockStored, BlockTierChanged, CacheEvent
 from raykv.manager import CacheManager
+from raykv.radix import Block, Root
 from raykv.records import BlockLease, BlockRecords
+from raykv.tiers import shm_directory
+from raykv.tiers.host import SHM_DIR, SHM_PREFIX
 from raykv.transfer import wire
 from raykv.transfer.client import PageClient, Peer, _request
 from raykv.transfer.connection import ClientConn
@@ -72,6 +79,7 @@ class GpuPeerExport:
         self._exporter: PoolExporter | None = None
         self._uuid = ""
         self._lock = threading.Lock()
+        self.directory: GpuDirectory | None = None
 
     def exporter(self) -> PoolExporter:
         """The pool's exporter, started on first use (the pool is ``shared`` from then on)."""
@@ -84,6 +92,8 @@ class GpuPeerExport:
                 self._exporter = PoolExporter(pool)
                 self._uuid = device_uuid(pool.device.index)
                 log.info("gpu_peer: exporting the GPU tier of %s at %s", pool.device, self._exporter.path)
+                if shm_directory.supported():
+                    self.directory = GpuDirectory.acquire(self.manager)
             return self._exporter
 
     async def serve(self, server: PageServer, conn: Any, rid: int, lease: BlockLease) -> None:
@@ -105,12 +115,17 @@ class GpuPeerExport:
         slots = [b.slot for b in run]
         if len(pool.events) and pool.events.pending(slots):  # a copy into or out of them is in flight
             await loop.run_in_executor(None, pool.events.wait_host, slots)
+        directory = self.directory
+        if directory is not None:
+            directory.sweep()  # bind what has landed since, so the next pulls need no request
         info = {
             "t": "gpu_pool",
             "id": rid,
             "path": exporter.path,
             "uuid": self._uuid,
             "slots": pool.num_slots,
+            "dir": directory.path if directory is not None else None,
+            "dir_slots": directory.num_slots if directory is not None else 0,
         }
         await server._send(conn, info)
         await server._send(conn, server._header(rid, PATH, lease, slots, blocks=run))
@@ -119,11 +134,104 @@ class GpuPeerExport:
         await server._send(conn, {"t": "ack", "id": rid})
 
     def close(self) -> None:
-        """Stop exporting (peers keep the mappings they have). Idempotent."""
+        """Stop exporting (peers keep the mappings they have; their one-sided reads stop
+        finding anything). Idempotent."""
         with self._lock:
+            if self.directory is not None:
+                self.directory.release()
+                self.directory = None
             if self._exporter is not None:
                 self._exporter.close()
                 self._exporter = None
+
+
+class GpuDirectory:
+    """The slot directory of an exported GPU tier (:mod:`raykv.tiers.shm_directory`), kept by
+    the owner: a committed block on the tier is bound once its bytes are in place (its commit's
+    event or its copy completed; until then it waits in a deferred list that every later event
+    and every served request sweep), and unbound by the tier when its slot is released. One per
+    tier, shared by every page server exporting it (a second directory would miss unbinds)."""
+
+    @classmethod
+    def acquire(cls, manager: CacheManager) -> GpuDirectory:
+        """The tier's directory, created on first use; :meth:`release` once per acquire."""
+        with manager.locked():
+            pool: Any = manager.top_pool
+            have: GpuDirectory | None = getattr(pool, "_gpu_directory", None)
+            if have is None:
+                have = cls(manager)
+                pool._gpu_directory = have
+            have.refs += 1
+            return have
+
+    def release(self) -> None:
+        """Drop one reference; the last one removes the directory (readers then find nothing)."""
+        with self.manager.locked():
+            self.refs -= 1
+            if self.refs == 0:
+                self.pool._gpu_directory = None
+                self.close()
+
+    def __init__(self, manager: CacheManager) -> None:
+        self.manager = manager
+        pool: Any = manager.top_pool
+        self.pool = pool
+        directory = _fresh_directory(pool.num_slots, pool.page_bytes)
+        self.path, self.num_slots = directory.path, pool.num_slots
+        self._directory = directory
+        self._deferred: dict[int, bytes] = {}  # slot -> key, bytes maybe still arriving
+        self.refs = 0
+        with manager.locked():
+            pool.slot_directory = directory
+            for block in list(manager.tree.blocks.values()):
+                self._bind(block)
+            manager.events.listeners.append(self._on_event)
+
+    def _on_event(self, event: CacheEvent) -> None:  # the emitting thread, under the manager lock
+        if isinstance(event, (BlockStored, BlockTierChanged)):
+            block = self.manager.tree.get(event.key)
+            if block is not None:
+                self._bind(block)
+        if self._deferred:
+            self._sweep_locked()
+
+    def _bind(self, block: Block) -> None:
+        page = block.page
+        if page.level != 0 or page.slot >= self.num_slots:
+            return
+        events = self.pool.events
+        if len(events) and events.pending([page.slot]):
+            self._deferred[int(page.slot)] = block.key
+            return
+        parent = block.parent
+        self._directory.bind(page.slot, block.key, parent.key, isinstance(parent, Root), block.num_tokens)
+
+    def sweep(self) -> None:
+        """Bind the deferred blocks whose bytes have landed."""
+        if self._deferred:
+            with self.manager.locked():
+                self._sweep_locked()
+
+    def _sweep_locked(self) -> None:
+        deferred, self._deferred = self._deferred, {}
+        tree = self.manager.tree
+        for slot, key in deferred.items():
+            block = tree.get(BlockKey(key))
+            if block is not None and block.page.level == 0 and block.page.slot == slot:
+                self._bind(block)  # defers again if still pending
+
+    def close(self) -> None:
+        with self.manager.locked():
+            if self._on_event in self.manager.events.listeners:
+                self.manager.events.listeners.remove(self._on_event)
+            self.pool.slot_directory = None
+            self._directory.close()
+
+
+def _fresh_directory(num_slots: int, page_bytes: int) -> shm_directory.ShmDirectory:
+    base = SHM_DIR if os.path.isdir(SHM_DIR) else tempfile.gettempdir()
+    name = f"{SHM_PREFIX}gpu-{os.getpid()}-{secrets.token_hex(6)}"
+    return shm_directory.ShmDirectory(os.path.join(base, name), num_slots, page_bytes)
 
 
 # ---- client -----------------------------------------------------------------------------------
@@ -160,6 +268,9 @@ async def pull_gpu_peer_into(
     start = time.perf_counter()
     if not checked:
         return PullOutcome((), (), (), (), PATH, 0, 0.0)
+    local = await _pull_local(client, endpoint, checked, manager, prio)
+    if local is not None:
+        return dataclasses.replace(local, seconds=time.perf_counter() - start)
     outcome = await client._guarded(endpoint, timeout_s, _pull_all(client, endpoint, checked, manager, prio))
     return dataclasses.replace(outcome, seconds=time.perf_counter() - start)
 
@@ -195,6 +306,7 @@ async def _pull_batch(
     )
     limit = min(conn.max_payload, client.config.max_payload_bytes)
     info = PoolInfo.from_msg(await wire.read_message(conn.reader, client.config.max_header_bytes), rid)
+    client.gpu_pools.known[conn.peer] = info
     header = wire.Header.from_msg(
         await wire.read_message(conn.reader, client.config.max_header_bytes), list[bytes](keys), limit
     )
@@ -241,6 +353,78 @@ async def _pull_batch(
         dropped=tuple(BlockKey(k) for k in header.keys[n:]),
         path=PATH,
         nbytes=len(result.imported) * header.page_bytes,
+        seconds=0.0,
+    )
+
+
+# ---- one-sided: no request at all ----------------------------------------------------------------
+LOCAL_PATH = "gpu_read"
+
+
+async def _pull_local(
+    client: PageClient, peer: tuple[str, int], keys: list[BlockKey], manager: CacheManager, priority: Priority
+) -> PullOutcome | None:
+    """Import ``keys`` straight from a same-node owner's mapped GPU tier when its slot directory
+    lists every one (after a first ``gpu_peer`` request to it); None when it cannot (nothing
+    imported then: the caller asks the owner)."""
+    info = client.gpu_pools.known.get(peer)
+    pool: Any = manager.top_pool
+    if (
+        info is None
+        or info.directory is None
+        or pool.kind is not TierKind.GPU
+        or not (client.config.use_gpu_peer and client.config.use_shm_read)
+    ):
+        return None
+    source = client.gpu_pools.cached(info, pool.device.index)
+    reader = client.gpu_pools.reader(info, manager.layout.page_bytes)
+    if source is None or reader is None:
+        return None
+    located = reader.locate(keys)
+    if located is None or max(located.slots) >= source.num_slots:
+        return None
+    loop = asyncio.get_running_loop()
+    outcome = await loop.run_in_executor(None, _land_local, manager, keys, located, reader, source, priority)
+    if outcome is not None:
+        client._count(LOCAL_PATH, peer, len(outcome.imported), outcome.nbytes)
+    return outcome
+
+
+def _land_local(
+    manager: CacheManager,
+    keys: list[BlockKey],
+    located: shm_directory.Located,
+    reader: shm_directory.DirectoryView,
+    source: AttachedPool,
+    priority: Priority,
+) -> PullOutcome | None:
+    """Copy and import the located pages; None (nothing imported) if any slot changed meanwhile."""
+    records = BlockRecords(
+        tuple(keys), tuple(BlockKey(p) for p in located.parents), tuple(located.roots), tuple(located.tokens)
+    )
+    n = _importable(manager, records)
+    pool: Any = manager.top_pool
+
+    def write(dst: list[PageId], new: list[int]) -> None:
+        copy_from(source, [located.slots[i] for i in new], pool, dst)  # done when it returns
+
+    def confirm() -> None:
+        if not reader.unchanged(located, keys):
+            raise TransferError("a page changed while it was copied; nothing imported", reason="stale")
+
+    try:
+        result = import_written(manager, records.head(n), write, priority, confirm)
+    except TransferError as exc:
+        if getattr(exc, "reason", "") == "stale":
+            return None
+        raise
+    return PullOutcome(
+        imported=result.imported,
+        already_present=result.already_present,
+        missing=(),
+        dropped=tuple(keys[n:]),
+        path=LOCAL_PATH,
+        nbytes=len(result.imported) * manager.layout.page_bytes,
         seconds=0.0,
     )
 

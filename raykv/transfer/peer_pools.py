@@ -7,19 +7,24 @@ import dataclasses
 import threading
 from typing import TYPE_CHECKING, Any
 
+from raykv.errors import StateError
 from raykv.transfer import wire
 
 if TYPE_CHECKING:
     from raykv.ipc import AttachedPool
+    from raykv.tiers.shm_directory import DirectoryReader
 
 
 @dataclasses.dataclass(frozen=True)
 class PoolInfo:
-    """What a ``gpu_pool`` message says: the owner's export socket, device UUID and slots."""
+    """What a ``gpu_pool`` message says: the owner's export socket, device UUID and slots, and
+    its slot directory (file and slots; None when it keeps none) for one-sided reads."""
 
     path: str
     uuid: str
     slots: int
+    directory: str | None = None
+    directory_slots: int = 0
 
     @classmethod
     def from_msg(cls, msg: dict[str, Any], rid: int) -> PoolInfo:
@@ -33,7 +38,13 @@ class PoolInfo:
         )
         if not (0 < len(path) <= 4096 and len(uuid) <= 128 and 0 < slots < (1 << 40)):
             raise wire.protocol_error("field of 'gpu_pool' out of range")
-        return cls(path, uuid, slots)
+        directory = msg.get("dir")
+        if directory is None:
+            return cls(path, uuid, slots)
+        dir_slots = wire.field(msg, "dir_slots", int)
+        if not (isinstance(directory, str) and 0 < len(directory) <= 4096 and 0 < dir_slots < (1 << 40)):
+            raise wire.protocol_error("field of 'gpu_pool' out of range")
+        return cls(path, uuid, slots, directory, dir_slots)
 
 
 class PeerPools:
@@ -48,6 +59,26 @@ class PeerPools:
         self._lock = threading.Lock()
         self.refused: set[tuple[str, int]] = set()
         """Peers (control endpoints) whose GPU tier could not be mapped here: not asked again."""
+        self.known: dict[tuple[str, int], PoolInfo] = {}
+        """The last ``gpu_pool`` message of each peer (control endpoint) on this node."""
+        self._readers: dict[str, DirectoryReader | None] = {}
+
+    def reader(self, info: PoolInfo, page_bytes: int) -> DirectoryReader | None:
+        """The owner's slot directory mapped read-only (None when it keeps none or it cannot be
+        mapped; never blocks beyond opening a file)."""
+        if info.directory is None:
+            return None
+        if info.directory not in self._readers:
+            from raykv.tiers.shm_directory import DirectoryReader
+
+            tier_path = info.directory.removesuffix(".dir")
+            try:
+                reader: DirectoryReader | None = DirectoryReader(tier_path, info.directory_slots, page_bytes)
+            except (OSError, StateError):
+                reader = None
+            with self._lock:
+                self._readers[info.directory] = reader
+        return self._readers[info.directory]
 
     def cached(self, info: PoolInfo, device: int) -> AttachedPool | None:
         """The current mapping of ``info``'s pool on ``device`` if it covers every slot, else None
@@ -74,5 +105,10 @@ class PeerPools:
         with self._lock:
             for pool in [*self._maps.values(), *self._retired]:
                 pool.close()
+            for reader in self._readers.values():
+                if reader is not None:
+                    reader.close()
             self._maps.clear()
             self._retired.clear()
+            self._readers.clear()
+            self.known.clear()

@@ -164,7 +164,7 @@ def test_gpu_peer_pull_of_a_scattered_subset_and_unknown_keys(remote: Remote) ->
 def test_pull_best_prefers_gpu_peer_and_honours_the_switch(remote: Remote) -> None:
     remote.mgr.clear_reusable()
     outcome = get_runtime().run(pull_best(remote.client, remote.peers["staged"], remote.mgr, remote.keys), 60)
-    assert outcome.path == "gpu_peer" and outcome.complete
+    assert outcome.path in ("gpu_peer", "gpu_read") and outcome.complete
     _verify(remote.mgr, remote.keys)
     remote.mgr.clear_reusable()
     off = PageClient(remote.token, CFG.replace(use_gpu_peer=False))
@@ -192,14 +192,14 @@ def test_gpu_peer_wrong_token_is_refused(remote: Remote) -> None:
 def test_gpu_peer_owner_gone_after_the_header_imports_nothing(remote: Remote) -> None:
     remote.mgr.clear_reusable()
     name = f"{SCENARIO.name}/staged"
+    fresh = PageClient(remote.token, CFG)  # knows no directory yet: it must ask the owner
     remote.server.set_fault(name, "drop_after_header", True)
     try:
         with pytest.raises(TransferError) as info:
-            get_runtime().run(
-                pull_gpu_peer_into(remote.client, remote.peers["staged"], remote.mgr, remote.keys), 60
-            )
+            get_runtime().run(pull_gpu_peer_into(fresh, remote.peers["staged"], remote.mgr, remote.keys), 60)
     finally:
         remote.server.set_fault(name, "drop_after_header", False)
+        fresh.close()
     assert info.value.reason in ("closed", "protocol", "fault")
     assert not remote.mgr.committed_blocks() and not remote.mgr._leases
     remote.mgr.check_invariants()
@@ -207,4 +207,27 @@ def test_gpu_peer_owner_gone_after_the_header_imports_nothing(remote: Remote) ->
         pull_gpu_peer_into(remote.client, remote.peers["staged"], remote.mgr, remote.keys), 60
     )
     assert outcome.complete  # the owner ended that lease; the next pull works
+    _verify(remote.mgr, remote.keys)
+
+
+def test_gpu_read_needs_no_request_after_the_first(remote: Remote, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After one gpu_peer request the owner's slot directory is mapped: later pulls of bound keys
+    copy one-sided (path "gpu_read"), the owner serves nothing, every byte matches; a page that
+    changes during the copy (simulated) makes the pull ask the owner instead."""
+    from raykv.tiers.shm_directory import DirectoryView
+
+    peer = remote.peers["staged"]
+    remote.mgr.clear_reusable()
+    get_runtime().run(pull_gpu_peer_into(remote.client, peer, remote.mgr, remote.keys[:1]), 60)
+    remote.mgr.clear_reusable()
+    served = remote.stats("staged")["pulls"].get("gpu_peer", 0)
+    outcome = get_runtime().run(pull_gpu_peer_into(remote.client, peer, remote.mgr, remote.keys), 60)
+    assert outcome.path == "gpu_read" and outcome.complete and list(outcome.imported) == remote.keys
+    _verify(remote.mgr, remote.keys)
+    assert remote.stats("staged")["pulls"].get("gpu_peer", 0) == served  # the owner was not asked
+    assert remote.client.stats.pulls["gpu_read"] >= 1
+    remote.mgr.clear_reusable()
+    monkeypatch.setattr(DirectoryView, "unchanged", lambda self, located, keys: False)
+    outcome = get_runtime().run(pull_gpu_peer_into(remote.client, peer, remote.mgr, remote.keys), 60)
+    assert outcome.path == "gpu_peer" and outcome.complete  # stale: asked the owner instead
     _verify(remote.mgr, remote.keys)
