@@ -44,7 +44,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from actors.cluster import REGISTRY
 from actors.index import IndexClient
 from raykv.index import RouteMatch
-from raykv.keys import ReuseScope, block_keys
+from raykv.keys import ReuseScope, block_keys, lora_id_from_name
 from raykv.routing import RoutingConfig, WorkerLoad, choose
 from raykv.types import WorkerId
 
@@ -69,10 +69,26 @@ class RoutedRequest:
 
 def scope_of(lora_id: Any = None, cache_salt: Any = None) -> ReuseScope:
     """The ReuseScope of a request: a str ``cache_salt`` is hashed (ReuseScope.from_cache_salt),
-    an int one is the salt itself. Raises ValueError for bad values."""
+    an int one is the salt itself; a str ``lora_id`` (an adapter name) maps through
+    :func:`raykv.keys.lora_id_from_name`, an int one is the id itself. Raises ValueError for bad
+    values."""
+    if isinstance(lora_id, str):
+        lora_id = lora_id_from_name(lora_id)
     if isinstance(cache_salt, str):
         return ReuseScope.from_cache_salt(cache_salt, lora_id)
     return ReuseScope(lora_id, cache_salt)
+
+
+def _lora_of(source: Any) -> Any:
+    """``lora_id``, else a ``lora_request``'s ``lora_int_id`` (or its ``lora_name``), else None."""
+    lora = _get(source, "lora_id")
+    if lora is not None:
+        return lora
+    request = _get(source, "lora_request")
+    if request is None:
+        return None
+    number = _get(request, "lora_int_id")
+    return number if number is not None else _get(request, "lora_name")
 
 
 def _get(source: Any, name: str) -> Any:
@@ -83,8 +99,9 @@ def _get(source: Any, name: str) -> Any:
 
 def parse_request(args: Sequence[Any], kwargs: Mapping[str, Any]) -> RoutedRequest | None:
     """Find token ids (``tokens``, ``prompt_token_ids`` or ``token_ids``) in the keyword arguments
-    or in a positional argument (a mapping or an object with attributes), with ``lora_id``,
-    ``cache_salt`` and ``target_worker`` from the same place. None when there are none or they
+    or in a positional argument (a mapping or an object with attributes), with ``lora_id`` (or a
+    ``lora_request`` with ``lora_int_id`` / ``lora_name``), ``cache_salt`` and ``target_worker``
+    from the same place. None when there are none or they
     are malformed (the request is then routed without the cache, never rejected)."""
     for source in (kwargs, *args):
         for name in TOKEN_FIELDS:
@@ -93,7 +110,7 @@ def parse_request(args: Sequence[Any], kwargs: Mapping[str, Any]) -> RoutedReque
                 continue
             try:
                 ids = tuple(int(t) for t in tokens)
-                scope = scope_of(_get(source, "lora_id"), _get(source, "cache_salt"))
+                scope = scope_of(_lora_of(source), _get(source, "cache_salt"))
             except (TypeError, ValueError):
                 return None
             target = _get(source, "target_worker")

@@ -27,7 +27,7 @@ from raykv.errors import (
 )
 from raykv.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged, CacheEvent
 from raykv.eviction import EvictionPolicy, PriorityLRU
-from raykv.keys import MultimodalItem, ReuseScope, block_keys
+from raykv.keys import MultimodalItem, ReuseScope, block_keys, lora_id_from_name
 from raykv.kvcache import KvCache, Status
 from raykv.manager import CacheManager
 from raykv.records import CommittedBlockInfo, ExportedBlock, ImportResult, ProbeResult, page_checksum
@@ -86,6 +86,7 @@ __all__ = [
     "TransferError",
     "WorkerId",
     "block_keys",
+    "lora_id_from_name",
     "page_checksum",
 ]
 

@@ -269,6 +269,20 @@ def block_keys(
     return chain_keys(scope.root_key(), arr, tpb, 0, items)
 
 
+LORA_NAME_DOMAIN = b"raykv-lora-name\x00"
+
+
+def lora_id_from_name(name: str) -> int:
+    """A stable unsigned 64-bit LoRA id for an adapter known by name: the low 8 bytes
+    (little-endian) of SHA-256 over a fixed domain prefix and the UTF-8 name. The same in every
+    process; the engine and the router must both use it (or both pass the same int).
+    Raises InvalidArgumentError for a non-str or empty name."""
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError("lora name", f"must be a non-empty str, got {name!r}")
+    digest = hashlib.sha256(LORA_NAME_DOMAIN + name.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
 def key_hex(key: bytes) -> str:
     """Short printable form of a key for logs (first 8 bytes in hex)."""
     return bytes(key[:8]).hex()

@@ -22,7 +22,7 @@ from actors.serve import (
     worker_of,
 )
 from raykv.index import OP_STORE, EventBatch, PrefixIndex, RouteMatch
-from raykv.keys import ReuseScope, block_keys
+from raykv.keys import ReuseScope, block_keys, lora_id_from_name
 from raykv.types import WorkerId
 
 TPB = 4
@@ -238,6 +238,16 @@ def test_worker_id_comes_from_metadata_or_stats() -> None:
     assert worker_of(object()) is None
 
 
+SQL = lora_id_from_name("sql-adapter")
+
+
+class LoraReq:
+    """A vLLM-style LoRARequest known only by name."""
+
+    lora_name = "sql-adapter"
+    lora_int_id = None
+
+
 class Req:
     prompt_token_ids = (5, 6, 7)
     lora_id = 2
@@ -254,6 +264,10 @@ class Req:
         (("just text",), {}, None),
         (({"tokens": ["x"]},), {}, None),
         (({"tokens": [1], "lora_id": -1},), {}, None),
+        (({"tokens": [1], "lora_id": ""},), {}, None),
+        (({"tokens": [1], "lora_id": "sql-adapter"},), {}, RoutedRequest((1,), ReuseScope(SQL))),
+        (({"tokens": [1], "lora_request": {"lora_int_id": 7}},), {}, RoutedRequest((1,), ReuseScope(7))),
+        (({"tokens": [1], "lora_request": LoraReq()},), {}, RoutedRequest((1,), ReuseScope(SQL))),
         ((), {}, None),
     ],
 )
@@ -265,3 +279,15 @@ def test_routing_overrides_are_validated() -> None:
     with pytest.raises(ValueError):
         ranker(FakeIndex(), w_host=2.0)
     assert ranker(FakeIndex(), decode_weight=8.0, bogus=1).config(TPB).decode_weight == 8.0
+
+
+def test_adapter_names_map_to_a_stable_lora_id_distinct_from_text_scopes() -> None:
+    sql = lora_id_from_name("sql-adapter")
+    assert sql == lora_id_from_name("sql-adapter") != lora_id_from_name("chat-adapter")
+    assert 0 <= sql < 2**64
+    assert scope_of("sql-adapter", "tenant") == ReuseScope.from_cache_salt("tenant", sql)
+    named = block_keys([1, 2, 3, 4], TPB, scope_of("sql-adapter"))
+    assert named == block_keys([1, 2, 3, 4], TPB, ReuseScope(sql))
+    assert named != block_keys([1, 2, 3, 4], TPB, ReuseScope())  # not the base model's blocks
+    with pytest.raises(ValueError):
+        lora_id_from_name("")
