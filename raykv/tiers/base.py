@@ -7,6 +7,7 @@ LIFO over a free list (recently freed slots are warm in caches) and all-or-nothi
 from __future__ import annotations
 
 import abc
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -15,11 +16,17 @@ from raykv.config import KVLayout, TierConfig
 from raykv.errors import OutOfPagesError, StateError
 from raykv.types import PageId, TierKind
 
+if TYPE_CHECKING:
+    from raykv.tiers.shm_directory import ShmDirectory
+
 
 class PagePool(abc.ABC):
     """Fixed-size page slots of one tier. Subclasses own the memory (host, disk or GPU)."""
 
     kind: TierKind
+    slot_directory: ShmDirectory | None = None
+    """Which committed block sits in which slot, for same-node one-sided readers (a shared host
+    tier, an exported GPU tier; :mod:`raykv.tiers.shm_directory`); None otherwise."""
 
     def __init__(self, config: TierConfig, layout: KVLayout) -> None:
         self.config = config
@@ -57,10 +64,13 @@ class PagePool(abc.ABC):
         return slots
 
     def release(self, slots: list[PageId]) -> None:
-        """Return slots to the free list. Raises StateError for a slot that is not in use."""
+        """Return slots to the free list (their directory records, if the tier keeps a slot
+        directory, go first). Raises StateError for a slot that is not in use."""
         for slot in slots:
             if not self._used[slot]:
                 raise StateError(f"{self.kind.name} slot {slot} released twice")
+        if self.slot_directory is not None:
+            self.slot_directory.unbind(slots)
         for slot in slots:
             self._used[slot] = False
             self._free.append(int(slot))

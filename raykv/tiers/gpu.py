@@ -48,7 +48,6 @@ from raykv.errors import CudaError, InvalidArgumentError, OutOfMemoryError, Stat
 from raykv.tiers.base import PagePool
 from raykv.tiers.cuda_copy import CudaCopier
 from raykv.tiers.cuda_util import SlotEvents, torch_errors
-from raykv.tiers.shm_directory import ShmDirectory
 from raykv.tiers.vmm import VmmArena, default_chunk_bytes, torch_view
 from raykv.types import PageId, TierKind
 
@@ -168,7 +167,7 @@ class GpuPool(PageViews, PagePool):
         """Device address of page 0; fixed for the pool's lifetime."""
         self.tensor = self._view()
         self.copier = CudaCopier(config.device)
-        self.slot_directory: ShmDirectory | None = None
+        self.slot_directory = None
         """Set while the tier is exported to same-node peers (:mod:`raykv.transfer.gpu_peer`):
         which committed block sits in which slot, for their one-sided reads."""
 
@@ -253,15 +252,6 @@ class GpuPool(PageViews, PagePool):
             self.events.wait_host(slots)
         else:
             self.events.wait_stream(slots, stream or self._torch.cuda.current_stream(self.device))
-
-    def release(self, slots: list[PageId]) -> None:
-        """Return slots to the free list; their directory records (if exported) go first."""
-        if self.slot_directory is not None:
-            for slot in slots:
-                if not self._used[slot]:
-                    raise StateError(f"{self.kind.name} slot {slot} released twice")
-            self.slot_directory.unbind(slots)
-        super().release(slots)
 
     def record_written(self, slots: list[PageId]) -> None:
         """Pages ``slots`` were written by work queued on the current stream (a commit): copies

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.config import DTYPES, KVLayout, TierConfig
-from raykv.errors import OutOfMemoryError, StateError
+from raykv.errors import OutOfMemoryError
 from raykv.tiers.base import PagePool
 from raykv.tiers.shm_directory import ShmDirectory
 from raykv.types import PageId, TierKind
@@ -52,7 +52,7 @@ class HostPool(PagePool):
         self._mmap: mmap.mmap | None = None
         self.shm_path: str | None = None
         """Path of the backing /dev/shm file of a shared tier (None when not shared or closed)."""
-        self.slot_directory: ShmDirectory | None = None
+        self.slot_directory = None
         """Which committed block sits in which slot, for one-sided same-node reads (shared tiers;
         see :mod:`raykv.tiers.shm_directory`)."""
         if config.shared:
@@ -131,15 +131,6 @@ class HostPool(PagePool):
             np.copyto(self.array[slots[0] : slots[0] + len(slots)], data)
         elif slots:
             self.array[np.asarray(slots, dtype=np.intp)] = data
-
-    def release(self, slots: list[PageId]) -> None:
-        """Return slots to the free list; their directory records go first (see the module doc)."""
-        if self.slot_directory is not None:
-            for slot in slots:
-                if not self._used[slot]:
-                    raise StateError(f"{self.kind.name} slot {slot} released twice")
-            self.slot_directory.unbind(slots)
-        super().release(slots)
 
     def close(self) -> None:
         super().close()

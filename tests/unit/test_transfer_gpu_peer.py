@@ -8,17 +8,13 @@ and holds no lease. Content is checked with the oracle; invariants hold on both 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 
 import pytest
-from transfer_support import commit, run, seq
+from transfer_support import Pair, commit, host_pair, run, seq
 
-from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError
+from raykv import ContentOracle, KVLayout, TransferError
 from raykv.transfer import (
-    AuthToken,
-    PageClient,
-    PageServer,
     TransferConfig,
     pull_best,
     pull_gpu_peer_into,
@@ -31,36 +27,9 @@ from raykv.transfer.peer_pools import PoolInfo
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
 
 
-class Pair:
-    def __init__(self, layout: KVLayout) -> None:
-        self.token = AuthToken.generate()
-        host = TierConfig.host(32 * layout.page_bytes, pin_memory=False, shared=True)
-        self.src = CacheManager(CacheConfig(layout, (host,)))
-        self.dst = CacheManager(
-            CacheConfig(layout, (TierConfig.host(32 * layout.page_bytes, pin_memory=False),))
-        )
-        self.server = PageServer(self.src, self.token, CFG)
-        self.server.start()
-        self.client = PageClient(self.token, CFG)
-
-    def settled(self) -> None:
-        deadline = time.monotonic() + 5
-        while self.src._leases and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert self.server.open_leases == 0 and not self.src._leases and not self.dst._leases
-        self.src.check_invariants()
-        self.dst.check_invariants()
-
-    def close(self) -> None:
-        self.client.close()
-        self.server.close()
-        self.src.shutdown()
-        self.dst.shutdown()
-
-
 @pytest.fixture
 def pair(layout: KVLayout) -> Iterator[Pair]:
-    made = Pair(layout)
+    made = host_pair(layout, CFG, dst_pages=32)
     yield made
     made.close()
 

@@ -10,36 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from transfer_support import commit, run, seq
+from transfer_support import Pair, commit, host_pair, run, seq
 
-from raykv import CacheConfig, CacheManager, KVLayout, TierConfig, TransferError
-from raykv.transfer import AuthToken, PageClient, PageServer, TransferConfig, pull_into
+from raykv import KVLayout, TransferError
+from raykv.transfer import PageClient, TransferConfig, pull_into
 from raykv.transfer.importer import import_pulled
 
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
-
-
-@dataclass
-class Pair:
-    src: CacheManager  # shared host tier
-    dst: CacheManager
-    server: PageServer
-    client: PageClient
-
-    def settled(self) -> None:
-        """No lease left on the source, nothing staged on the destination, invariants hold."""
-        deadline = time.monotonic() + 5
-        while self.src._leases and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert self.server.open_leases == 0 and not self.src._leases and not self.dst._leases
-        self.src.check_invariants()
-        self.dst.check_invariants()
 
 
 @pytest.fixture
@@ -47,24 +28,12 @@ def make_pair(layout: KVLayout) -> Iterator[Callable[..., Pair]]:
     made: list[Pair] = []
 
     def factory(config: TransferConfig = CFG, src_pages: int = 32) -> Pair:
-        token = AuthToken.generate()
-        src = CacheManager(
-            CacheConfig(
-                layout, (TierConfig.host(src_pages * layout.page_bytes, pin_memory=False, shared=True),)
-            )
-        )
-        dst = CacheManager(CacheConfig(layout, (TierConfig.host(64 * layout.page_bytes, pin_memory=False),)))
-        server = PageServer(src, token, config)
-        server.start()
-        made.append(Pair(src, dst, server, PageClient(token, config)))
+        made.append(host_pair(layout, config, src_pages=src_pages))
         return made[-1]
 
     yield factory
     for pair in made:
-        pair.client.close()
-        pair.server.close()
-        pair.src.shutdown()
-        pair.dst.shutdown()
+        pair.close()
 
 
 def test_shm_pull_carries_checksums_only_when_asked(make_pair, oracle) -> None:

@@ -9,21 +9,17 @@ paths take over whenever the directory cannot answer.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from transfer_support import commit, run, seq
+from transfer_support import Pair, commit, host_pair, run, seq
 
-from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError
+from raykv import ContentOracle, KVLayout, TransferError
 from raykv.errors import StateError
 from raykv.tiers import shm_directory
 from raykv.tiers.shm_directory import DirectoryReader, ShmDirectory
 from raykv.transfer import (
-    AuthToken,
-    PageClient,
-    PageServer,
     TransferConfig,
     pull_into,
     pull_into_local,
@@ -34,39 +30,9 @@ CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
 pytestmark = pytest.mark.skipif(not shm_directory.supported(), reason="one-sided reads need x86-64")
 
 
-class Pair:
-    def __init__(self, layout: KVLayout, config: TransferConfig = CFG) -> None:
-        self.token = AuthToken.generate()
-        tiers = (
-            TierConfig.host(16 * layout.page_bytes, pin_memory=False, shared=True),
-            TierConfig.disk(16 * layout.page_bytes),
-        )
-        self.src = CacheManager(CacheConfig(layout, tiers))
-        self.dst = CacheManager(
-            CacheConfig(layout, (TierConfig.host(32 * layout.page_bytes, pin_memory=False),))
-        )
-        self.server = PageServer(self.src, self.token, config)
-        self.address = self.server.start()
-        self.client = PageClient(self.token, config)
-
-    def settled(self) -> None:
-        deadline = time.monotonic() + 5
-        while self.src._leases and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert self.server.open_leases == 0 and not self.src._leases and not self.dst._leases
-        self.src.check_invariants()  # includes the directory against the tree
-        self.dst.check_invariants()
-
-    def close(self) -> None:
-        self.client.close()
-        self.server.close()
-        self.src.shutdown()
-        self.dst.shutdown()
-
-
 @pytest.fixture
 def pair(layout: KVLayout) -> Iterator[Pair]:
-    made = Pair(layout)
+    made = host_pair(layout, CFG, src_pages=16, disk_pages=16, dst_pages=32)
     yield made
     made.close()
 
@@ -179,7 +145,7 @@ def test_pull_into_local_imports_in_the_calling_thread(
 
 
 def test_switched_off_never_reads_one_sided(layout: KVLayout, oracle: ContentOracle) -> None:
-    made = Pair(layout, CFG.replace(use_shm_read=False))
+    made = host_pair(layout, CFG.replace(use_shm_read=False), src_pages=16, disk_pages=16, dst_pages=32)
     try:
         keys = commit(made.src, oracle, seq(7, 3))
         for _ in range(3):

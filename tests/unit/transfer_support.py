@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from raykv import CacheManager, ContentOracle
-from raykv.transfer import get_runtime
+import time
+from dataclasses import dataclass
+
+from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig
+from raykv.transfer import AuthToken, PageClient, PageServer, PeerAddress, TransferConfig, get_runtime
 
 
 def commit(mgr: CacheManager, oracle: ContentOracle, tokens: list[int]) -> list[bytes]:
@@ -24,3 +27,52 @@ def seq(seed: int, blocks: int, tpb: int = 4) -> list[int]:
 def run(coro: object) -> object:
     """Run a transfer coroutine on the transfer runtime's loop (30 s limit)."""
     return get_runtime().run(coro, 30)  # type: ignore[arg-type]
+
+
+@dataclass
+class Pair:
+    """A serving manager ``src`` with its page server, and a pulling manager ``dst`` with a client."""
+
+    src: CacheManager
+    dst: CacheManager
+    server: PageServer
+    client: PageClient
+    token: AuthToken
+
+    @property
+    def address(self) -> PeerAddress:
+        assert self.server.address is not None
+        return self.server.address
+
+    def settled(self) -> None:
+        """No lease left on the source, nothing staged on the destination, invariants hold."""
+        deadline = time.monotonic() + 5
+        while self.src._leases and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert self.server.open_leases == 0 and not self.src._leases and not self.dst._leases
+        self.src.check_invariants()
+        self.dst.check_invariants()
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.close()
+        self.src.shutdown()
+        self.dst.shutdown()
+
+
+def host_pair(
+    layout: KVLayout, config: TransferConfig, src_pages: int = 32, disk_pages: int = 0, dst_pages: int = 64
+) -> Pair:
+    """A started pair: ``src`` with a shared host tier (and a disk tier when ``disk_pages``),
+    ``dst`` with a plain host tier."""
+    token = AuthToken.generate()
+    tiers = [TierConfig.host(src_pages * layout.page_bytes, pin_memory=False, shared=True)]
+    if disk_pages:
+        tiers.append(TierConfig.disk(disk_pages * layout.page_bytes))
+    src = CacheManager(CacheConfig(layout, tuple(tiers)))
+    dst = CacheManager(
+        CacheConfig(layout, (TierConfig.host(dst_pages * layout.page_bytes, pin_memory=False),))
+    )
+    server = PageServer(src, token, config)
+    server.start()
+    return Pair(src, dst, server, PageClient(token, config), token)
