@@ -429,6 +429,7 @@ class PrefixIndex:
         get, append = entries.get, log.append
         memo = _Memo()
         stored = memo.stored
+        seen: tuple[dict[int, tuple[Entry, bool]], ...] = ({}, {}, {})  # per tier: id(old) -> result
         added = removed = 0
         for op, key, tier in ops:
             if op == OP_STORE:
@@ -438,9 +439,11 @@ class PrefixIndex:
                     append(key)
                     added += 1
                     continue
-                new, was_absent = stored(e, bit, fresh[tier], intern)
-                entries[key] = new
-                if was_absent:
+                hit = seen[tier].get(id(e))  # the memo keeps ``e`` alive: its id stays unique
+                if hit is None:
+                    hit = seen[tier][id(e)] = stored(e, bit, fresh[tier], intern)
+                entries[key] = hit[0]
+                if hit[1]:
                     append(key)
                     added += 1
             elif op == OP_REMOVE:
