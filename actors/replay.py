@@ -43,10 +43,12 @@ def replay_layout() -> KVLayout:
     return KVLayout(layers=(LayerSpec(0, kv),), tokens_per_block=BLOCK_TOKENS)
 
 
-def replay_config(blocks: int) -> CacheConfig:
-    """A worker holding ``blocks`` pages on its only (top, host) tier."""
+def replay_config(blocks: int, shared: bool = False) -> CacheConfig:
+    """A worker holding ``blocks`` pages on its only (top, host) tier; ``shared``: in /dev/shm,
+    so same-node peers pull from it through shared memory (one-sided once connected)."""
     layout = replay_layout()
-    return CacheConfig(layout, (TierConfig.host(blocks * layout.page_bytes, pin_memory=False),))
+    tier = TierConfig.host(blocks * layout.page_bytes, pin_memory=False, shared=shared)
+    return CacheConfig(layout, (tier,))
 
 
 def _levels(out: RequestOutcome, kinds: Sequence[TierKind]) -> Outcome:
@@ -216,7 +218,7 @@ class RayBackends:
         self.close()
         self.cluster = raykv.start(
             num_workers=self.num_workers,
-            config=replay_config(blocks),
+            config=replay_config(blocks, shared=True),
             namespace=f"{self.namespace}-{self.starts}",
             **self.start_kwargs,
         )
