@@ -523,6 +523,8 @@ class PrefixIndex:
     def route(self, keys: Sequence[bytes]) -> dict[WorkerId, RouteMatch]:
         """Per worker, the cached prefix of ``keys`` (all keys must belong to this shard; with one
         shard that is every key). Workers with no cached prefix are omitted."""
+        if not self._predicted:  # the common case: one C-level pass over the keys
+            return merge_route(list(map(self._entries.get, keys)), (), self._lanes)
         entries, predicted = self.lookup(keys)
         return merge_route(entries, predicted, self._lanes)
 
