@@ -49,6 +49,8 @@ SUFFIX = ".dir"
 EMPTY, DELETED = 0, 1
 _HEAD = struct.Struct("<8sIIQQQ")  # magic, version, pad, num_slots, table cells, page bytes
 _ALIGN = 64
+VECTOR_MIN = 32
+"""From this many keys a reader locates and checks them with numpy passes, not one at a time."""
 
 
 def supported() -> bool:
@@ -222,8 +224,8 @@ class Located(NamedTuple):
 class DirectoryView:
     """Read-only lookups in a directory mapping (the reader's side).
 
-    Plain memoryview reads (a Python int or bytes per access, no numpy call), so locating a few
-    keys costs microseconds."""
+    A few keys are looked up with plain memoryview reads (a Python int or bytes per access: no
+    numpy call overhead); :data:`VECTOR_MIN` keys or more with numpy passes over all of them."""
 
     def __init__(self, buf: Any, num_slots: int) -> None:
         _, arrays = _layout(num_slots)
@@ -267,6 +269,8 @@ class DirectoryView:
 
         The positions are read after the generations: a caller that finds :meth:`unchanged`
         true after using them (its copy) knows they, and the pages, were stable throughout."""
+        if len(keys) >= VECTOR_MIN:
+            return self._locate_many(keys)
         slots: list[int] = []
         for key in keys:
             slot = self.find(key)
@@ -285,8 +289,75 @@ class DirectoryView:
             [meta[2 * s] for s in slots],
         )
 
+    def _arrays(self) -> tuple[npt.NDArray[Any], ...]:
+        """numpy views of tags, cells, gens, keys, parents and meta (dropped by the caller)."""
+        n, mem = self.num_slots, self._mem
+        return (
+            np.frombuffer(self._tags, dtype=np.uint64),
+            np.frombuffer(self._cells, dtype=np.int64),
+            np.frombuffer(self._gen, dtype=np.uint64),
+            np.frombuffer(mem, dtype=np.uint8, count=32 * n, offset=self._key_off).reshape(n, 32),
+            np.frombuffer(mem, dtype=np.uint8, count=32 * n, offset=self._parent_off).reshape(n, 32),
+            np.frombuffer(self._meta, dtype=np.uint32).reshape(n, 2),
+        )
+
+    def _locate_many(self, keys: Sequence[bytes]) -> Located | None:
+        want = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), 32)
+        table, cells, gen, key_arr, parent_arr, meta = self._arrays()
+        slots = self._probe(want, table, cells, key_arr)
+        if slots is None:
+            return None
+        index = np.asarray(slots, dtype=np.intp)
+        gens = gen[index].tolist()
+        if any(g & 1 for g in gens):
+            return None
+        rows = meta[index]
+        return Located(
+            slots,
+            gens,
+            [row.tobytes() for row in parent_arr[index]],
+            [bool(f & 1) for f in rows[:, 1].tolist()],
+            rows[:, 0].tolist(),
+        )
+
+    def _probe(
+        self,
+        want: npt.NDArray[np.uint8],
+        table: npt.NDArray[np.uint64],
+        cells: npt.NDArray[np.int64],
+        key_arr: npt.NDArray[np.uint8],
+    ) -> list[int] | None:
+        """The slot bound to each row's key: linear probing, every key per numpy pass."""
+        tags = want[:, :8].copy().view("<u8").ravel()
+        if (tags <= DELETED).any():
+            return None
+        pos = (tags & np.uint64(self._mask)).astype(np.intp)
+        slots = np.full(len(tags), -1, dtype=np.intp)
+        todo = np.arange(len(tags))
+        for _ in range(len(table)):
+            at = pos[todo]
+            seen = table[at]
+            cand = np.where(seen == tags[todo], cells[at], -1)
+            valid = (cand >= 0) & (cand < self.num_slots)
+            cand = np.where(valid, cand, 0)
+            found = valid & (key_arr[cand] == want[todo]).all(axis=1)
+            slots[todo[found]] = cand[found]
+            if (~found & (seen == EMPTY)).any():
+                return None  # a key is not in the table
+            todo = todo[~found]
+            if not len(todo):
+                return [int(x) for x in slots.tolist()]
+            pos[todo] = (pos[todo] + 1) & self._mask
+        return None
+
     def unchanged(self, located: Located, keys: Sequence[bytes]) -> bool:
         """True when every located slot still holds its key at the generation seen."""
+        if len(keys) >= VECTOR_MIN:
+            _, _, gens, key_arr, _, _ = self._arrays()
+            index = np.asarray(located.slots, dtype=np.intp)
+            if gens[index].tolist() != located.gens:
+                return False
+            return bool(key_arr[index].tobytes() == b"".join(keys))
         gen = self._gen
         if [gen[s] for s in located.slots] != located.gens:
             return False

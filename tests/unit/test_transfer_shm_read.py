@@ -215,3 +215,30 @@ def test_reader_refuses_a_foreign_or_mismatched_file(tmp_path: object) -> None:
         directory.close()
     with pytest.raises(TransferError):
         shm_read.LocalPeer(type("Info", (), {"path": path, "num_slots": 8, "page_bytes": 4096})())  # type: ignore[arg-type]
+
+
+def test_many_keys_are_located_in_numpy_passes_like_one_at_a_time(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "raykv-test-tier")
+    directory = ShmDirectory(path, 256, 4096)
+    reader = DirectoryReader(path, 256, 4096)
+    try:
+        keys = [_key(i) for i in range(150)]
+        twins = [k[:8] + bytes([255 - j]) * 24 for j, k in enumerate(keys[:50])]  # same tags: probing
+        for slot, key in enumerate([*keys, *twins]):
+            directory.bind(slot, key, bytes([slot % 256]) * 32, slot % 3 == 0, 16 + slot % 4)
+        wanted = [*twins[::-1], *keys]
+        assert len(wanted) >= shm_directory.VECTOR_MIN
+        many = reader.locate(wanted)
+        assert many is not None
+        one_by_one = [reader.locate(wanted[i : i + 1]) for i in range(len(wanted))]
+        assert many.slots == [o.slots[0] for o in one_by_one if o is not None]
+        assert many.parents == [o.parents[0] for o in one_by_one if o is not None]
+        assert many.roots == [o.roots[0] for o in one_by_one if o is not None]
+        assert many.tokens == [o.tokens[0] for o in one_by_one if o is not None]
+        assert reader.unchanged(many, wanted)
+        directory.unbind([3])  # keys[3]'s slot: the generation moves, the key is gone
+        assert not reader.unchanged(many, wanted)
+        assert reader.locate(wanted) is None
+    finally:
+        reader.close()
+        directory.close()
