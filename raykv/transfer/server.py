@@ -355,7 +355,7 @@ class PageServer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.faults.stall_after_header_s
         while loop.time() < deadline:
-            if conn.reader.at_eof():
+            if _peer_gone(conn):
                 raise TransferError("the peer went away", reason="closed")
             await asyncio.sleep(0.01)
 
@@ -467,6 +467,12 @@ def _page_sums(pool: HostPool, slots: list[int], first: int, last: int, corrupt:
     if corrupt and first == 0 and sums:
         sums[0] ^= 1
     return sums
+
+
+def _peer_gone(conn: _Conn) -> bool:
+    """The peer closed the connection (EOF), or it broke (a reset while we wrote marks the
+    transport closing and leaves the reader an exception, not EOF)."""
+    return conn.reader.at_eof() or conn.writer.is_closing() or conn.reader.exception() is not None
 
 
 def _flag(msg: dict[str, Any], name: str, default: bool) -> bool:

@@ -427,3 +427,30 @@ def test_bench_rows_come_from_a_peer_process() -> None:
         "ucx pull 2 x 64 KiB",
     ]
     assert all(r.error is None and r.ours > 0 and r.baseline and r.baseline > 0 for r in rows)
+
+
+def test_server_sees_a_peer_gone_by_eof_reset_or_closing_transport() -> None:
+    """A reset while the server wrote leaves its reader an exception, not EOF: a stalled pull must
+    still notice the peer is gone and end its lease (this once kept a lease for 30 s)."""
+    from raykv.transfer.server import _Conn, _peer_gone
+
+    class Writer:
+        def __init__(self, closing: bool) -> None:
+            self.closing = closing
+
+        def is_closing(self) -> bool:
+            return self.closing
+
+    async def states() -> list[bool]:
+        out = []
+        for what in ("open", "eof", "reset", "closing"):
+            reader = asyncio.StreamReader()
+            if what == "eof":
+                reader.feed_eof()
+            elif what == "reset":
+                reader.set_exception(ConnectionResetError())
+            conn = _Conn(reader, Writer(what == "closing"), "peer")  # type: ignore[arg-type]
+            out.append(_peer_gone(conn))
+        return out
+
+    assert get_runtime().run(states(), 5) == [False, True, True, True]
