@@ -13,10 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 import ray
+from ray_helpers import running
 
 from actors.cluster import RayKVCluster
-
-from .helpers import running
 
 
 @pytest.fixture(scope="package")

@@ -6,14 +6,13 @@ import time
 import uuid
 
 import pytest
+from ray_helpers import DISK_PAGES, HOST_PAGES, get, index_view, poll, snapshot_view, tokens
 
 import raykv
 from actors.cluster import RayKVCluster
 from raykv import TierKind
 from raykv.index import OP_REMOVE, OP_STORE, EventBatch
 from raykv.types import WorkerId
-
-from .helpers import DISK_PAGES, HOST_PAGES, get, index_view, poll, snapshot_view, tokens
 
 
 def test_events_reach_the_index(deployment: RayKVCluster) -> None:

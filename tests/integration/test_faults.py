@@ -7,10 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 import ray
+from ray_helpers import get, index_view, poll, running, snapshot_view, tokens
 
 from actors.cluster import RayKVCluster
-
-from .helpers import get, index_view, poll, running, snapshot_view, tokens
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,11 @@ from typing import Any
 
 import pytest
 import ray
+from ray_helpers import expected_route, get, poll, running, small_config, snapshot_view, tokens
 
 from actors.cluster import RayKVCluster
 from actors.worker import CacheWorker
 from raykv.index import OP_STORE, REORDER_WINDOW, EventBatch
-
-from .helpers import expected_route, get, poll, running, small_config, snapshot_view, tokens
 
 INCARNATION = 7
 _lanes = itertools.count(50)

@@ -9,12 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from ray_helpers import TPB, get, poll, running, snapshot_view, tokens
 
 from actors.cluster import RayKVCluster
 from raykv import CacheConfig, KVLayout, TierConfig, TransferError
 from raykv.transfer import AuthToken, PageClient, TransferConfig
-
-from .helpers import TPB, get, poll, running, snapshot_view, tokens
 
 XFER = TransferConfig.loopback(timeout_s=30.0, connect_timeout_s=10.0)
 

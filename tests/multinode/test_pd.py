@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from ray_helpers import TPB, get, poll, running, snapshot_view, tokens
 
 from actors.cluster import RayKVCluster
 from actors.transfer import disaggregated_request
@@ -23,7 +24,6 @@ from raykv import CacheConfig, KVLayout, TierConfig, TransferError
 from raykv.transfer import TransferConfig
 
 from .conftest import NODE_RESOURCES
-from .helpers import TPB, get, poll, running, snapshot_view, tokens
 
 XFER = TransferConfig.loopback(timeout_s=30.0, connect_timeout_s=10.0)
 

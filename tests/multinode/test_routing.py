@@ -9,12 +9,21 @@ from typing import Any
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from ray_helpers import (
+    DISK_PAGES,
+    HOST_PAGES,
+    expected_route,
+    get,
+    index_view,
+    running,
+    snapshot_view,
+    tokens,
+)
 
 from actors.cluster import RayKVCluster
 from raykv import TierKind
 
 from .conftest import NODE_RESOURCES, NUM_NODES
-from .helpers import DISK_PAGES, HOST_PAGES, expected_route, get, index_view, running, snapshot_view, tokens
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,11 @@ from collections.abc import Iterator
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from ray_helpers import expected_route, get, index_view, poll, running, snapshot_view, tokens
 
 from actors.cluster import RayKVCluster
 
 from .conftest import NODE_RESOURCES, NUM_NODES
-from .helpers import expected_route, get, index_view, poll, running, snapshot_view, tokens
 
 
 @pytest.fixture(scope="module")
