@@ -38,7 +38,7 @@ import numpy.typing as npt
 
 from raykv.errors import StateError
 from raykv.events import BlockStored, BlockTierChanged, CacheEvent
-from raykv.radix import Root
+from raykv.radix import Block, Root
 
 if TYPE_CHECKING:
     from raykv.manager import CacheManager
@@ -137,6 +137,11 @@ class ShmDirectory:
                 self._deleted -= 1
             self._cells[i] = slot  # before the tag: a reader that sees the tag sees the slot
             self._tags[i] = tag
+
+    def bind_block(self, block: Block) -> None:
+        """:meth:`bind` a committed block at its page's slot (its bytes must be in place)."""
+        parent = block.parent
+        self.bind(block.page.slot, block.key, parent.key, isinstance(parent, Root), block.num_tokens)
 
     def unbind(self, slots: Sequence[int]) -> None:
         """Forget the blocks in ``slots`` (before the slots are reused); unbound slots are skipped."""
@@ -418,8 +423,7 @@ def install(manager: CacheManager) -> None:
         directory = levels.get(page.level)
         if directory is None or _copy_pending(manager, page.level, page.slot):
             return  # bytes still arriving: the RPC paths settle and serve it
-        parent = block.parent
-        directory.bind(page.slot, block.key, parent.key, isinstance(parent, Root), block.num_tokens)
+        directory.bind_block(block)
 
     manager.events.listeners.append(on_event)
 

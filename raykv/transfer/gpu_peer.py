@@ -43,14 +43,14 @@ from typing import TYPE_CHECKING, Any
 from raykv.errors import CudaError, TransferError
 from raykv.events import BlockStored, BlockTierChanged, CacheEvent
 from raykv.manager import CacheManager
-from raykv.radix import Block, Root
+from raykv.radix import Block
 from raykv.records import BlockLease, BlockRecords
 from raykv.tiers import shm_directory
 from raykv.tiers.host import SHM_DIR, SHM_PREFIX
 from raykv.transfer import wire
 from raykv.transfer.client import PageClient, Peer, _request
 from raykv.transfer.connection import ClientConn
-from raykv.transfer.importer import PullOutcome, pull_into
+from raykv.transfer.importer import PullOutcome, importable_prefix, pull_into
 from raykv.transfer.landing import LeaseCheck, run_checked
 from raykv.transfer.peer_pools import PoolInfo
 from raykv.transfer_blocks import import_written
@@ -203,8 +203,7 @@ class GpuDirectory:
         if len(events) and events.pending([page.slot]):
             self._deferred[int(page.slot)] = block.key
             return
-        parent = block.parent
-        self._directory.bind(page.slot, block.key, parent.key, isinstance(parent, Root), block.num_tokens)
+        self._directory.bind_block(block)
 
     def sweep(self) -> None:
         """Bind the deferred blocks whose bytes have landed."""
@@ -330,7 +329,7 @@ async def _pull_batch(
     if slots and max(slots) >= source.num_slots:
         raise wire.protocol_error("the peer named a slot outside its GPU tier")
     records = BlockRecords(header.keys, header.parents, header.roots, header.tokens)
-    n = _importable(manager, records)
+    n = importable_prefix(manager, records)
     check = LeaseCheck(loop, lambda: client._finish_shm(conn, header), client.config.timeout_s)
 
     def write(dst: list[PageId], new: list[int]) -> None:
@@ -402,7 +401,7 @@ def _land_local(
     records = BlockRecords(
         tuple(keys), tuple(BlockKey(p) for p in located.parents), tuple(located.roots), tuple(located.tokens)
     )
-    n = _importable(manager, records)
+    n = importable_prefix(manager, records)
     pool: Any = manager.top_pool
 
     def write(dst: list[PageId], new: list[int]) -> None:
@@ -427,19 +426,6 @@ def _land_local(
         nbytes=len(result.imported) * manager.layout.page_bytes,
         seconds=0.0,
     )
-
-
-def _importable(manager: CacheManager, records: BlockRecords) -> int:
-    """How many leading records have their parent (a root, cached, or earlier in the batch)."""
-    seen: set[bytes] = set()
-    with manager.locked():
-        for i, (key, parent, root) in enumerate(
-            zip(records.keys, records.parent_keys, records.parent_is_root)
-        ):
-            if not (root or parent in seen or parent in manager.tree):
-                return i
-            seen.add(key)
-    return len(records)
 
 
 def copy_from(source: AttachedPool, src: list[int], pool: Any, dst: list[PageId]) -> None:

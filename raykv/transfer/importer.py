@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from raykv.errors import ImportRejectedError, IntegrityError, TransferError
 from raykv.manager import CacheManager
-from raykv.records import ImportResult
+from raykv.records import BlockRecords, ImportResult
 from raykv.transfer.client import PageClient, Peer, PulledPages
 from raykv.types import BlockKey
 
@@ -51,15 +51,17 @@ class PullOutcome:
         return not self.missing and not self.dropped
 
 
-def importable_prefix(manager: CacheManager, pulled: PulledPages) -> int:
-    """How many leading pulled blocks have their parent (root, cached, or earlier in the batch)."""
+def importable_prefix(manager: CacheManager, records: BlockRecords) -> int:
+    """How many leading blocks have their parent (root, cached, or earlier in the batch)."""
     seen: set[bytes] = set()
     with manager.locked():
-        for i, (key, parent, root) in enumerate(zip(pulled.keys, pulled.parent_keys, pulled.parent_is_root)):
+        for i, (key, parent, root) in enumerate(
+            zip(records.keys, records.parent_keys, records.parent_is_root)
+        ):
             if not (root or parent in seen or parent in manager.tree):
                 return i
             seen.add(key)
-    return len(pulled.keys)
+    return len(records.keys)
 
 
 def import_pulled(
@@ -72,7 +74,7 @@ def import_pulled(
     is imported). Raises TransferError (reason "integrity" or "rejected") when the manager
     rejects the batch; nothing is imported then. OutOfPagesError propagates (nothing imported).
     """
-    n = importable_prefix(manager, pulled)
+    n = importable_prefix(manager, pulled.records)
     verify = not pulled.verified
     sums = pulled.checksums[:n] if verify else None
     try:
@@ -98,6 +100,18 @@ def import_pulled(
     )
 
 
+def _lander(manager: CacheManager) -> Callable[[PulledPages, Callable[[], None]], PullOutcome]:
+    """The ``land`` of a pull into ``manager``: :func:`import_pulled`, its ``seconds`` counted
+    from now (the pull and the import)."""
+    start = time.perf_counter()
+
+    def land(pulled: PulledPages, confirm: Callable[[], None]) -> PullOutcome:
+        outcome = import_pulled(manager, pulled, confirm)
+        return dataclasses.replace(outcome, seconds=time.perf_counter() - start)
+
+    return land
+
+
 async def pull_into(
     client: PageClient,
     peer: Peer,
@@ -114,13 +128,7 @@ async def pull_into(
     A pull cancelled (or timed out) while its import is underway waits for the import to stop;
     only an import already past the peer's confirmation stands.
     """
-    start = time.perf_counter()
-
-    def land(pulled: PulledPages, confirm: Callable[[], None]) -> PullOutcome:
-        outcome = import_pulled(manager, pulled, confirm)
-        return dataclasses.replace(outcome, seconds=time.perf_counter() - start)
-
-    return await client.pull_land(peer, keys, land, prefer_shm, verify=verify)
+    return await client.pull_land(peer, keys, _lander(manager), prefer_shm, verify=verify)
 
 
 def pull_into_local(
@@ -130,10 +138,4 @@ def pull_into_local(
     no request: :mod:`raykv.transfer.shm_read`). None, with nothing imported, when that path
     cannot serve every key or a page changed meanwhile; the caller then uses :func:`pull_into`.
     Import errors raise as for :func:`pull_into`."""
-    start = time.perf_counter()
-
-    def land(pulled: PulledPages, confirm: Callable[[], None]) -> PullOutcome:
-        outcome = import_pulled(manager, pulled, confirm)
-        return dataclasses.replace(outcome, seconds=time.perf_counter() - start)
-
-    return client.land_local(peer, keys, land)
+    return client.land_local(peer, keys, _lander(manager))
