@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 from raykv.types import BlockKey, TierKind
 
@@ -58,15 +58,20 @@ class AllCleared:
 CacheEvent = Union[BlockStored, BlockRemoved, BlockTierChanged, AllCleared]  # noqa: UP007
 
 
+_Raw = tuple[type, tuple[object, ...]]  # (event class, its fields): built into an event on drain
+
+
 class EventQueue:
     """Bounded FIFO of events with monotonic ids. Thread-safe.
 
     ``emit_*`` methods assign the next id; ``drain`` removes and returns queued events in order.
-    ``dropped`` counts events lost to the bound.
+    ``dropped`` counts events lost to the bound. :meth:`stored_many` (imports, commits) queues
+    its events as raw fields when there are no listeners; they become objects only when drained,
+    off the path of the change they report.
     """
 
     def __init__(self, max_events: int) -> None:
-        self._queue: collections.deque[CacheEvent] = collections.deque()
+        self._queue: collections.deque[CacheEvent | _Raw] = collections.deque()
         self._max = max_events
         self._next_id = 1
         self._lock = threading.Lock()
@@ -95,10 +100,42 @@ class EventQueue:
             listener(event)
         return event
 
+    def _push_many(self, make: type, rows: Sequence[tuple[object, ...]]) -> None:
+        """Queue one ``make`` event per row of fields, with consecutive ids."""
+        if not rows:
+            return
+        listeners = self.listeners
+        made: list[Any] = []
+        with self._lock:
+            first = self._next_id
+            self._next_id = first + len(rows)
+            if listeners:
+                made = [make(first + i, *row) for i, row in enumerate(rows)]
+                items: list[Any] = made
+            else:
+                items = [(make, (first + i, *row)) for i, row in enumerate(rows)]
+            queue = self._queue
+            overflow = len(queue) + len(items) - self._max
+            if overflow > 0:
+                self.dropped += overflow
+                for _ in range(min(overflow, len(queue))):
+                    queue.popleft()
+                if len(items) > self._max:
+                    items = items[len(items) - self._max :]
+            queue.extend(items)
+        for listener in listeners:
+            for event in made:
+                listener(event)
+
     def stored(
         self, key: BlockKey, parent: BlockKey, tier: TierKind, num_tokens: int, request_id: int | None
     ) -> CacheEvent:
         return self._push(BlockStored, key, parent, tier, num_tokens, request_id)
+
+    def stored_many(self, blocks: Sequence[tuple[BlockKey, BlockKey, TierKind, int, int | None]]) -> None:
+        """:meth:`stored` for each ``(key, parent, tier, num_tokens, request_id)``, in order, under
+        one acquisition of the queue's lock (ids stay consecutive)."""
+        self._push_many(BlockStored, blocks)
 
     def removed(self, key: BlockKey, tier: TierKind) -> CacheEvent:
         return self._push(BlockRemoved, key, tier)
@@ -113,4 +150,5 @@ class EventQueue:
         """Remove and return up to ``max_events`` (all when None) of the oldest queued events."""
         with self._lock:
             n = len(self._queue) if max_events is None else min(max_events, len(self._queue))
-            return [self._queue.popleft() for _ in range(n)]
+            items = [self._queue.popleft() for _ in range(n)]
+        return [item[0](*item[1]) if type(item) is tuple else item for item in items]  # type: ignore[misc]

@@ -74,8 +74,15 @@ class BlockRecords:
 
     def head(self, count: int) -> BlockRecords:
         """The first ``count`` blocks."""
+        return self.slice(0, count)
+
+    def slice(self, first: int, end: int) -> BlockRecords:
+        """Blocks ``first`` up to (not including) ``end``."""
         return BlockRecords(
-            self.keys[:count], self.parent_keys[:count], self.parent_is_root[:count], self.num_tokens[:count]
+            self.keys[first:end],
+            self.parent_keys[first:end],
+            self.parent_is_root[first:end],
+            self.num_tokens[first:end],
         )
 
     @classmethod

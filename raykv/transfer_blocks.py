@@ -15,17 +15,18 @@ new blocks are inserted, parents first. Blocks already cached are skipped (and n
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from raykv.errors import ImportRejectedError, IntegrityError
-from raykv.radix import Block, Root
+from raykv.radix import Root
 from raykv.records import BlockRecords, ExportedBlock, ImportResult, crc32, page_checksum
-from raykv.types import BlockKey, PageId, Priority, check_block_key
+from raykv.types import BlockKey, PageId, Priority, TierKind, check_block_key
 
 if TYPE_CHECKING:
     from raykv.manager import CacheManager
@@ -194,12 +195,7 @@ def _stage(
     except BaseException:
         mgr.pools[0].release([p.slot for p in pages])
         raise
-    lease_id = None
-    if hold:
-        lease_id = next(mgr._lease_ids)
-        mgr._leases[lease_id] = [*held, *pages]
-        for page in mgr._leases[lease_id]:
-            page.leases += 1
+    lease_id = _hold(mgr, [*held, *pages]) if hold else None
     return _Staged(new, pages, lease_id)
 
 
@@ -219,27 +215,28 @@ def _commit(mgr: CacheManager, records: BlockRecords, staged: _Staged) -> Import
     """Insert the staged blocks, parents first. A block that another import added meanwhile (only
     possible while a held stage waited unlocked) keeps its page; the staged copy is released."""
     _unhold(mgr, staged)
-    imported: list[BlockKey] = []
+    tree, add = mgr.tree, mgr.policy.add
+    keys, parents, roots = records.keys, records.parent_keys, records.parent_is_root
+    tokens = records.num_tokens
+    tier = mgr.tier_kinds[0]
+    stored: list[tuple[BlockKey, BlockKey, TierKind, int, int | None]] = []
+    raced: list[PageId] = []
     for i, page in zip(staged.new, staged.pages):
-        key, parent_key, tokens = (
-            BlockKey(records.keys[i]),
-            BlockKey(records.parent_keys[i]),
-            records.num_tokens[i],
-        )
-        if key in mgr.tree:
-            mgr.pools[0].release([page.slot])
+        key = cast(BlockKey, keys[i])
+        if key in tree.blocks:
+            raced.append(page.slot)
             continue
-        parent: Root | Block | None = mgr.tree.parent_node(
-            parent_key, create_root=bool(records.parent_is_root[i])
-        )
+        parent = tree.parent_node(cast(BlockKey, parents[i]), create_root=bool(roots[i]))
         assert parent is not None, "a held parent vanished"
-        mgr.tree.insert(parent, key, page, tokens)
-        mgr.policy.add(page)
-        mgr.events.stored(key, parent_key, mgr.tier_kinds[0], tokens, None)
-        imported.append(key)
-    mgr.counters.imported_blocks += len(imported)
-    done = set(imported)
-    return ImportResult(tuple(imported), tuple(BlockKey(k) for k in records.keys if k not in done))
+        tree.insert(parent, key, page, tokens[i])
+        add(page)
+        stored.append((key, cast(BlockKey, parents[i]), tier, tokens[i], None))
+    if raced:
+        mgr.pools[0].release(raced)
+    mgr.events.stored_many(stored)
+    mgr.counters.imported_blocks += len(stored)
+    done = {s[0] for s in stored}
+    return ImportResult(tuple(s[0] for s in stored), tuple(cast(BlockKey, k) for k in keys if k not in done))
 
 
 def import_pages(
@@ -278,6 +275,162 @@ def import_written(
     changes on a problem), ``write`` runs under the manager's lock, ``confirm`` after it without
     the lock; if either raises, the pages are given back and nothing is inserted."""
     return _import(mgr, records, None, write, priority, confirm)
+
+
+ChunkWriter = Callable[[list[PageId], list[int], list[int]], Sequence[object]]
+"""``write(slots, new, cuts)``: start copying the pages of records ``new`` into top-tier
+``slots`` (same order) as chunks split at the indices ``cuts`` of ``new``; returns one handle per
+chunk, which the matching ``confirm`` waits on (the copies may still be running)."""
+
+
+@dataclass(frozen=True)
+class Pipelined:
+    """What :func:`import_pipelined` did: ``result`` for the records it settled (the first
+    ``settled``; the rest were not imported because ``stopped`` was raised by a confirm)."""
+
+    result: ImportResult
+    settled: int
+    stopped: BaseException | None
+
+
+def import_pipelined(
+    mgr: CacheManager,
+    records: BlockRecords,
+    chunk_blocks: int,
+    write: ChunkWriter,
+    confirm: Callable[[object, int, int], object],
+    priority: Priority,
+) -> Pipelined:
+    """:func:`import_written` in chunks of ``chunk_blocks`` records whose copies overlap the
+    inserts: under the lock, all records are validated (a problem raises and changes nothing),
+    pages for every new block are allocated and one ``write`` starts every chunk's copy; then each
+    chunk in order is confirmed (``confirm(handle, first, end)`` without the lock: waits for its
+    copy, raises if the source changed meanwhile) and inserted while later chunks still copy. The
+    new pages and the cached parents stay leased until the last chunk settles, so no chunk loses
+    its parent.
+
+    A chunk whose confirm raises is not inserted, nor is any later one (their pages are given
+    back); earlier chunks stay imported, each block complete and confirmed (a prefix of the
+    records: parents always come first). The exception is returned in ``stopped``, not raised.
+    """
+    if chunk_blocks < 1:
+        raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
+    with mgr.locked():
+        mgr._check_open()
+        new = validate(mgr, records, None)
+        if not new:
+            present = tuple(BlockKey(k) for k in records.keys)
+            return Pipelined(ImportResult((), present), len(records), None)
+        cached = {id(b.page): b.page for i in new if (b := mgr.tree.get(BlockKey(records.parent_keys[i])))}
+        outer = _hold(mgr, list(cached.values()))
+        try:
+            staged = _stage_chunks(mgr, records, new, chunk_blocks, priority, write, outer)
+        except BaseException:
+            _release_hold(mgr, outer)
+            raise
+    try:
+        return _settle(mgr, records, staged, confirm, outer)
+    finally:
+        with mgr.locked():
+            _release_hold(mgr, outer)
+
+
+def _stage_chunks(
+    mgr: CacheManager,
+    records: BlockRecords,
+    new: list[int],
+    chunk_blocks: int,
+    priority: Priority,
+    write: ChunkWriter,
+    outer: int,
+) -> list[_Chunk]:
+    """Allocate every new block's page (held by lease ``outer``) and start the chunked copy."""
+    held = {p.uid for p in mgr._leases[outer]}
+    pages = mgr.allocate_pages(len(new), priority, held)
+    _extend_hold(mgr, outer, pages)
+    firsts = list(range(0, len(records), chunk_blocks))
+    cuts = [bisect.bisect_left(new, first) for first in firsts[1:]]
+    try:
+        handles = list(write([p.slot for p in pages], new, cuts))
+        if len(handles) != len(firsts):
+            raise ValueError(f"the writer returned {len(handles)} handles for {len(firsts)} chunks")
+    except BaseException:
+        _release_hold(mgr, outer, pages)
+        mgr.pools[0].release([p.slot for p in pages])
+        raise
+    bounds = [0, *cuts, len(new)]
+    return [
+        (_Staged(new[lo:hi], pages[lo:hi], None), handle, first, min(first + chunk_blocks, len(records)))
+        for lo, hi, handle, first in zip(bounds, bounds[1:], handles, firsts)
+    ]
+
+
+def _hold(mgr: CacheManager, pages: list[Page]) -> int:
+    """Lease ``pages`` (they neither move nor go until released); the lease id."""
+    lease_id = next(mgr._lease_ids)
+    mgr._leases[lease_id] = []
+    _extend_hold(mgr, lease_id, pages)
+    return lease_id
+
+
+def _extend_hold(mgr: CacheManager, lease_id: int, pages: list[Page]) -> None:
+    mgr._leases[lease_id].extend(pages)
+    for page in pages:
+        page.leases += 1
+
+
+def _release_hold(mgr: CacheManager, lease_id: int, pages: list[Page] | None = None) -> None:
+    """End lease ``lease_id`` (or only its hold on ``pages``)."""
+    held = mgr._leases.get(lease_id, [])
+    drop = held if pages is None else pages
+    for page in drop:
+        page.leases -= 1
+    if pages is None:
+        mgr._leases.pop(lease_id, None)
+    else:
+        gone = {id(p) for p in pages}
+        held[:] = [p for p in held if id(p) not in gone]
+
+
+_Chunk = tuple[_Staged, object, int, int]  # stage, copy handle, first record, end record
+
+
+def _abort_from(mgr: CacheManager, staged: list[_Chunk], k: int, outer: int) -> None:
+    """Give back the pages of chunks ``k..`` (under the lock)."""
+    for part, *_ in staged[k:]:
+        _release_hold(mgr, outer, part.pages)
+        _abort(mgr, part)
+
+
+def _settle(
+    mgr: CacheManager,
+    records: BlockRecords,
+    staged: list[tuple[_Staged, object, int, int]],
+    confirm: Callable[[object, int, int], object],
+    outer: int,
+) -> Pipelined:
+    imported: list[BlockKey] = []
+    present: list[BlockKey] = []
+    settled, stopped = 0, None
+    for k, (part, handle, first, end) in enumerate(staged):
+        try:
+            confirm(handle, first, end)
+        except BaseException as exc:
+            stopped = exc
+            with mgr.locked():
+                _abort_from(mgr, staged, k, outer)
+            break
+        with mgr.locked():
+            done = _commit(mgr, records.slice(first, end), _shifted(part, first))
+        imported += done.imported
+        present += done.already_present
+        settled = end
+    return Pipelined(ImportResult(tuple(imported), tuple(present)), settled, stopped)
+
+
+def _shifted(part: _Staged, first: int) -> _Staged:
+    """``part`` with record indices relative to ``first`` (for a chunk's records slice)."""
+    return _Staged([i - first for i in part.new], part.pages, part.lease_id)
 
 
 def _import(

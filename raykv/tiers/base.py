@@ -59,21 +59,26 @@ class PagePool(abc.ABC):
                 f"{self.kind.name} tier has {len(self._free)} free pages, {count} needed",
                 tier=self.kind.name,
             )
-        slots = [PageId(self._free.pop()) for _ in range(count)]
+        free = self._free
+        slots: list[PageId] = free[len(free) - count :]  # type: ignore[assignment]
+        del free[len(free) - count :]
+        slots.sort()  # ascending: consecutive free slots become one run for batched copies
         self._used[slots] = True
         return slots
 
     def release(self, slots: list[PageId]) -> None:
         """Return slots to the free list (their directory records, if the tier keeps a slot
         directory, go first). Raises StateError for a slot that is not in use."""
-        for slot in slots:
-            if not self._used[slot]:
-                raise StateError(f"{self.kind.name} slot {slot} released twice")
+        if not slots:
+            return
+        index = np.asarray(slots, dtype=np.intp)
+        if not self._used[index].all() or len(set(slots)) != len(slots):
+            twice = next(s for i, s in enumerate(slots) if not self._used[s] or s in slots[:i])
+            raise StateError(f"{self.kind.name} slot {twice} released twice")
         if self.slot_directory is not None:
             self.slot_directory.unbind(slots)
-        for slot in slots:
-            self._used[slot] = False
-            self._free.append(int(slot))
+        self._used[index] = False
+        self._free.extend(index.tolist())
 
     def is_used(self, slot: int) -> bool:
         return bool(self._used[slot])

@@ -25,6 +25,7 @@ the disk for one chunk overlaps the copy of the previous one.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -158,19 +159,50 @@ class CudaCopier:
             raise ValueError("source and destination batches differ in length")
         if not len(src_slots) or nbytes == 0:
             return None
+        return self.copy_chunked(stream_name, src_base, src_slots, dst_base, dst_slots, nbytes, waits, ())[0]
+
+    def copy_chunked(
+        self,
+        stream_name: str,
+        src_base: int,
+        src_slots: SlotList,
+        dst_base: int,
+        dst_slots: SlotList,
+        nbytes: int,
+        waits: Sequence[Any],
+        cuts: Sequence[int],
+    ) -> list[Any]:
+        """:meth:`copy` as consecutive chunks split at the indices ``cuts`` (ascending, inside the
+        batch), one event recorded after each chunk: a caller can use the first pages while the
+        rest still copy. Empty chunks get None. Every event is also each chunk's slots' new
+        pending event (the caller records them; later chunks complete after earlier ones)."""
+        if len(src_slots) != len(dst_slots):
+            raise ValueError("source and destination batches differ in length")
+        bounds = [0, *cuts, len(src_slots)]
+        if any(b > a for a, b in zip(bounds[1:], bounds)):
+            raise ValueError(f"cuts must be ascending within 0..{len(src_slots)}, got {list(cuts)}")
+        if nbytes == 0 or not len(src_slots):
+            return [None] * (len(bounds) - 1)
         torch = self._torch
         ensure_context(self.device)
         stream = self.streams[stream_name]
+        events: list[Any] = []
         with torch_errors(f"{stream_name} page copy"):
             stream.wait_stream(torch.cuda.current_stream(self.torch_device))
             for event in waits:
                 stream.wait_event(event)
             src = np.asarray(src_slots, dtype=np.int64)
             dst = np.asarray(dst_slots, dtype=np.int64)
-            self._enqueue(stream, src_base + src * nbytes, dst_base + dst * nbytes, src, dst, nbytes)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return event
+            src_addr, dst_addr = src_base + src * nbytes, dst_base + dst * nbytes
+            for lo, hi in itertools.pairwise(bounds):
+                if lo == hi:
+                    events.append(None)
+                    continue
+                self._enqueue(stream, src_addr[lo:hi], dst_addr[lo:hi], src[lo:hi], dst[lo:hi], nbytes)
+                event = torch.cuda.Event()
+                event.record(stream)
+                events.append(event)
+        return events
 
     def _enqueue(
         self,

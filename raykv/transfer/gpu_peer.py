@@ -53,7 +53,7 @@ from raykv.transfer.connection import ClientConn
 from raykv.transfer.importer import PullOutcome, importable_prefix, pull_into
 from raykv.transfer.landing import LeaseCheck, run_checked
 from raykv.transfer.peer_pools import PoolInfo
-from raykv.transfer_blocks import import_written
+from raykv.transfer_blocks import import_pipelined, import_written
 from raykv.types import DEFAULT_PRIORITY, BlockKey, PageId, Priority, TierKind, check_priority
 
 if TYPE_CHECKING:
@@ -268,9 +268,12 @@ async def pull_gpu_peer_into(
     if not checked:
         return PullOutcome((), (), (), (), PATH, 0, 0.0)
     local = await _pull_local(client, endpoint, checked, manager, prio)
+    if local is not None and not local[1]:
+        return dataclasses.replace(local[0], seconds=time.perf_counter() - start)
+    rest = checked if local is None else local[1]
+    outcome = await client._guarded(endpoint, timeout_s, _pull_all(client, endpoint, rest, manager, prio))
     if local is not None:
-        return dataclasses.replace(local, seconds=time.perf_counter() - start)
-    outcome = await client._guarded(endpoint, timeout_s, _pull_all(client, endpoint, checked, manager, prio))
+        outcome = merge_outcomes([local[0], outcome], f"{LOCAL_PATH}+{PATH}")
     return dataclasses.replace(outcome, seconds=time.perf_counter() - start)
 
 
@@ -358,14 +361,17 @@ async def _pull_batch(
 
 # ---- one-sided: no request at all ----------------------------------------------------------------
 LOCAL_PATH = "gpu_read"
+PIPELINE_CHUNKS = 8
+PIPELINE_MIN_CHUNK = 16
 
 
 async def _pull_local(
     client: PageClient, peer: tuple[str, int], keys: list[BlockKey], manager: CacheManager, priority: Priority
-) -> PullOutcome | None:
+) -> tuple[PullOutcome, list[BlockKey]] | None:
     """Import ``keys`` straight from a same-node owner's mapped GPU tier when its slot directory
-    lists every one (after a first ``gpu_peer`` request to it); None when it cannot (nothing
-    imported then: the caller asks the owner)."""
+    lists every one (after a first ``gpu_peer`` request to it): the outcome and the keys still to
+    ask the owner for (see :func:`_land_local`); None when it cannot (nothing imported then: the
+    caller asks the owner for every key)."""
     info = client.gpu_pools.known.get(peer)
     pool: Any = manager.top_pool
     if (
@@ -383,10 +389,10 @@ async def _pull_local(
     if located is None or max(located.slots) >= source.num_slots:
         return None
     loop = asyncio.get_running_loop()
-    outcome = await loop.run_in_executor(None, _land_local, manager, keys, located, reader, source, priority)
-    if outcome is not None:
-        client._count(LOCAL_PATH, peer, len(outcome.imported), outcome.nbytes)
-    return outcome
+    landed = await loop.run_in_executor(None, _land_local, manager, keys, located, reader, source, priority)
+    if landed is not None:
+        client._count(LOCAL_PATH, peer, len(landed[0].imported), landed[0].nbytes)
+    return landed
 
 
 def _land_local(
@@ -396,36 +402,60 @@ def _land_local(
     reader: shm_directory.DirectoryView,
     source: AttachedPool,
     priority: Priority,
-) -> PullOutcome | None:
-    """Copy and import the located pages; None (nothing imported) if any slot changed meanwhile."""
+) -> tuple[PullOutcome, list[BlockKey]] | None:
+    """Copy and import the located pages in overlapping chunks (:func:`chunk_blocks`); the
+    outcome and the keys left for the owner to serve (a chunk's slot changed while it was
+    copied: that chunk and the later ones were not imported). None when nothing was imported
+    because the first chunk changed."""
     records = BlockRecords(
         tuple(keys), tuple(BlockKey(p) for p in located.parents), tuple(located.roots), tuple(located.tokens)
     )
     n = importable_prefix(manager, records)
     pool: Any = manager.top_pool
 
-    def write(dst: list[PageId], new: list[int]) -> None:
-        copy_from(source, [located.slots[i] for i in new], pool, dst)  # done when it returns
+    def write(dst: list[PageId], new: list[int], cuts: list[int]) -> list[Any]:
+        waits = pool.events.pending(list(dst))
+        src = [located.slots[i] for i in new]
+        base, page = pool.base_address, pool.page_bytes
+        return pool.copier.copy_chunked("d2d", source.base_address, src, base, dst, page, waits, cuts)  # type: ignore[no-any-return]
 
-    def confirm() -> None:
-        if not reader.unchanged(located, keys):
-            raise TransferError("a page changed while it was copied; nothing imported", reason="stale")
+    def confirm(event: Any, first: int, end: int) -> None:
+        if event is not None:
+            event.synchronize()
+        at = located
+        part = shm_directory.Located(
+            at.slots[first:end],
+            at.gens[first:end],
+            at.parents[first:end],
+            at.roots[first:end],
+            at.tokens[first:end],
+        )
+        if not reader.unchanged(part, keys[first:end]):
+            raise TransferError("a page changed while it was copied; not imported", reason="stale")
 
-    try:
-        result = import_written(manager, records.head(n), write, priority, confirm)
-    except TransferError as exc:
-        if getattr(exc, "reason", "") == "stale":
-            return None
-        raise
-    return PullOutcome(
-        imported=result.imported,
-        already_present=result.already_present,
+    done = import_pipelined(manager, records.head(n), chunk_blocks(n), write, confirm, priority)
+    if done.stopped is not None and not (
+        isinstance(done.stopped, TransferError) and getattr(done.stopped, "reason", "") == "stale"
+    ):
+        raise done.stopped
+    if done.settled == 0 and done.stopped is not None:
+        return None
+    outcome = PullOutcome(
+        imported=done.result.imported,
+        already_present=done.result.already_present,
         missing=(),
-        dropped=tuple(keys[n:]),
+        dropped=tuple(keys[n:]) if done.stopped is None else (),
         path=LOCAL_PATH,
-        nbytes=len(result.imported) * manager.layout.page_bytes,
+        nbytes=len(done.result.imported) * manager.layout.page_bytes,
         seconds=0.0,
     )
+    return outcome, keys[done.settled :] if done.stopped is not None else []
+
+
+def chunk_blocks(count: int) -> int:
+    """Blocks per chunk of a pipelined local import: up to :data:`PIPELINE_CHUNKS` chunks of at
+    least :data:`PIPELINE_MIN_CHUNK` blocks (inserting one chunk overlaps copying the next)."""
+    return max(PIPELINE_MIN_CHUNK, -(-count // PIPELINE_CHUNKS))
 
 
 def copy_from(source: AttachedPool, src: list[int], pool: Any, dst: list[PageId]) -> None:

@@ -231,3 +231,33 @@ def test_gpu_read_needs_no_request_after_the_first(remote: Remote, monkeypatch: 
     outcome = get_runtime().run(pull_gpu_peer_into(remote.client, peer, remote.mgr, remote.keys), 60)
     assert outcome.path == "gpu_peer" and outcome.complete  # stale: asked the owner instead
     _verify(remote.mgr, remote.keys)
+
+
+def test_gpu_read_stale_later_chunk_keeps_the_earlier_ones(
+    remote: Remote, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local import runs in chunks whose copies overlap the inserts; when a later chunk's pages
+    changed during its copy (simulated), the chunks before it stay imported and the owner is asked
+    for the rest: every key arrives, every byte matches, no lease or page is left over."""
+    from raykv.tiers.shm_directory import DirectoryView
+    from raykv.transfer.gpu_peer import chunk_blocks
+
+    peer = remote.peers["staged"]
+    remote.mgr.clear_reusable()
+    get_runtime().run(pull_gpu_peer_into(remote.client, peer, remote.mgr, remote.keys[:1]), 60)
+    remote.mgr.clear_reusable()
+    real = DirectoryView.unchanged
+    calls: list[int] = []
+
+    def second_chunk_stale(self: DirectoryView, located: Any, keys: Any) -> bool:
+        calls.append(len(keys))
+        return len(calls) != 2 and real(self, located, keys)
+
+    monkeypatch.setattr(DirectoryView, "unchanged", second_chunk_stale)
+    per = chunk_blocks(len(remote.keys))
+    assert per < len(remote.keys)
+    outcome = get_runtime().run(pull_gpu_peer_into(remote.client, peer, remote.mgr, remote.keys), 60)
+    assert outcome.path == "gpu_read+gpu_peer" and outcome.complete
+    assert list(outcome.imported) == remote.keys and calls[:2] == [per, per]
+    assert not remote.mgr._leases
+    _verify(remote.mgr, remote.keys)

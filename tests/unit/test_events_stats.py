@@ -280,3 +280,29 @@ def test_records_value_and_pickle():
         assert pickle.loads(pickle.dumps(rec)) == rec
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(rec, dataclasses.fields(rec)[0].name, None)
+
+
+@pytest.mark.parametrize("listen", [False, True])
+@pytest.mark.parametrize("bound", [2, 5, 100])
+def test_stored_many_matches_one_by_one(listen, bound):
+    """A batch of stores gets consecutive ids and drains (and reaches listeners) exactly as the
+    same stores emitted one by one, bound and drops included; mixed with single emits."""
+    rows = [(key(i), key(i + 100), TierKind.GPU, 16, i) for i in range(4)]
+    one, many = EventQueue(max_events=bound), EventQueue(max_events=bound)
+    heard: tuple[list, list] = ([], [])
+    if listen:
+        one.listeners.append(heard[0].append)
+        many.listeners.append(heard[1].append)
+    for q in (one, many):
+        q.cleared()
+    for row in rows:
+        one.stored(*row)
+    many.stored_many(rows)
+    many.stored_many([])
+    for q in (one, many):
+        q.removed(key(7), TierKind.HOST)
+    assert many.last_event_id == one.last_event_id == 6
+    assert many.dropped == one.dropped == max(0, 6 - bound)
+    assert many.drain() == one.drain()
+    assert heard[1] == heard[0] and len(heard[0]) == (6 if listen else 0)
+    assert all(type(e) is BlockStored for e in heard[1][1:5])

@@ -1,0 +1,133 @@
+"""transfer_blocks.import_pipelined: an import in chunks whose copies overlap the inserts.
+
+Every chunk is staged (pages allocated, copy started) before the first is confirmed; each chunk is
+then confirmed and inserted in order. A confirm that raises stops the import there: earlier
+chunks stay imported (whole, verified by the oracle), that chunk and later ones leave nothing
+behind (no pages, no leases), and the exception comes back in ``stopped``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from raykv import ImportRejectedError, TransferError, block_keys
+from raykv.records import BlockRecords
+from raykv.transfer_blocks import import_pipelined
+
+TPB = 4
+
+
+def toks(seed: int, n: int) -> list[int]:
+    return [seed * 1000 + i for i in range(n)]
+
+
+def chain(mgr, run_request, tokens):
+    run_request(mgr, tokens)
+    blocks = mgr.export_blocks(block_keys(tokens, TPB))
+    return BlockRecords.of(blocks), np.stack([np.frombuffer(b.data, dtype=np.uint8) for b in blocks])
+
+
+class Copier:
+    """Writes rows into the top tier and records what each chunk's confirm sees."""
+
+    def __init__(self, mgr, data, fail_at: int | None = None, during=None) -> None:
+        self.mgr, self.data, self.fail_at, self.during = mgr, data, fail_at, during
+        self.started: list[list[int]] = []
+        self.confirmed: list[tuple[int, int]] = []
+
+    def write(self, slots, new, cuts):
+        bounds = [0, *cuts, len(new)]
+        for lo, hi in itertools.pairwise(bounds):
+            rows = new[lo:hi]
+            self.mgr.copy.write(0, slots[lo:hi], self.data[rows] if rows else self.data[:0])
+            self.started.append(rows)
+        return list(range(len(bounds) - 1))  # the handles: the chunks' numbers
+
+    def confirm(self, handle, first, end):
+        assert len(self.started) > handle  # every chunk was started before any confirm
+        self.confirmed.append((first, end))
+        if self.during is not None:
+            self.during(len(self.confirmed) - 1)
+        if self.fail_at is not None and len(self.confirmed) - 1 == self.fail_at:
+            raise TransferError("source changed", reason="stale")
+
+
+def test_all_chunks_imported_in_order(make_manager, oracle, run_request):
+    src, dst = make_manager(16), make_manager(16)
+    records, data = chain(src, run_request, toks(1, 40))
+    cp = Copier(dst, data)
+    done = import_pipelined(dst, records, 3, cp.write, cp.confirm, 50)
+    dst.check_invariants()
+    assert done.stopped is None and done.settled == 10
+    assert done.result.imported == tuple(records.keys) and done.result.already_present == ()
+    assert len(cp.started) == 4 and cp.confirmed == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert [e.key for e in dst.drain_events()] == list(records.keys)
+    assert oracle.verify_manager(dst) == 10
+    assert not dst._leases
+
+
+def test_present_blocks_are_skipped(make_manager, oracle, run_request):
+    src, dst = make_manager(16), make_manager(16)
+    records, data = chain(src, run_request, toks(1, 24))
+    dst.import_pages(records.head(2), data[:2], None, verify=False)
+    cp = Copier(dst, data)
+    done = import_pipelined(dst, records, 2, cp.write, cp.confirm, 50)
+    assert done.result.already_present == tuple(records.keys[:2])
+    assert done.result.imported == tuple(records.keys[2:])
+    assert cp.started[0] == []  # the first chunk had nothing to copy
+    assert oracle.verify_manager(dst) == 6
+    dst.check_invariants()
+
+
+@pytest.mark.parametrize("fail_at", [0, 1, 3])
+def test_a_failed_confirm_keeps_the_earlier_chunks_only(make_manager, oracle, run_request, fail_at):
+    src, dst = make_manager(16), make_manager(16)
+    records, data = chain(src, run_request, toks(1, 40))
+    cp = Copier(dst, data, fail_at=fail_at)
+    done = import_pipelined(dst, records, 3, cp.write, cp.confirm, 50)
+    dst.check_invariants()
+    assert isinstance(done.stopped, TransferError)
+    assert done.settled == 3 * fail_at
+    assert done.result.imported == tuple(records.keys[: 3 * fail_at])
+    assert sorted(b.key for b in dst.committed_blocks()) == sorted(records.keys[: 3 * fail_at])
+    assert dst.top_pool.num_used == 3 * fail_at and not dst._leases
+    assert oracle.verify_manager(dst) == 3 * fail_at
+
+
+def test_invalid_records_change_nothing(make_manager, run_request, state_of):
+    src, dst = make_manager(16), make_manager(16)
+    records, data = chain(src, run_request, toks(1, 16))
+    before = state_of(dst)
+    cp = Copier(dst, data)
+    with pytest.raises(ImportRejectedError):
+        import_pipelined(dst, records.slice(1, 4), 2, cp.write, cp.confirm, 50)  # no parent
+    assert cp.started == [] and state_of(dst) == before
+    with pytest.raises(ValueError):
+        import_pipelined(dst, records, 0, cp.write, cp.confirm, 50)
+
+
+def test_committed_chunks_stay_while_later_ones_settle(make_manager, oracle, run_request):
+    """Between chunks the lock is free: another request that needs every free page must not
+    evict the chunks already inserted (their children are still to come), nor the staged ones."""
+    src, dst = make_manager(16), make_manager(12)
+    records, data = chain(src, run_request, toks(1, 32))  # 8 blocks
+    run_request(dst, toks(2, 16))  # 4 unrelated cached blocks: the only evictable ones
+    evicted: list[int] = []
+
+    def pressure(k: int) -> None:
+        if k == 1:  # chunk 0 inserted, chunks 1.. staged
+            before = len(dst.committed_blocks())
+            run_request(dst, toks(3, 16))  # needs 4 pages: only the unrelated blocks may go
+            evicted.append(before + 4 - len(dst.committed_blocks()))
+            dst.check_invariants()
+
+    cp = Copier(dst, data, during=pressure)
+    done = import_pipelined(dst, records, 3, cp.write, cp.confirm, 0)  # priority 0: first victims
+    assert done.stopped is None and done.result.imported == tuple(records.keys)
+    assert evicted == [4]
+    assert all(k in dst.tree for k in records.keys)
+    oracle.verify_manager(dst)
+    dst.check_invariants()
