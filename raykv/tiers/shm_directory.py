@@ -93,6 +93,10 @@ def _tag(key: bytes) -> int:
     return int.from_bytes(key[:8], "little")
 
 
+_odd = (1).__and__
+"""``_odd(gen)``: non-zero while the slot's record is being edited (a C call: no Python frame)."""
+
+
 class ShmDirectory:
     """The owner's writable directory of one shared host tier (created with the tier file)."""
 
@@ -217,13 +221,17 @@ class ShmDirectory:
 
 
 class Located(NamedTuple):
-    """Where a reader found blocks: slots, the generations seen, and the blocks' positions."""
+    """Where a reader found blocks: slots, the generations seen, and the blocks' positions.
+
+    ``first``: the first slot when ``slots`` is the run ``first, first + 1, ...`` (its records
+    were read, and are re-checked, with one slice per array), else -1."""
 
     slots: list[int]
     gens: list[int]
     parents: list[bytes]
     roots: list[bool]
     tokens: list[int]
+    first: int = -1
 
 
 class DirectoryView:
@@ -274,14 +282,19 @@ class DirectoryView:
 
         The positions are read after the generations: a caller that finds :meth:`unchanged`
         true after using them (its copy) knows they, and the pages, were stable throughout."""
+        if not keys:
+            return Located([], [], [], [], [])
+        first = self.find(keys[0])
+        if first is None:
+            return None
+        run = self._locate_run(first, keys)
+        if run is not None:
+            return run
         if len(keys) >= VECTOR_MIN:
             return self._locate_many(keys)
-        slots: list[int] = []
-        for key in keys:
-            slot = self.find(key)
-            if slot is None:
-                return None
-            slots.append(slot)
+        slots = self._find_each(first, keys)
+        if slots is None:
+            return None
         gen, meta, mem, off = self._gen, self._meta, self._mem, self._parent_off
         gens = [gen[s] for s in slots]
         if any(g & 1 for g in gens):
@@ -293,6 +306,47 @@ class DirectoryView:
             [bool(meta[2 * s + 1] & 1) for s in slots],
             [meta[2 * s] for s in slots],
         )
+
+    def _locate_run(self, first: int, keys: Sequence[bytes]) -> Located | None:
+        """:meth:`locate` when ``keys`` are bound to the consecutive slots ``first, first + 1,
+        ...`` (the usual case: a chain committed together), reading each array with one slice:
+        generations (all even), then keys, then positions. None when they are not (or a slot is
+        being edited): the caller then locates them key by key."""
+        n = len(keys)
+        end = first + n
+        if end > self.num_slots:
+            return None
+        gens = self._gen[first:end].tolist()
+        if any(map(_odd, gens)):
+            return None
+        at = self._key_off + 32 * first
+        if self._mem[at : at + 32 * n].tobytes() != (keys[0] if n == 1 else b"".join(keys)):
+            return None
+        at = self._parent_off + 32 * first
+        parents = self._mem[at : at + 32 * n].tobytes()
+        meta = self._meta[2 * first : 2 * end].tolist()  # num_tokens, flags per slot
+        return Located(
+            list(range(first, end)),
+            gens,
+            [parents] if n == 1 else [parents[i : i + 32] for i in range(0, 32 * n, 32)],
+            [f & 1 == 1 for f in meta[1::2]],
+            meta[0::2],
+            first,
+        )
+
+    def _find_each(self, first: int, keys: Sequence[bytes]) -> list[int] | None:
+        """The slot of every key (``first``: the first key's), or None if one is not bound. A
+        key is looked for in the slot after the previous key's first (runs are common), then
+        through the table."""
+        slots = [first]
+        n, key_at = self.num_slots, self._key_at
+        for key in keys[1:]:
+            guess = slots[-1] + 1
+            slot = guess if guess < n and key_at(guess) == key else self.find(key)
+            if slot is None:
+                return None
+            slots.append(slot)
+        return slots
 
     def _arrays(self) -> tuple[npt.NDArray[Any], ...]:
         """numpy views of tags, cells, gens, keys, parents and meta (dropped by the caller)."""
@@ -357,6 +411,13 @@ class DirectoryView:
 
     def unchanged(self, located: Located, keys: Sequence[bytes]) -> bool:
         """True when every located slot still holds its key at the generation seen."""
+        first = located.first
+        if first >= 0:  # one run: one slice of generations, one of keys
+            n = len(keys)
+            if n != len(located.gens) or self._gen[first : first + n].tolist() != located.gens:
+                return False
+            at = self._key_off + 32 * first
+            return self._mem[at : at + 32 * n].tobytes() == b"".join(keys)
         if len(keys) >= VECTOR_MIN:
             _, _, gens, key_arr, _, _ = self._arrays()
             index = np.asarray(located.slots, dtype=np.intp)

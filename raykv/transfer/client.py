@@ -113,6 +113,7 @@ class PageClient:
         self._ids = 0
         self._local: dict[tuple[str, int], shm_read.LocalPeer] = {}
         self._retired_local: list[shm_read.LocalPeer] = []
+        self._labels: dict[tuple[str, int], str] = {}  # endpoint -> "host:port" (stats keys)
         self.gpu_pools = PeerPools()
         """Owners' GPU tiers mapped by gpu_peer pulls (:mod:`raykv.transfer.gpu_peer`)."""
 
@@ -359,7 +360,10 @@ class PageClient:
         self.stats.pulls[path] += 1
         self.stats.pages[path] += pages
         self.stats.bytes[path] += nbytes
-        self.stats.last_path[f"{peer[0]}:{peer[1]}"] = path
+        label = self._labels.get(peer)
+        if label is None:
+            label = self._labels[peer] = f"{peer[0]}:{peer[1]}"
+        self.stats.last_path[label] = path
 
     # ---- pulls -----------------------------------------------------------------------------------
     async def _pull_all(
@@ -562,7 +566,7 @@ class PageClient:
 def _request(peer: Peer, keys: Sequence[bytes]) -> tuple[list[BlockKey], tuple[str, int]]:
     """The checked keys (ValueError when malformed or duplicated) and the peer's endpoint."""
     checked = check_block_keys(keys)
-    if len(set(checked)) != len(checked):
+    if len(checked) > 1 and len(set(checked)) != len(checked):
         raise InvalidArgumentError("keys", "duplicate keys in one pull")
     endpoint = peer.endpoint if isinstance(peer, PeerAddress) else (str(peer[0]), int(peer[1]))
     return checked, endpoint

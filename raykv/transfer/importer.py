@@ -16,7 +16,6 @@ from the buffer they were received (and verified) into.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -74,12 +73,30 @@ def import_pulled(
     is imported). Raises TransferError (reason "integrity" or "rejected") when the manager
     rejects the batch; nothing is imported then. OutOfPagesError propagates (nothing imported).
     """
-    n = importable_prefix(manager, pulled.records)
+    return _import_pulled(manager, pulled, confirm, None)
+
+
+def _import_pulled(
+    manager: CacheManager,
+    pulled: PulledPages,
+    confirm: Callable[[], object] | None,
+    start: float | None,
+) -> PullOutcome:
+    """:func:`import_pulled`; the outcome's ``seconds`` run from ``start`` (perf_counter) to the
+    end of the import when given, else they are the pull's own ``pulled.seconds``."""
+    records = pulled.records
+    n = importable_prefix(manager, records)
     verify = not pulled.verified
     sums = pulled.checksums[:n] if verify else None
     try:
         result = (
-            manager.import_pages(pulled.records.head(n), pulled.data[:n], sums, verify, confirm=confirm)
+            manager.import_pages(
+                records if n == len(records) else records.head(n),
+                pulled.data if n == len(pulled.data) else pulled.data[:n],
+                sums,
+                verify,
+                confirm=confirm,
+            )
             if n
             else ImportResult((), ())
         )
@@ -96,7 +113,7 @@ def import_pulled(
         dropped=pulled.keys[n:],
         path=pulled.path,
         nbytes=pulled.nbytes,
-        seconds=pulled.seconds,
+        seconds=pulled.seconds if start is None else time.perf_counter() - start,
     )
 
 
@@ -106,8 +123,7 @@ def _lander(manager: CacheManager) -> Callable[[PulledPages, Callable[[], None]]
     start = time.perf_counter()
 
     def land(pulled: PulledPages, confirm: Callable[[], None]) -> PullOutcome:
-        outcome = import_pulled(manager, pulled, confirm)
-        return dataclasses.replace(outcome, seconds=time.perf_counter() - start)
+        return _import_pulled(manager, pulled, confirm, start)
 
     return land
 

@@ -49,6 +49,35 @@ class PulledPages:
     seconds: float
     verified: bool = True
 
+    @classmethod
+    def intact(
+        cls,
+        keys: tuple[BlockKey, ...],
+        parent_keys: tuple[BlockKey, ...],
+        parent_is_root: tuple[bool, ...],
+        num_tokens: tuple[int, ...],
+        data: npt.NDArray[np.uint8],
+        path: str,
+        seconds: float,
+    ) -> PulledPages:
+        """The same object as ``PulledPages(..., checksums=(), missing=(), verified=True)``
+        (every key found, every page known intact), made without the frozen ``__init__``'s one
+        ``object.__setattr__`` call per field: about 1 us, a quarter of a small one-sided pull."""
+        obj = object.__new__(cls)
+        obj.__dict__.update(
+            keys=keys,
+            parent_keys=parent_keys,
+            parent_is_root=parent_is_root,
+            num_tokens=num_tokens,
+            checksums=(),
+            data=data,
+            missing=(),
+            path=path,
+            seconds=seconds,
+            verified=True,
+        )
+        return obj
+
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)

@@ -61,17 +61,32 @@ def read(
     peer: LocalPeer, keys: Sequence[BlockKey], out: npt.NDArray[np.uint8] | None = None
 ) -> PulledPages | None:
     """Copy the pages of ``keys`` out of ``peer`` into ``out`` (or a new array); None when any key
-    is not bound or any page changed while it was copied (``out`` may then hold partial bytes)."""
+    is not bound or any page changed while it was copied (``out`` may then hold partial bytes).
+
+    ``out``, when given, must have at least ``len(keys)`` rows of the peer's page size (the caller
+    checks it: :func:`raykv.transfer.results.check_out`)."""
     start = time.perf_counter()
     located = peer.directory.locate(keys)
     if located is None:
         return None
-    page = peer.mapping.array.shape[1]
-    data = out[: len(keys)] if out is not None else np.empty((len(keys), page), dtype=np.uint8)
-    copy_rows(peer.mapping.array, located.slots, data)
+    src, n = peer.mapping.array, len(keys)
+    data = out[:n] if out is not None else np.empty((n, src.shape[1]), dtype=np.uint8)
+    copy_located(src, located, data)
     if not peer.directory.unchanged(located, keys):
         return None
     return _pulled(keys, located, data, time.perf_counter() - start)
+
+
+def copy_located(
+    src: npt.NDArray[np.uint8], located: shm_directory.Located, out: npt.NDArray[np.uint8]
+) -> None:
+    """``out[i] = src[located.slots[i]]``: one memcpy for a run of slots (``located.first``; the
+    directory has as many slots as the tier, so the run is within ``src``), else a gather."""
+    first = located.first
+    if first >= 0:
+        np.copyto(out, src[first : first + len(out)])
+    else:
+        copy_rows(src, located.slots, out)
 
 
 def view(peer: LocalPeer, keys: Sequence[BlockKey]) -> tuple[PulledPages, shm_directory.Located] | None:
@@ -80,26 +95,26 @@ def view(peer: LocalPeer, keys: Sequence[BlockKey]) -> tuple[PulledPages, shm_di
     located = peer.directory.locate(keys)
     if located is None:
         return None
-    rows = peer.mapping.run(located.slots)
-    if rows is None:
-        rows = np.empty((len(keys), peer.mapping.array.shape[1]), dtype=np.uint8)
-        copy_rows(peer.mapping.array, located.slots, rows)
+    src, first = peer.mapping.array, located.first
+    if first >= 0:
+        rows = src[first : first + len(keys)]
+    else:
+        rows = np.empty((len(keys), src.shape[1]), dtype=np.uint8)
+        copy_rows(src, located.slots, rows)
     return _pulled(keys, located, rows, 0.0), located
 
 
 def _pulled(
     keys: Sequence[BlockKey], located: shm_directory.Located, data: npt.NDArray[np.uint8], seconds: float
 ) -> PulledPages:
-    return PulledPages(
-        keys=tuple(keys),
-        parent_keys=tuple(BlockKey(p) for p in located.parents),
-        parent_is_root=tuple(located.roots),
-        num_tokens=tuple(located.tokens),
-        checksums=(),
-        data=data,
-        missing=(),
-        path=PATH,
-        seconds=seconds,
+    return PulledPages.intact(
+        tuple(keys),
+        tuple(located.parents),  # type: ignore[arg-type]  # 32-byte keys read from the directory
+        tuple(located.roots),
+        tuple(located.tokens),
+        data,
+        PATH,
+        seconds,
     )
 
 

@@ -8,6 +8,7 @@ paths take over whenever the directory cannot answer.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 
@@ -82,17 +83,17 @@ def test_a_page_evicted_mid_read_is_never_returned(
     keys = commit(pair.src, oracle, seq(4, 4))
     pair.client.pull_sync(pair.address, keys)
     local = pair.client._local[pair.address.endpoint]
-    real_copy = shm_read.copy_rows
+    real_copy = shm_read.copy_located
 
-    def copy_then_evict(src: np.ndarray, slots: list[int], out: np.ndarray) -> None:
-        real_copy(src, slots, out)
+    def copy_then_evict(src: np.ndarray, located: shm_directory.Located, out: np.ndarray) -> None:
+        real_copy(src, located, out)
         with pair.src.locked():
             pair.src.clear_reusable()  # the owner drops every block (and unbinds the slots)
         commit(pair.src, oracle, seq(5, 4))  # and reuses the slots for other blocks
 
-    monkeypatch.setattr(shm_read, "copy_rows", copy_then_evict)
+    monkeypatch.setattr(shm_read, "copy_located", copy_then_evict)
     assert shm_read.read(local, keys) is None
-    monkeypatch.setattr(shm_read, "copy_rows", real_copy)
+    monkeypatch.setattr(shm_read, "copy_located", real_copy)
     pulled = pair.client.pull_sync(pair.address, keys)  # falls back: the owner no longer has them
     assert pulled.path != "shm_read" and list(pulled.missing) == keys
     pair.settled()
@@ -239,6 +240,149 @@ def test_many_keys_are_located_in_numpy_passes_like_one_at_a_time(tmp_path: obje
         directory.unbind([3])  # keys[3]'s slot: the generation moves, the key is gone
         assert not reader.unchanged(many, wanted)
         assert reader.locate(wanted) is None
+    finally:
+        reader.close()
+        directory.close()
+
+
+# ---- runs of slots and scattered slots ----------------------------------------------------------
+def _commit_interleaved(
+    pair: Pair, oracle: ContentOracle, seeds: tuple[int, int], blocks: int
+) -> list[list[bytes]]:
+    """Two requests extended block by block in turn: each chain's pages sit in every other slot."""
+    mgr, tpb = pair.src, pair.src.tokens_per_block
+    tokens = [seq(s, blocks, tpb) for s in seeds]
+    with mgr.create(tokens[0]) as a, mgr.create(tokens[1]) as b:
+        caches = (a, b)
+        for cache in caches:
+            assert cache.resume()
+        for i in range(blocks):
+            for cache, toks in zip(caches, tokens):
+                cache.extend(toks[i * tpb : (i + 1) * tpb])
+        for cache in caches:
+            oracle.fill_cache(cache)
+            cache.commit()
+        return [[bytes(c.block_key(i)) for i in range(blocks)] for c in caches]
+
+
+def _local(pair: Pair, keys: list[bytes]) -> shm_read.LocalPeer:
+    """Connect once (maps the owner's tier and directory) and return the mapped peer."""
+    pair.client.pull_sync(pair.address, keys[:1])
+    return pair.client._local[pair.address.endpoint]
+
+
+def test_runs_and_scattered_slots_read_the_right_pages(pair: Pair, oracle: ContentOracle) -> None:
+    chains = _commit_interleaved(pair, oracle, (21, 22), 4)
+    run_keys = commit(pair.src, oracle, seq(23, 4))
+    local = _local(pair, run_keys)
+    located = local.directory.locate(run_keys)
+    assert located is not None and located.first == located.slots[0]  # one run: the fast path
+    assert located.slots == list(range(located.first, located.first + 4))
+    scattered = local.directory.locate(chains[0])
+    assert scattered is not None and scattered.first == -1  # every other slot
+    for keys in (run_keys, chains[0], chains[1], [chains[0][0], *run_keys[1:3]], run_keys[::-1]):
+        pulled = pair.client.pull_sync(pair.address, keys)
+        assert pulled.path == "shm_read" and pulled.verified
+        _check(oracle, pulled, keys)
+        one_by_one = [local.directory.locate([k]) for k in keys]
+        assert list(pulled.parent_keys) == [o.parents[0] for o in one_by_one if o is not None]
+        assert list(pulled.num_tokens) == [o.tokens[0] for o in one_by_one if o is not None]
+        assert list(pulled.parent_is_root) == [o.roots[0] for o in one_by_one if o is not None]
+    outcome = pull_into_local(pair.client, pair.address, pair.dst, chains[1])  # gathered rows
+    assert outcome is not None and outcome.path == "shm_read" and outcome.imported == tuple(chains[1])
+    outcome = pull_into_local(pair.client, pair.address, pair.dst, run_keys)  # rows in place
+    assert outcome is not None and outcome.imported == tuple(run_keys)
+    assert oracle.verify_manager(pair.dst) == 8
+    pair.settled()
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_a_slot_rebound_mid_read_is_never_returned_or_imported(
+    pair: Pair, oracle: ContentOracle, monkeypatch: pytest.MonkeyPatch, scattered: bool
+) -> None:
+    chains = _commit_interleaved(pair, oracle, (31, 32), 4)
+    keys = chains[0] if scattered else commit(pair.src, oracle, seq(33, 4))
+    local = _local(pair, keys)
+    directory = pair.src.pools[0].slot_directory
+    assert directory is not None
+    real_copy, real_view = shm_read.copy_located, shm_read.view
+
+    def rebind_same_key(located: shm_directory.Located) -> None:
+        """The owner rebinds a located slot to the very same key: only the generation moves."""
+        assert (located.first >= 0) is not scattered
+        slot = located.slots[2]
+        directory.bind(slot, keys[2], located.parents[2], located.roots[2], located.tokens[2])
+
+    def copy_then_rebind(src: np.ndarray, located: shm_directory.Located, out: np.ndarray) -> None:
+        real_copy(src, located, out)
+        rebind_same_key(located)
+
+    monkeypatch.setattr(shm_read, "copy_located", copy_then_rebind)
+    assert shm_read.read(local, keys) is None
+    monkeypatch.setattr(shm_read, "copy_located", real_copy)
+    pulled = shm_read.read(local, keys)  # the new generation is stable: read as before
+    assert pulled is not None
+    _check(oracle, pulled, keys)
+
+    def view_then_rebind(peer: shm_read.LocalPeer, wanted: list[bytes]) -> object:
+        got = real_view(peer, wanted)
+        assert got is not None
+        rebind_same_key(got[1])
+        return got
+
+    monkeypatch.setattr(shm_read, "view", view_then_rebind)
+    assert pull_into_local(pair.client, pair.address, pair.dst, keys) is None  # stale: nothing
+    assert pair.dst.committed_blocks() == []
+    pair.settled()
+
+
+def test_pulled_pages_intact_equals_the_plain_constructor() -> None:
+    data = np.arange(8, dtype=np.uint8).reshape(2, 4)
+    args = ((b"a" * 32, b"b" * 32), (b"r" * 32, b"a" * 32), (True, False), (4, 4))
+    fast = shm_read.PulledPages.intact(*args, data, "shm_read", 0.5)  # type: ignore[arg-type]
+    plain = shm_read.PulledPages(*args, (), data, (), "shm_read", 0.5)  # type: ignore[arg-type]
+    for field in dataclasses.fields(plain):
+        assert getattr(fast, field.name) is getattr(plain, field.name) or (
+            getattr(fast, field.name) == getattr(plain, field.name)
+        ), field.name
+    assert type(fast) is type(plain) and fast.verified and fast.nbytes == 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.path = "x"  # type: ignore[misc]
+
+
+def test_runs_are_located_like_one_key_at_a_time_and_checked_whole(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "raykv-test-tier")
+    directory = ShmDirectory(path, 16, 4096)
+    reader = DirectoryReader(path, 16, 4096)
+    try:
+        keys = [_key(i) for i in range(16)]
+        for slot, key in enumerate(keys):  # slot i holds key i: any slice of keys is a run
+            directory.bind(slot, key, bytes([slot]) * 32, slot % 2 == 0, 16 - slot % 3)
+        for wanted in (keys[:1], keys[3:9], keys[12:], keys):
+            run = reader.locate(wanted)
+            assert run is not None and run.first == keys.index(wanted[0])
+            singles = [reader.locate([k]) for k in wanted]
+            assert all(s is not None for s in singles)
+            for name in ("slots", "gens", "parents", "roots", "tokens"):
+                assert getattr(run, name) == [getattr(s, name)[0] for s in singles], name
+            assert reader.unchanged(run, wanted)
+        partial = reader.locate([keys[5], keys[6], keys[2], keys[3]])  # two runs: key by key
+        assert partial is not None and partial.first == -1 and partial.slots == [5, 6, 2, 3]
+        run = reader.locate(keys[4:8])
+        assert run is not None
+        directory.bind(6, keys[6], bytes([6]) * 32, True, 16)  # same key, new generation
+        assert not reader.unchanged(run, keys[4:8]) and not reader.unchanged(
+            partial, [keys[5], keys[6], keys[2], keys[3]]
+        )
+        run = reader.locate(keys[4:8])
+        assert run is not None and reader.unchanged(run, keys[4:8])
+        directory._gen[5] += 1  # the owner is mid-edit on slot 5 (odd generation)
+        assert reader.locate(keys[4:8]) is None and reader.locate([keys[5]]) is None
+        assert not reader.unchanged(run, keys[4:8])
+        directory._gen[5] += 1
+        directory.bind(7, _key(99), bytes(32), True, 16)  # another key: the run is broken
+        assert not reader.unchanged(run, keys[4:8]) and reader.locate(keys[4:8]) is None
+        assert reader.locate(keys[4:7]) is not None  # the slots before it still form a run
     finally:
         reader.close()
         directory.close()
