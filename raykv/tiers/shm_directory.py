@@ -233,6 +233,17 @@ class Located(NamedTuple):
     tokens: list[int]
     first: int = -1
 
+    def part(self, lo: int, hi: int) -> Located:
+        """The entries ``lo`` up to (not including) ``hi``, for re-checking a chunk alone."""
+        return Located(
+            self.slots[lo:hi],
+            self.gens[lo:hi],
+            self.parents[lo:hi],
+            self.roots[lo:hi],
+            self.tokens[lo:hi],
+            self.first + lo if self.first >= 0 else -1,
+        )
+
 
 class DirectoryView:
     """Read-only lookups in a directory mapping (the reader's side).

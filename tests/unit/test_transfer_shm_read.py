@@ -386,3 +386,14 @@ def test_runs_are_located_like_one_key_at_a_time_and_checked_whole(tmp_path: obj
     finally:
         reader.close()
         directory.close()
+
+
+def test_located_part_keeps_the_run_start() -> None:
+    from raykv.tiers.shm_directory import Located
+
+    run = Located(
+        [5, 6, 7, 8], [2, 2, 4, 2], [b"a", b"b", b"c", b"d"], [True, False, False, False], [4] * 4, 5
+    )
+    assert run.part(1, 3) == Located([6, 7], [2, 4], [b"b", b"c"], [False, False], [4, 4], 6)
+    scattered = run._replace(slots=[9, 2, 7, 1], first=-1)
+    assert scattered.part(2, 4).first == -1 and scattered.part(2, 4).slots == [7, 1]
