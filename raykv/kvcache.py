@@ -247,15 +247,18 @@ class KvCache:
                 # gpu_peer readers) after them, before the blocks become visible.
                 slots = [self._pages[i].slot for i in new if self._pages[i].level == 0]
                 mgr.pools[0].record_written(slots)  # type: ignore[attr-defined]
+            stored: list[tuple[BlockKey, BlockKey, TierKind, int, int | None]] = []
             for i in new:
-                self._insert(i)
+                self._insert(i, stored)
+            mgr.events.stored_many(stored)
             self._num_committed = max(start, last)
             mgr.counters.committed_blocks += max(0, last - start)
             self._fold_stats()
             return max(0, last - start)
 
-    def _insert(self, index: int) -> None:
-        """Put block ``index`` in the tree (re-inserting private ancestors whose twin is gone)."""
+    def _insert(self, index: int, stored: list[tuple[BlockKey, BlockKey, TierKind, int, int | None]]) -> None:
+        """Put block ``index`` in the tree (re-inserting private ancestors whose twin is gone);
+        appends each inserted block's event fields to ``stored``."""
         mgr = self._mgr
         missing = [index]
         while missing[-1] > 0 and self._keys[missing[-1] - 1] not in mgr.tree:
@@ -266,8 +269,14 @@ class KvCache:
             page = self._pages[i]
             assert parent is not None and page.block is None
             mgr.tree.insert(parent, self._keys[i], page, self.tokens_per_block)
-            mgr.events.stored(
-                self._keys[i], parent_key, mgr.tier_kinds[page.level], self.tokens_per_block, self.request_id
+            stored.append(
+                (
+                    self._keys[i],
+                    parent_key,
+                    mgr.tier_kinds[page.level],
+                    self.tokens_per_block,
+                    self.request_id,
+                )
             )
 
     def close(self) -> None:

@@ -13,8 +13,10 @@ blocks written by the device oracle; this process pulls them into a manager on c
   GPU tier, device synchronized;
 * ``gpu_peer pull+import``: :func:`raykv.transfer.gpu_peer.pull_gpu_peer_into` with one-sided
   reads off: cuda:1 maps the server's GPU tier and copies the leased pages into its own GPU tier
-  (request, header, copy, done/ack); ``gpu_read pull+import``: the same call with its defaults,
-  which after the first request copies with no request at all (the owner's slot directory);
+  (request, header, copy, done/ack); ``gpu_read pull+import (event loop)``: the same call with its
+  defaults, which after the first request copies with no request at all (the owner's slot
+  directory), in overlapping chunks; ``(caller's thread)``: what ``CacheWorker.pull`` does,
+  :func:`raykv.transfer.gpu_peer.pull_gpu_local` with no event-loop or executor hop;
 * ``ucx pull+import``: the host path (:func:`raykv.transfer.pull_into`): pages land in host memory,
   CRC-32 on both sides, then imported (only with ``--host-path``; fewer samples: it is slow).
 
@@ -240,6 +242,7 @@ def _scenario(
         PeerAddress,
         TransferConfig,
         get_runtime,
+        pull_gpu_local,
         pull_gpu_peer_into,
         pull_into,
     )
@@ -288,6 +291,20 @@ def _scenario(
         assert len(outcome.imported) == len(keys)
         assert outcome.path in (("gpu_read", "gpu_peer") if one_sided else ("gpu_peer",)), outcome.path
 
+    local_served: list[int] = []
+
+    def local_pull_import() -> None:
+        """What CacheWorker.pull does on a GPU worker: gpu_read in the caller's thread, the owner
+        asked only for what that could not serve (the first pull: the directory is not known)."""
+        peer = PeerAddress("127.0.0.1", entry["staged"])
+        landed = pull_gpu_local(client, peer, mgr, keys)
+        if landed is None or landed[1]:
+            rest = keys if landed is None else landed[1]
+            runtime.run(pull_gpu_peer_into(client, peer, mgr, rest), 60)
+        else:
+            local_served.append(len(landed[0].imported))
+        torch.cuda.synchronize(dst_dev)
+
     def ucx_pull_import() -> None:
         peer = PeerAddress("127.0.0.1", entry["in_place"])
         outcome = runtime.run(pull_into(slow, peer, mgr, keys, prefer_shm=False), 90)
@@ -308,12 +325,18 @@ def _scenario(
                 except Exception as exc:  # recorded; the variant's other row is skipped
                     errors.append(f"{sc.name} direct {what} ({variant}): {type(exc).__name__}: {exc}")
                     break
-        for label, one_sided in (("gpu_peer pull+import", False), ("gpu_read pull+import", True)):
+        labelled = (
+            ("gpu_peer pull+import", functools.partial(peer_pull_import, False)),
+            ("gpu_read pull+import (event loop)", functools.partial(peer_pull_import, True)),
+            ("gpu_read pull+import (caller's thread)", local_pull_import),
+        )
+        for label, work in labelled:
             try:  # after the direct rows: the first gpu_peer pull makes the server's pool shared
-                fn = functools.partial(peer_pull_import, one_sided)
-                rows.append((label, _median_seconds(fn, clear, repeats, warmup)))
+                rows.append((label, _median_seconds(work, clear, repeats, warmup)))
             except Exception as exc:
                 errors.append(f"{sc.name} {label}: {type(exc).__name__}: {exc}")
+        if len(local_served) < repeats:
+            errors.append(f"{sc.name}: gpu_read served {len(local_served)} of {repeats} timed pulls")
         if options.host_path:
             try:
                 rows.append(("ucx pull+import (host path)", _median_seconds(ucx_pull_import, clear, 2, 1)))

@@ -26,7 +26,7 @@ from __future__ import annotations
 from raykv.transfer.auth import AuthToken
 from raykv.transfer.client import ClientStats, PageClient, PulledPages
 from raykv.transfer.config import PeerAddress, TransferConfig, default_node_id
-from raykv.transfer.gpu_peer import pull_best, pull_gpu_peer_into
+from raykv.transfer.gpu_peer import merge_outcomes, pull_best, pull_gpu_local, pull_gpu_peer_into
 from raykv.transfer.importer import PullOutcome, import_pulled, pull_into, pull_into_local
 from raykv.transfer.runtime import TransferRuntime, get_runtime
 from raykv.transfer.server import PageServer, ServerFaults, ServerStats
@@ -47,6 +47,8 @@ __all__ = [
     "get_runtime",
     "import_pulled",
     "pull_best",
+    "merge_outcomes",
+    "pull_gpu_local",
     "pull_gpu_peer_into",
     "pull_into",
     "pull_into_local",

@@ -261,3 +261,30 @@ def test_gpu_read_stale_later_chunk_keeps_the_earlier_ones(
     assert list(outcome.imported) == remote.keys and calls[:2] == [per, per]
     assert not remote.mgr._leases
     _verify(remote.mgr, remote.keys)
+
+
+def test_pull_gpu_local_runs_in_the_callers_thread(remote: Remote) -> None:
+    """pull_gpu_local: None (nothing imported) before the owner's directory is known; afterwards
+    every key imported one-sided with no request, in overlapping chunks, every byte right."""
+    from raykv.transfer import pull_gpu_local
+
+    peer = remote.peers["staged"]
+    fresh = PageClient(remote.token, CFG)
+    try:
+        remote.mgr.clear_reusable()
+        assert pull_gpu_local(fresh, peer, remote.mgr, remote.keys) is None
+        assert not remote.mgr.committed_blocks()
+        get_runtime().run(pull_gpu_peer_into(fresh, peer, remote.mgr, remote.keys[:1]), 60)
+        remote.mgr.clear_reusable()
+        served = remote.stats("staged")["pulls"].get("gpu_peer", 0)
+        landed = pull_gpu_local(fresh, peer, remote.mgr, remote.keys)
+        assert landed is not None and landed[1] == []
+        outcome = landed[0]
+        assert outcome.path == "gpu_read" and outcome.complete and list(outcome.imported) == remote.keys
+        assert outcome.seconds > 0
+        assert remote.stats("staged")["pulls"].get("gpu_peer", 0) == served
+        _verify(remote.mgr, remote.keys)
+        with pytest.raises(ValueError):
+            pull_gpu_local(fresh, peer, remote.mgr, [b"short"])
+    finally:
+        fresh.close()
