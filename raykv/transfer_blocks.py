@@ -280,7 +280,9 @@ def import_written(
 ChunkWriter = Callable[[list[PageId], list[int], list[int]], Sequence[object]]
 """``write(slots, new, cuts)``: start copying the pages of records ``new`` into top-tier
 ``slots`` (same order) as chunks split at the indices ``cuts`` of ``new``; returns one handle per
-chunk, which the matching ``confirm`` waits on (the copies may still be running)."""
+chunk, which the matching ``confirm`` waits on (the copies may still be running). Slots of chunks
+that are not inserted are given back without waiting: the writer must make their next user wait
+for its copies (a GPU tier's slot events do; a synchronous copy needs nothing)."""
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import os
 import secrets
@@ -454,7 +455,11 @@ def _land_local(
         waits = pool.events.pending(list(dst))
         src = [located.slots[i] for i in new]
         base, page = pool.base_address, pool.page_bytes
-        return pool.copier.copy_chunked("d2d", source.base_address, src, base, dst, page, waits, cuts)  # type: ignore[no-any-return]
+        events = pool.copier.copy_chunked("d2d", source.base_address, src, base, dst, page, waits, cuts)
+        for (lo, hi), event in zip(itertools.pairwise([0, *cuts, len(dst)]), events):
+            if event is not None:  # a slot given back (a later chunk went stale) waits for its copy
+                pool.events.set(dst[lo:hi], event)
+        return events  # type: ignore[no-any-return]
 
     def confirm(event: Any, first: int, end: int) -> None:
         if event is not None:
