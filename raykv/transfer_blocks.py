@@ -16,6 +16,7 @@ new blocks are inserted, parents first. Blocks already cached are skipped (and n
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -106,6 +107,9 @@ class _Problem:
 
 def _scan(mgr: CacheManager, records: BlockRecords) -> tuple[list[int], _Problem | None]:
     """The indices of the blocks to add (not cached yet), and the first problem in record order."""
+    quick = _scan_chain(mgr, records)
+    if quick is not None:
+        return quick, None
     seen: set[bytes] = set()
     new: list[int] = []
     tree, tpb = mgr.tree, mgr.tokens_per_block
@@ -133,6 +137,26 @@ def _scan(mgr: CacheManager, records: BlockRecords) -> tuple[list[int], _Problem
         if key not in tree:
             new.append(i)
     return new, None
+
+
+def _scan_chain(mgr: CacheManager, records: BlockRecords) -> list[int] | None:
+    """:func:`_scan` for the common batch, a problem-free chain (each block the parent of the next;
+    C-level passes instead of a loop per record): the blocks to add, or None when the batch is not
+    such a chain or has a problem (the full scan then finds and orders it)."""
+    keys, parents = records.keys, records.parent_keys
+    n = len(keys)
+    if n == 0 or not all(type(k) is bytes and len(k) == 32 for k in keys):
+        return None
+    if not (type(parents[0]) is bytes and len(parents[0]) == 32):
+        return None
+    if list(parents[1:]) != list(keys[: n - 1]) or any(records.parent_is_root[1:]):
+        return None
+    if list(records.num_tokens).count(mgr.tokens_per_block) != n or len(set(keys)) != n:
+        return None
+    blocks = mgr.tree.blocks
+    if not (records.parent_is_root[0] or parents[0] in blocks):
+        return None
+    return [i for i, key in enumerate(keys) if key not in blocks]
 
 
 def validate(mgr: CacheManager, records: BlockRecords, bad_checksum: int | None) -> list[int]:
@@ -298,12 +322,13 @@ class Pipelined:
 def import_pipelined(
     mgr: CacheManager,
     records: BlockRecords,
-    chunk_blocks: int,
+    starts: Sequence[int],
     write: ChunkWriter,
     confirm: Callable[[object, int, int], object],
     priority: Priority,
 ) -> Pipelined:
-    """:func:`import_written` in chunks of ``chunk_blocks`` records whose copies overlap the
+    """:func:`import_written` in chunks (records ``starts[k]`` up to ``starts[k + 1]``; ``starts``
+    ascending from 0, the last chunk ending with the records) whose copies overlap the
     inserts: under the lock, all records are validated (a problem raises and changes nothing),
     pages for every new block are allocated and one ``write`` starts every chunk's copy; then each
     chunk in order is confirmed (``confirm(handle, first, end)`` without the lock: waits for its
@@ -315,8 +340,10 @@ def import_pipelined(
     back); earlier chunks stay imported, each block complete and confirmed (a prefix of the
     records: parents always come first). The exception is returned in ``stopped``, not raised.
     """
-    if chunk_blocks < 1:
-        raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
+    if not starts or starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)):
+        raise ValueError(f"chunk starts must ascend from 0, got {list(starts)}")
+    if starts[-1] >= max(1, len(records)):
+        raise ValueError(f"chunk start {starts[-1]} is past the {len(records)} records")
     with mgr.locked():
         mgr._check_open()
         new = validate(mgr, records, None)
@@ -326,7 +353,7 @@ def import_pipelined(
         cached = {id(b.page): b.page for i in new if (b := mgr.tree.get(BlockKey(records.parent_keys[i])))}
         outer = _hold(mgr, list(cached.values()))
         try:
-            staged = _stage_chunks(mgr, records, new, chunk_blocks, priority, write, outer)
+            staged = _stage_chunks(mgr, records, new, starts, priority, write, outer)
         except BaseException:
             _release_hold(mgr, outer)
             raise
@@ -341,7 +368,7 @@ def _stage_chunks(
     mgr: CacheManager,
     records: BlockRecords,
     new: list[int],
-    chunk_blocks: int,
+    firsts: Sequence[int],
     priority: Priority,
     write: ChunkWriter,
     outer: int,
@@ -350,7 +377,6 @@ def _stage_chunks(
     held = {p.uid for p in mgr._leases[outer]}
     pages = mgr.allocate_pages(len(new), priority, held)
     _extend_hold(mgr, outer, pages)
-    firsts = list(range(0, len(records), chunk_blocks))
     cuts = [bisect.bisect_left(new, first) for first in firsts[1:]]
     try:
         handles = list(write([p.slot for p in pages], new, cuts))
@@ -360,10 +386,10 @@ def _stage_chunks(
         _release_hold(mgr, outer, pages)
         mgr.pools[0].release([p.slot for p in pages])
         raise
-    bounds = [0, *cuts, len(new)]
+    bounds, ends = [0, *cuts, len(new)], [*firsts[1:], len(records)]
     return [
-        (_Staged(new[lo:hi], pages[lo:hi], None), handle, first, min(first + chunk_blocks, len(records)))
-        for lo, hi, handle, first in zip(bounds, bounds[1:], handles, firsts)
+        (_Staged(new[lo:hi], pages[lo:hi], None), handle, first, end)
+        for (lo, hi), handle, first, end in zip(itertools.pairwise(bounds), handles, firsts, ends)
     ]
 
 

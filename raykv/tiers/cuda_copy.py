@@ -24,11 +24,13 @@ the disk for one chunk overlaps the copy of the previous one.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import itertools
 import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -105,6 +107,18 @@ def _compile_kernel(device: int) -> Any:
     nvrtc.nvrtcDestroyProgram(prog)
     module = check(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
     return module, check(drv.cuModuleGetFunction(module, b"raykv_copy_pages"), "cuModuleGetFunction")
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """One copy call's pages: slot arrays and pool bases, on one stream."""
+
+    stream: Any
+    src_base: int
+    src: npt.NDArray[np.int64]
+    dst_base: int
+    dst: npt.NDArray[np.int64]
+    nbytes: int
 
 
 class CudaCopier:
@@ -193,44 +207,44 @@ class CudaCopier:
                 stream.wait_event(event)
             src = np.asarray(src_slots, dtype=np.int64)
             dst = np.asarray(dst_slots, dtype=np.int64)
-            src_addr, dst_addr = src_base + src * nbytes, dst_base + dst * nbytes
+            breaks = _run_starts(src, dst).tolist()  # one pass for every chunk
+            batch = _Batch(stream, src_base, src, dst_base, dst, nbytes)
             for lo, hi in itertools.pairwise(bounds):
                 if lo == hi:
                     events.append(None)
                     continue
-                self._enqueue(stream, src_addr[lo:hi], dst_addr[lo:hi], src[lo:hi], dst[lo:hi], nbytes)
+                first = bisect.bisect_right(breaks, lo)
+                self._enqueue(batch, lo, hi, [lo, *breaks[first : bisect.bisect_left(breaks, hi)]])
                 event = torch.cuda.Event()
                 event.record(stream)
                 events.append(event)
         return events
 
-    def _enqueue(
-        self,
-        stream: Any,
-        src_addr: npt.NDArray[np.int64],
-        dst_addr: npt.NDArray[np.int64],
-        src: npt.NDArray[np.int64],
-        dst: npt.NDArray[np.int64],
-        nbytes: int,
-    ) -> None:
-        num_runs = len(_run_starts(src, dst))
+    def _enqueue(self, batch: _Batch, lo: int, hi: int, starts: list[int]) -> None:
+        """Copy pages ``lo..hi`` of ``batch``, whose runs (consecutive on both sides) begin at
+        ``starts``: one cuMemcpyAsync per run, or one kernel launch for many short runs."""
+        nbytes, count = batch.nbytes, hi - lo
         if self.method in ("memcpy", "kernel"):
             use_memcpy = self.method == "memcpy"
-        elif num_runs <= MEMCPY_MAX_RUNS:
+        elif len(starts) <= MEMCPY_MAX_RUNS:
             use_memcpy = True
         else:  # long runs between host and device: DMA engines; within the device: the kernel
-            host_side = stream is not self.streams["d2d"]
-            use_memcpy = host_side and len(src) * nbytes >= num_runs * MEMCPY_MIN_RUN_BYTES
-        aligned = nbytes % 16 == 0 and not (int(src_addr[0]) | int(dst_addr[0])) % 16
+            host_side = batch.stream is not self.streams["d2d"]
+            use_memcpy = host_side and count * nbytes >= len(starts) * MEMCPY_MIN_RUN_BYTES
+        src, dst = batch.src, batch.dst
+        aligned = nbytes % 16 == 0 and not (batch.src_base | batch.dst_base) % 16
         if not use_memcpy and aligned and self._load_kernel():
-            self._launch(stream, src_addr, dst_addr, nbytes)
+            src_addr = batch.src_base + src[lo:hi] * nbytes
+            self._launch(batch.stream, src_addr, batch.dst_base + dst[lo:hi] * nbytes, nbytes)
             return
         drv = driver()
-        handle = stream.cuda_stream
-        base_src, base_dst = int(src_addr[0]) - int(src[0]) * nbytes, int(dst_addr[0]) - int(dst[0]) * nbytes
-        for s, d, n in runs(src, dst):
+        handle = batch.stream.cuda_stream
+        for start, end in zip(starts, [*starts[1:], hi]):
+            s, d = int(src[start]), int(dst[start])
             check(
-                drv.cuMemcpyAsync(base_dst + d * nbytes, base_src + s * nbytes, n * nbytes, handle),
+                drv.cuMemcpyAsync(
+                    batch.dst_base + d * nbytes, batch.src_base + s * nbytes, (end - start) * nbytes, handle
+                ),
                 "cuMemcpyAsync",
             )
 

@@ -362,8 +362,8 @@ async def _pull_batch(
 
 # ---- one-sided: no request at all ----------------------------------------------------------------
 LOCAL_PATH = "gpu_read"
-PIPELINE_CHUNKS = 4  # measured on 2x H200: 4 beat 1, 2, 8 and 16 for 256 x 2 MiB
-PIPELINE_MIN_CHUNK = 32
+PIPELINE_SHARES = (4, 3, 2, 1)  # 4 chunks: on 2x H200, 4 equal ones beat 1, 2, 8 and 16
+PIPELINE_MIN_CHUNK = 24
 
 
 async def _pull_local(
@@ -441,7 +441,7 @@ def _land_local(
     source: AttachedPool,
     priority: Priority,
 ) -> tuple[PullOutcome, list[BlockKey]] | None:
-    """Copy and import the located pages in overlapping chunks (:func:`chunk_blocks`); the
+    """Copy and import the located pages in overlapping chunks (:func:`chunk_starts`); the
     outcome and the keys left for the owner to serve (a chunk's slot changed while it was
     copied: that chunk and the later ones were not imported). None when nothing was imported
     because the first chunk changed."""
@@ -475,7 +475,7 @@ def _land_local(
         if not reader.unchanged(part, keys[first:end]):
             raise TransferError("a page changed while it was copied; not imported", reason="stale")
 
-    done = import_pipelined(manager, records.head(n), chunk_blocks(n), write, confirm, priority)
+    done = import_pipelined(manager, records.head(n), chunk_starts(n), write, confirm, priority)
     if done.stopped is not None and not (
         isinstance(done.stopped, TransferError) and getattr(done.stopped, "reason", "") == "stale"
     ):
@@ -494,10 +494,19 @@ def _land_local(
     return outcome, keys[done.settled :] if done.stopped is not None else []
 
 
-def chunk_blocks(count: int) -> int:
-    """Blocks per chunk of a pipelined local import: up to :data:`PIPELINE_CHUNKS` chunks of at
-    least :data:`PIPELINE_MIN_CHUNK` blocks (inserting one chunk overlaps copying the next)."""
-    return max(PIPELINE_MIN_CHUNK, -(-count // PIPELINE_CHUNKS))
+def chunk_starts(count: int) -> list[int]:
+    """Where the chunks of a pipelined local import of ``count`` blocks start: sized by
+    :data:`PIPELINE_SHARES` (inserting a chunk overlaps copying the next; the last one's insert,
+    which nothing overlaps, should be short), none under :data:`PIPELINE_MIN_CHUNK` blocks (the
+    last one takes what is left)."""
+    total = sum(PIPELINE_SHARES)
+    starts, at = [0], 0
+    for share in PIPELINE_SHARES[:-1]:
+        at += max(PIPELINE_MIN_CHUNK, count * share // total)
+        if at > count - PIPELINE_MIN_CHUNK:
+            break
+        starts.append(at)
+    return starts
 
 
 def copy_from(source: AttachedPool, src: list[int], pool: Any, dst: list[PageId]) -> None:

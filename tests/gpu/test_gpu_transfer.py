@@ -10,6 +10,7 @@ Bandwidth: ``python -m raykv.bench.gpu_transfer``.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 from collections.abc import Iterator
 from typing import Any
@@ -240,7 +241,7 @@ def test_gpu_read_stale_later_chunk_keeps_the_earlier_ones(
     changed during its copy (simulated), the chunks before it stay imported and the owner is asked
     for the rest: every key arrives, every byte matches, no lease or page is left over."""
     from raykv.tiers.shm_directory import DirectoryView
-    from raykv.transfer.gpu_peer import chunk_blocks
+    from raykv.transfer.gpu_peer import chunk_starts
 
     peer = remote.peers["staged"]
     remote.mgr.clear_reusable()
@@ -254,11 +255,12 @@ def test_gpu_read_stale_later_chunk_keeps_the_earlier_ones(
         return len(calls) != 2 and real(self, located, keys)
 
     monkeypatch.setattr(DirectoryView, "unchanged", second_chunk_stale)
-    per = chunk_blocks(len(remote.keys))
-    assert per < len(remote.keys)
+    starts = [*chunk_starts(len(remote.keys)), len(remote.keys)]
+    assert len(starts) > 2
+    sizes = [b - a for a, b in itertools.pairwise(starts)]
     outcome = get_runtime().run(pull_gpu_peer_into(remote.client, peer, remote.mgr, remote.keys), 60)
     assert outcome.path == "gpu_read+gpu_peer" and outcome.complete
-    assert list(outcome.imported) == remote.keys and calls[:2] == [per, per]
+    assert list(outcome.imported) == remote.keys and calls[:2] == sizes[:2]
     assert not remote.mgr._leases
     _verify(remote.mgr, remote.keys)
 

@@ -30,6 +30,10 @@ def chain(mgr, run_request, tokens):
     return BlockRecords.of(blocks), np.stack([np.frombuffer(b.data, dtype=np.uint8) for b in blocks])
 
 
+def starts(count: int, per: int) -> list[int]:
+    return list(range(0, count, per))
+
+
 class Copier:
     """Writes rows into the top tier and records what each chunk's confirm sees."""
 
@@ -59,7 +63,7 @@ def test_all_chunks_imported_in_order(make_manager, oracle, run_request):
     src, dst = make_manager(16), make_manager(16)
     records, data = chain(src, run_request, toks(1, 40))
     cp = Copier(dst, data)
-    done = import_pipelined(dst, records, 3, cp.write, cp.confirm, 50)
+    done = import_pipelined(dst, records, starts(len(records), 3), cp.write, cp.confirm, 50)
     dst.check_invariants()
     assert done.stopped is None and done.settled == 10
     assert done.result.imported == tuple(records.keys) and done.result.already_present == ()
@@ -74,7 +78,7 @@ def test_present_blocks_are_skipped(make_manager, oracle, run_request):
     records, data = chain(src, run_request, toks(1, 24))
     dst.import_pages(records.head(2), data[:2], None, verify=False)
     cp = Copier(dst, data)
-    done = import_pipelined(dst, records, 2, cp.write, cp.confirm, 50)
+    done = import_pipelined(dst, records, starts(len(records), 2), cp.write, cp.confirm, 50)
     assert done.result.already_present == tuple(records.keys[:2])
     assert done.result.imported == tuple(records.keys[2:])
     assert cp.started[0] == []  # the first chunk had nothing to copy
@@ -87,7 +91,7 @@ def test_a_failed_confirm_keeps_the_earlier_chunks_only(make_manager, oracle, ru
     src, dst = make_manager(16), make_manager(16)
     records, data = chain(src, run_request, toks(1, 40))
     cp = Copier(dst, data, fail_at=fail_at)
-    done = import_pipelined(dst, records, 3, cp.write, cp.confirm, 50)
+    done = import_pipelined(dst, records, starts(len(records), 3), cp.write, cp.confirm, 50)
     dst.check_invariants()
     assert isinstance(done.stopped, TransferError)
     assert done.settled == 3 * fail_at
@@ -103,10 +107,12 @@ def test_invalid_records_change_nothing(make_manager, run_request, state_of):
     before = state_of(dst)
     cp = Copier(dst, data)
     with pytest.raises(ImportRejectedError):
-        import_pipelined(dst, records.slice(1, 4), 2, cp.write, cp.confirm, 50)  # no parent
+        import_pipelined(dst, records.slice(1, 4), [0, 2], cp.write, cp.confirm, 50)  # no parent
     assert cp.started == [] and state_of(dst) == before
-    with pytest.raises(ValueError):
-        import_pipelined(dst, records, 0, cp.write, cp.confirm, 50)
+    for bad in ([], [1], [0, 2, 2], [0, 4]):
+        with pytest.raises(ValueError):
+            import_pipelined(dst, records, bad, cp.write, cp.confirm, 50)
+    assert cp.started == [] and state_of(dst) == before
 
 
 def test_committed_chunks_stay_while_later_ones_settle(make_manager, oracle, run_request):
@@ -125,9 +131,66 @@ def test_committed_chunks_stay_while_later_ones_settle(make_manager, oracle, run
             dst.check_invariants()
 
     cp = Copier(dst, data, during=pressure)
-    done = import_pipelined(dst, records, 3, cp.write, cp.confirm, 0)  # priority 0: first victims
+    done = import_pipelined(
+        dst, records, starts(len(records), 3), cp.write, cp.confirm, 0
+    )  # priority 0: first victims
     assert done.stopped is None and done.result.imported == tuple(records.keys)
     assert evicted == [4]
     assert all(k in dst.tree for k in records.keys)
     oracle.verify_manager(dst)
     dst.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "defect",
+    ["none", "present", "dup", "tokens", "root_mid", "orphan", "short_key", "bad_type", "unhashable"],
+)
+def test_chain_scan_agrees_with_the_full_scan(make_manager, run_request, monkeypatch, defect):
+    """The C-level scan of chain-shaped batches returns what the per-record scan returns, and
+    leaves every batch with a problem to it (same error, same record)."""
+    import raykv.transfer_blocks as tb
+
+    src, dst = make_manager(16), make_manager(16)
+    records, data = chain(src, run_request, toks(1, 24))
+    dst.import_pages(records.head(2), data[:2], None, verify=False)
+    keys, parents = list(records.keys), list(records.parent_keys)
+    roots, tokens = list(records.parent_is_root), list(records.num_tokens)
+    if defect == "present":
+        records = records.slice(1, 6)
+    elif defect == "dup":
+        keys[4] = keys[2]
+    elif defect == "tokens":
+        tokens[3] = 1
+    elif defect == "root_mid":
+        roots[2] = True
+    elif defect == "orphan":
+        parents[0], roots[0] = b"\x07" * 32, False
+    elif defect == "short_key":
+        keys[5] = b"abc"
+    elif defect == "bad_type":
+        keys[1] = bytearray(keys[1])
+    elif defect == "unhashable":
+        keys[3] = [1, 2]
+    if defect not in ("none", "present"):
+        records = BlockRecords(keys, parents, roots, tokens)
+
+    def outcome():
+        try:
+            return tb._scan(dst, records)[0], tb._scan(dst, records)[1]
+        except Exception as exc:  # a malformed record may raise from either scan the same way
+            return type(exc)
+
+    fast = outcome()
+    if defect in ("none", "present"):
+        assert tb._scan_chain(dst, records) is not None  # the fast path took these
+    monkeypatch.setattr(tb, "_scan_chain", lambda mgr, recs: None)
+    slow = outcome()
+    if isinstance(fast, tuple):
+        assert fast[0] == slow[0]
+        assert (fast[1] is None) == (slow[1] is None)
+        if fast[1] is not None:
+            assert (fast[1].index, str(fast[1].error)) == (slow[1].index, str(slow[1].error))
+    else:
+        assert fast == slow
+    clean = defect in ("none", "present", "root_mid")  # a record may name a scope root as parent
+    assert clean == (isinstance(fast, tuple) and fast[1] is None)
