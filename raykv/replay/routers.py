@@ -36,7 +36,11 @@ pooled
     outstanding work (ties random); an upper bound on hits and an anchor for TTFT.
 
 Every router is seeded and replays identically. ``choose`` is what the replay times as the
-routing decision; ``routed`` is the router's own state update afterwards (timed separately).
+routing decision; ``routed`` is the router's own state update afterwards (timed separately). For
+raykv the timed decision is the index route over the request's block keys, the reported loads
+and the cost model (with the hot-prefix rule); the keys themselves are computed before the loop
+(:func:`~raykv.replay.engine.prepare`, timed there: ``Prepared.keys_ns``), though raykv's Serve
+router hashes the prompt itself before it routes (``actors/serve.py``).
 """
 
 from __future__ import annotations
@@ -56,14 +60,17 @@ from raykv.routing import RoutingConfig, choose_loads
 from raykv.types import WorkerId
 
 ROUTERS = ("random", "pow2", "ray_prefix", "raykv", "raykv_pull", "pooled")
+_NEW = tuple.__new__  # builds a NamedTuple from its field values without the generated __new__
 
 
 class Prepared(NamedTuple):
-    """Request number ``seq`` with its block keys (full blocks, in its salt's scope)."""
+    """Request number ``seq`` with its block keys (full blocks, in its salt's scope) and the
+    nanoseconds computing them took (SHA-256 over the prompt: outside the timed decision)."""
 
     seq: int
     req: Request
     keys: Sequence[bytes]
+    keys_ns: int = 0
 
 
 class Choice(NamedTuple):
@@ -266,21 +273,31 @@ class RaykvRouter(Router):
             seed=ctx.seed,
         )
         self.server_of = {w: i for i, w in enumerate(ctx.worker_ids)}
+        self._route, self._workers = ctx.route, ctx.worker_ids
+        self._hot_rule = None if self.allow_pulls else self._hot  # with pulls a hot prefix spreads by pulling
         self._routed: dict[bytes, tuple[int, float]] = {}  # key -> (server, when) of its last request
         self._keys: Sequence[bytes] = ()
         self._queues: ServerQueues | None = None
 
     def choose(self, p: Prepared, queues: ServerQueues) -> Choice:
-        matches = self.ctx.route(p.keys)
-        dec = queues.mean_decode_units
-        loads = [q + dec * n for q, n in zip(queues.queued_prefill, queues.in_flight)]
-        self._keys, self._queues = p.keys, queues
-        hot = None if self.allow_pulls else self._hot  # with pulls a hot prefix spreads by pulling
-        d = choose_loads(p.req.input_length, self.ctx.worker_ids, loads, matches, self.cfg, self.rng, hot)
+        """The decision the replay times: index route, reported loads, cost model (module doc)."""
+        keys = p.keys
+        matches = self._route(keys)
+        self._keys, self._queues = keys, queues
+        d = choose_loads(
+            p.req.input_length,
+            self._workers,
+            queues.reported_loads(),
+            matches,
+            self.cfg,
+            self.rng,
+            self._hot_rule,
+        )
         server = self.server_of[d.worker]
-        if d.pull_from is None:
-            return Choice(server, None, d.cached_blocks, 0)
-        return Choice(server, self.server_of[d.pull_from], d.cached_blocks, d.pull_blocks)
+        pull_from = d.pull_from
+        if pull_from is None:
+            return _NEW(Choice, (server, None, d.cached_blocks, 0))
+        return _NEW(Choice, (server, self.server_of[pull_from], d.cached_blocks, d.pull_blocks))
 
     def _hot(self, worker: WorkerId, blocks: int) -> bool:
         """Did a request that is still in flight on ``worker`` bring it the prefix's last block?

@@ -156,6 +156,16 @@ class ServerQueues:
         """Mean decode units (``work - uncached``) of the requests finished so far (0 before any)."""
         return self._done_decode / self._done if self._done else 0.0
 
+    def reported_loads(self) -> list[float]:
+        """Per server, the load a raykv deployment reports, in units: ``queued_prefill`` plus
+        ``mean_decode_units`` per request in flight (what raykv's routers and the pooled ideal
+        compare; no output length of a request still running enters it)."""
+        dec = self._done_decode / self._done if self._done else 0.0  # mean_decode_units, inlined
+        loads = []
+        for q, n in zip(self.queued_prefill, self.in_flight):  # no comprehension: no function object
+            loads.append(q + dec * n)
+        return loads
+
     def outstanding(self) -> list[float]:
         """Per server, units of work not yet served at ``now``."""
         now, speed = self.now, self.speed

@@ -149,6 +149,7 @@ def test_reports_table_json_plot_and_goals(tmp_path: Path) -> None:
     assert {"block_hit_pct", "ttft_p90_s", "imbalance", "moved_bytes"} <= set(data["results"][0])
     png = write_plot(tmp_path / "r.png", sums, "test")
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(s.keys_p50_us > 0 for s in sums)  # hashing the prompt is measured, not hidden
     goals = goal_checks(sums)
     assert any("within 1 pp of pooled" in g for g in goals)
     assert any("0.5x ray_prefix" in g for g in goals) and any("decision p50" in g for g in goals)
