@@ -32,8 +32,15 @@ raykv_pull
     pull's credit ``w_remote`` comes from the timing model (1 - pull time / prefill time). No hot
     waiver: a pull, not a recompute, spreads a hot prefix (the waiver only cost hits here).
 pooled
-    The ideal: one cache of the same total capacity shared by every server, served by the least
-    outstanding work (ties random); an upper bound on hits and an anchor for TTFT.
+    The ideal: one cache of the same total capacity shared by every server (what pulls would make
+    of the workers' caches), dispatched with the load information raykv has: the least reported
+    load (:meth:`~raykv.replay.timing.ServerQueues.reported_loads`, raykv's load estimate), ties
+    random. Every server sees the same cache, so that is also the least estimated TTFT. An upper
+    bound on hits and the TTFT anchor for raykv_pull.
+pooled_oracle
+    The same pooled cache dispatched by the simulator's exact outstanding work, which includes the
+    output lengths of requests still decoding (no real router knows them); ties random. It replays
+    the cache exactly like ``pooled`` (one cache, requests in arrival order), so only TTFT differs.
 
 Every router is seeded and replays identically. ``choose`` is what the replay times as the
 routing decision; ``routed`` is the router's own state update afterwards (timed separately). For
@@ -59,7 +66,7 @@ from raykv.replay.trace import BLOCK_TOKENS, Request, block_text
 from raykv.routing import RoutingConfig, choose_loads
 from raykv.types import WorkerId
 
-ROUTERS = ("random", "pow2", "ray_prefix", "raykv", "raykv_pull", "pooled")
+ROUTERS = ("random", "pow2", "ray_prefix", "raykv", "raykv_pull", "pooled", "pooled_oracle")
 _NEW = tuple.__new__  # builds a NamedTuple from its field values without the generated __new__
 
 
@@ -142,17 +149,30 @@ class Pow2Router(Router):
         return Choice(_shortest(self.pair(), queues.queue_lengths()))
 
 
+def _least(values: Sequence[float], rng: random.Random) -> int:
+    """The server with the lowest value; ``rng`` picks among those within 1e-9 of it."""
+    low = min(values)
+    ties = [i for i, v in enumerate(values) if v <= low + 1e-9]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
+
+
 class PooledRouter(Router):
-    """Least outstanding work over all servers; the engine gives it one pooled cache."""
+    """Least reported load (raykv's estimate) over all servers; the engine gives it one cache."""
 
     name = "pooled"
     pooled = True
 
     def choose(self, p: Prepared, queues: ServerQueues) -> Choice:
-        work = queues.outstanding()
-        low = min(work)
-        ties = [i for i, w in enumerate(work) if w <= low + 1e-9]
-        return Choice(ties[0] if len(ties) == 1 else self.rng.choice(ties))
+        return Choice(_least(queues.reported_loads(), self.rng))
+
+
+class PooledOracleRouter(PooledRouter):
+    """Least exact outstanding work (the simulator's, output lengths included); one cache."""
+
+    name = "pooled_oracle"
+
+    def choose(self, p: Prepared, queues: ServerQueues) -> Choice:
+        return Choice(_least(queues.outstanding(), self.rng))
 
 
 class RayPrefixRouter(Pow2Router):
@@ -327,6 +347,8 @@ def make_router(name: str, tuning: RaykvTuning | None = None) -> Router:
         return RaykvRouter(allow_pulls=name == "raykv_pull", tuning=tuning)
     if name == "pooled":
         return PooledRouter()
+    if name == "pooled_oracle":
+        return PooledOracleRouter()
     raise InvalidArgumentError("router", f"unknown router {name!r}; known: {', '.join(ROUTERS)}")
 
 
@@ -348,6 +370,7 @@ def parse_routers(text: str | Sequence[str]) -> list[str]:
 __all__ = [
     "ROUTERS",
     "Choice",
+    "PooledOracleRouter",
     "PooledRouter",
     "Pow2Router",
     "Prepared",

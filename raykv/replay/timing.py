@@ -26,9 +26,9 @@ busy), ``queued_prefill`` (prompt tokens still to prefill: the
 uncached tokens of requests whose prefill has not started plus what is left of the one in
 progress, as an engine's scheduler knows them; what a raykv worker reports as
 ``queued_prefill_tokens``) and ``mean_decode_units`` (mean decode units of the requests finished so
-far: what a router can learn from completions). ``outstanding`` (exact units not yet served) uses
-the output lengths of requests still decoding, which no deployment knows in advance: only the
-pooled ideal uses it.
+far: what a router can learn from completions); ``reported_loads`` combines them into raykv's load
+estimate. ``outstanding`` (exact units not yet served) uses the output lengths of requests still
+decoding, which no deployment knows in advance: only the ``pooled_oracle`` ideal uses it.
 """
 
 from __future__ import annotations
