@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import random
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import actors.ray_tree  # noqa: F401 - registers Ray's PrefixTree for the ray_prefix router
@@ -77,6 +77,7 @@ class InProcessBackend:
         self.page_bytes = config.layout.page_bytes
         self._now = 0.0
         self.index = PrefixIndex(predict_ttl_s=predict_ttl_s, clock=lambda: self._now)
+        self.route: Callable[[Sequence[bytes]], dict[WorkerId, RouteMatch]] = self.index.route  # no wrapper
         self.worker_ids = [WorkerId(f"w{i}") for i in range(num_caches)]
         self.workers: dict[WorkerId, CacheWorker] = {}
         for lane, wid in enumerate(self.worker_ids):
@@ -85,9 +86,6 @@ class InProcessBackend:
 
     def set_clock(self, now: float) -> None:
         self._now = now
-
-    def route(self, keys: Sequence[bytes]) -> dict[WorkerId, RouteMatch]:
-        return self.index.route(keys)
 
     def predict(self, worker: WorkerId, keys: Sequence[bytes]) -> None:
         self.index.predict(worker, keys)

@@ -5,7 +5,8 @@ Which worker holds which block, on which tier. Keys are spread over shards by
 (a small int); an entry stores, per key, an immutable tuple of four lane-spread bitmasks
 ``(all, gpu, host, disk)`` where worker ``w``'s bit is ``1 << (LANE_BITS * lane)``. Routing ANDs
 the masks of consecutive keys and adds the per-tier masks into 16-bit lanes, so one pass over the
-keys yields, for every worker at once, its cached prefix length and its blocks on each tier.
+keys yields, for every worker at once, its cached prefix length and its blocks on each tier
+(:mod:`raykv.index_route`; RouteMatch and merge_route are re-exported here).
 
 Event stream contract: each worker numbers its events 1, 2, 3... per incarnation. A batch carries
 ``(worker, incarnation, first_event_id, last_event_id)``; a shard applies batches in id order,
@@ -21,19 +22,23 @@ from __future__ import annotations
 
 import collections
 import enum
-import functools
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
-
-import numpy as np
 
 from raykv.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged, CacheEvent
+from raykv.index_route import (
+    FIRST_LOOKUPS,
+    LANE_BITS,
+    MAX_ROUTE_BLOCKS,
+    Entry,
+    RouteMatch,
+    RouteMemo,
+    merge_route,
+    route_held,
+)
 from raykv.types import BLOCK_KEY_BYTES, TierKind, WorkerId
 
-LANE_BITS = 16
-MAX_ROUTE_BLOCKS = 2**LANE_BITS - 1
 MAX_LANES = 4096
 OP_STORE, OP_REMOVE, OP_CLEAR = 0, 1, 2
 REORDER_WINDOW = 64
@@ -95,19 +100,6 @@ class ApplyResult(enum.Enum):
     MALFORMED = "malformed"
 
 
-class RouteMatch(NamedTuple):
-    """One worker's cached prefix for a route query: ``blocks`` leading blocks, of which ``gpu``,
-    ``host`` and ``disk`` are on each tier and ``predicted`` are credited by a recent routing
-    decision but not yet reported by the worker."""
-
-    worker: WorkerId
-    blocks: int
-    gpu: int = 0
-    host: int = 0
-    disk: int = 0
-    predicted: int = 0
-
-
 @dataclass
 class _Worker:
     lane: int
@@ -121,117 +113,6 @@ class _Worker:
 
 def _lane_bit(lane: int) -> int:
     return 1 << (LANE_BITS * lane)
-
-
-Entry = tuple[int, int, int, int]  # (all, gpu, host, disk) lane-spread masks
-
-
-def merge_route(
-    entries: Sequence[Entry | None], predicted: Sequence[int], lane_names: Mapping[int, WorkerId]
-) -> dict[WorkerId, RouteMatch]:
-    """Per-worker prefix and tier counts from per-position entries (see module docstring).
-
-    ``entries[i]`` is the entry of key i (None if nobody holds it); ``predicted[i]`` (or an empty
-    list) a lane-spread mask of workers credited with key i. Workers with no prefix are omitted.
-    Runs of identical entry objects (a chain stored by the same workers on the same tiers: the
-    index interns entries, so equal entries are usually one object) are counted in one step.
-    """
-    n = min(len(entries), MAX_ROUTE_BLOCKS)
-    if n == 0:
-        return {}
-    alive = -1
-    cg = ch = cp = 0
-    ends: list[tuple[int, int]] = []  # (prefix length, lanes whose prefix ends there)
-    i = 0
-    while i < n:
-        e = entries[i]
-        p = predicted[i] if predicted else 0
-        new = alive & ((e[0] if e is not None else 0) | p)
-        if new != alive:
-            if i:
-                ends.append((i, alive & ~new))
-            alive = new
-            if not alive:
-                break
-        j = _run_end(entries, predicted, i, n)
-        run = j - i
-        if e is not None:
-            cg += (e[1] & alive) * run
-            ch += (e[2] & alive) * run
-            if p:
-                cp += (p & ~e[0] & alive) * run
-        else:
-            cp += (p & alive) * run
-        i = j
-    if alive:
-        ends.append((i, alive))
-    return _collect(ends, (cg, ch, cp), lane_names)
-
-
-def _run_end(entries: Sequence[Entry | None], predicted: Sequence[int], i: int, n: int) -> int:
-    """The end of the run of positions equal to position ``i`` (entry and predicted mask)."""
-    e = entries[i]
-    if entries[n - 1] is e and not predicted:
-        # The common whole-tail run, checked in one C-level pass (identity short-circuits).
-        rest = entries[i:n]
-        if rest.count(e) == n - i:  # type: ignore[attr-defined]
-            return n
-    j = i + 1
-    if predicted:
-        p = predicted[i]
-        while j < n and entries[j] is e and predicted[j] == p:
-            j += 1
-    else:
-        while j < n and entries[j] is e:
-            j += 1
-    return j
-
-
-def _collect(
-    ends: list[tuple[int, int]], counters: tuple[int, int, int], lane_names: Mapping[int, WorkerId]
-) -> dict[WorkerId, RouteMatch]:
-    cg, ch, cp = counters
-    out: dict[WorkerId, RouteMatch] = {}
-    if sum(m.bit_count() for _, m in ends) > 8:
-        return _collect_many(ends, counters, lane_names)
-    for blocks, mask in ends:
-        while mask:
-            low = mask & -mask
-            mask ^= low
-            shift = low.bit_length() - 1
-            name = lane_names.get(shift // LANE_BITS)
-            if name is None:
-                continue
-            gpu = (cg >> shift) & 0xFFFF
-            host = (ch >> shift) & 0xFFFF
-            pred = (cp >> shift) & 0xFFFF
-            out[name] = _MAKE_MATCH((name, blocks, gpu, host, blocks - gpu - host - pred, pred))
-    return out
-
-
-def _collect_many(
-    ends: list[tuple[int, int]], counters: tuple[int, int, int], lane_names: Mapping[int, WorkerId]
-) -> dict[WorkerId, RouteMatch]:
-    """Vectorized lane extraction for routes that many workers match."""
-    width = (max(lane_names) + 1 if lane_names else 1) * LANE_BITS // 8
-    gpu, host, pred = (
-        np.frombuffer((c & ((1 << (8 * width)) - 1)).to_bytes(width, "little"), dtype="<u2") for c in counters
-    )
-    blocks = np.zeros(len(gpu), dtype=np.int64)
-    for length, mask in ends:
-        bits = np.frombuffer((mask & ((1 << (8 * width)) - 1)).to_bytes(width, "little"), dtype="<u2")
-        blocks[bits != 0] = length
-    lanes = np.flatnonzero(blocks)
-    b = blocks[lanes]
-    g, h, p = (a[lanes].astype(np.int64) for a in (gpu, host, pred))
-    names = list(map(lane_names.get, lanes.tolist()))
-    rows = zip(names, b.tolist(), g.tolist(), h.tolist(), (b - g - h - p).tolist(), p.tolist())
-    out: dict[WorkerId | None, RouteMatch] = dict(zip(names, map(_MAKE_MATCH, rows)))
-    out.pop(None, None)  # lanes without a registered worker
-    return out  # type: ignore[return-value]
-
-
-_MAKE_MATCH = functools.partial(tuple.__new__, RouteMatch)
 
 
 class _Memo:
@@ -296,6 +177,7 @@ class PrefixIndex:
         self._lanes: dict[int, WorkerId] = {}
         self._predicted: dict[bytes, dict[int, float]] = {}
         self._canon: dict[Entry, Entry] = {}
+        self._route_memo: RouteMemo = {}  # see raykv.index_route._collect
         self.counters: collections.Counter[str] = collections.Counter()
 
     # ---- membership ----------------------------------------------------------------------------
@@ -313,6 +195,7 @@ class PrefixIndex:
             self._drop_entries(worker, state)
         self._workers[worker] = _Worker(lane=lane, incarnation=incarnation)
         self._lanes[lane] = worker
+        self._route_memo.clear()
 
     def remove_worker(self, worker: WorkerId) -> int:
         """Forget a worker (dead or gone) and all its entries; returns how many were dropped."""
@@ -320,6 +203,7 @@ class PrefixIndex:
         if state is None:
             return 0
         self._lanes.pop(state.lane, None)
+        self._route_memo.clear()
         return self._drop_entries(worker, state)
 
     def _drop_entries(self, worker: WorkerId, state: _Worker) -> int:
@@ -523,8 +407,13 @@ class PrefixIndex:
     def route(self, keys: Sequence[bytes]) -> dict[WorkerId, RouteMatch]:
         """Per worker, the cached prefix of ``keys`` (all keys must belong to this shard; with one
         shard that is every key). Workers with no cached prefix are omitted."""
-        if not self._predicted:  # the common case: one C-level pass over the keys
-            return merge_route(list(map(self._entries.get, keys)), (), self._lanes)
+        if not self._predicted:  # the common case: keys are looked up until the prefix ends
+            n = min(len(keys), MAX_ROUTE_BLOCKS)
+            if not n:
+                return {}
+            get = self._entries.get
+            first = list(map(get, keys[:FIRST_LOOKUPS]))
+            return route_held(first, n, self._lanes, keys, get, self._route_memo)
         entries, predicted = self.lookup(keys)
         return merge_route(entries, predicted, self._lanes)
 
@@ -564,3 +453,22 @@ def _well_formed(batch: EventBatch) -> bool:
         if op == OP_STORE and not 0 <= tier <= 2:
             return False
     return True
+
+
+__all__ = [
+    "CANON_LIMIT",
+    "LANE_BITS",
+    "MAX_LANES",
+    "MAX_ROUTE_BLOCKS",
+    "OP_CLEAR",
+    "OP_REMOVE",
+    "OP_STORE",
+    "REORDER_WINDOW",
+    "ApplyResult",
+    "Entry",
+    "EventBatch",
+    "PrefixIndex",
+    "RouteMatch",
+    "merge_route",
+    "shard_of",
+]

@@ -166,6 +166,7 @@ def _decide(
                 best_holder, best_blocks = holder, held[1]
     wg, wh, wd, wp = cfg.w_gpu, cfg.w_host, cfg.w_disk, cfg.w_predicted
     tpb, remote, pc = cfg.tokens_per_block, cfg.tokens_per_block * cfg.w_remote, cfg.prefill_cost
+    left_none = num_tokens - remote * best_blocks  # a worker holding none of the prefix
     get = matches.get
     costs: list[tuple[WorkerId, float]] = []
     low = math.inf
@@ -174,18 +175,26 @@ def _decide(
             continue
         m = get(worker)
         if m is None:
-            left = num_tokens - remote * best_blocks
-        else:  # RouteMatch fields by position: worker, blocks, gpu, host, disk, predicted
-            left = num_tokens - tpb * (wg * m[2] + wh * m[3] + wd * m[4] + wp * m[5])
-            if best_blocks > m[1] and best_holder != worker:
-                left -= remote * (best_blocks - m[1])
+            left = left_none
+        else:
+            _, blocks, gpu, host, disk, predicted = m
+            left = num_tokens - tpb * (wg * gpu + wh * host + wd * disk + wp * predicted)
+            if best_blocks > blocks and best_holder != worker:
+                left -= remote * (best_blocks - blocks)
         cost = pc * left + lc * load if left > 0 else lc * load
         costs.append((worker, cost))
         if cost < low:
             low = cost
-    ties = [c for c in costs if c[1] <= low + 1e-9]
+    top = low + 1e-9
+    ties = []
+    for c in costs:  # a loop, not a comprehension: no function object per call (Python < 3.12)
+        if c[1] <= top:
+            ties.append(c)
     worker, cost = ties[0] if len(ties) == 1 else (rng or random.Random(cfg.seed)).choice(ties)
     won = get(worker)
     own = won[1] if won is not None else 0
     pull = best_blocks - own if best_blocks > own and best_holder != worker else 0
-    return Decision(worker, cost, own, best_holder if pull else None, pull, tuple(costs))
+    return _NEW(Decision, (worker, cost, own, best_holder if pull else None, pull, tuple(costs)))
+
+
+_NEW = tuple.__new__  # builds a NamedTuple from its field values without the generated __new__

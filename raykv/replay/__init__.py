@@ -7,7 +7,7 @@ Pure core (never imports ray; ``ray_prefix`` imports Ray's PrefixTree only when 
 | ``trace`` | Request, Mooncake JSONL loading and validation, tokens and text derived from hash ids |
 | ``workload`` | the built-in generator: multi-turn chat, agent fan-out, tenants with salts |
 | ``timing`` | the timing model: per-worker FIFO servers, TTFT, transfer and tier costs, calibration |
-| ``routers`` | random, pow2, ray_prefix, raykv, raykv_pull, pooled |
+| ``routers`` | random, pow2, ray_prefix, raykv, raykv_pull, pooled, pooled_oracle |
 | ``engine`` | the replay loop over a Backend (cache workers + index) |
 | ``grid`` | every router x every capacity on one trace |
 | ``report`` | summaries, the table, JSON, the PNG plot, the goal checks |

@@ -5,7 +5,8 @@ workers and the index (in-process CacheWorker objects or a Ray deployment; see
 ``actors/replay.py``). For each request, in arrival order:
 
 1. the servers' clock moves to the arrival time;
-2. the router chooses a server (timed: the *routing decision*);
+2. the router chooses a server (timed: the *routing decision*, from the request's block keys,
+   which :func:`prepare` computed and timed beforehand; see :mod:`raykv.replay.routers`);
 3. if it asked for a pull, the named blocks are exported from the holder and imported into the
    chosen worker (the real export/import data path);
 4. the chosen worker runs the whole request with the content oracle as engine
@@ -59,11 +60,16 @@ class Backend(Protocol):
 
 
 def prepare(requests: Sequence[Request]) -> list[Prepared]:
-    """Each request with its block keys (computed once, shared by every router)."""
+    """Each request with its block keys (computed once, shared by every router) and the time
+    :func:`~raykv.keys.block_keys` took on its tokens (``keys_ns``; the tokens are given)."""
     out = []
+    clock = time.perf_counter_ns
     for i, req in enumerate(requests):
         scope = ReuseScope(salt=req.salt) if req.salt is not None else None
-        out.append(Prepared(i, req, block_keys(tokens_for(req), BLOCK_TOKENS, scope)))
+        tokens = tokens_for(req)
+        t0 = clock()
+        keys = block_keys(tokens, BLOCK_TOKENS, scope)
+        out.append(Prepared(i, req, keys, clock() - t0))
     return out
 
 
@@ -80,6 +86,7 @@ class RunResult:
     chosen: list[int] = field(default_factory=list)
     reused: list[int] = field(default_factory=list)
     decide_ns: list[int] = field(default_factory=list)
+    keys_ns: list[int] = field(default_factory=list)
     update_ns: list[int] = field(default_factory=list)
     blocks: int = 0
     hit_blocks: int = 0
@@ -149,6 +156,7 @@ def _step(
     t0 = time.perf_counter_ns()
     choice = router.choose(p, queues)
     res.decide_ns.append(time.perf_counter_ns() - t0)
+    res.keys_ns.append(p.keys_ns)
     cap = backend.capacity_blocks
     pulled = _pull(p, choice, backend, cap, res) if choice.pull_blocks > 0 else 0
     worker = backend.worker_ids[0] if router.pooled else backend.worker_ids[choice.server]

@@ -32,11 +32,22 @@ raykv_pull
     pull's credit ``w_remote`` comes from the timing model (1 - pull time / prefill time). No hot
     waiver: a pull, not a recompute, spreads a hot prefix (the waiver only cost hits here).
 pooled
-    The ideal: one cache of the same total capacity shared by every server, served by the least
-    outstanding work (ties random); an upper bound on hits and an anchor for TTFT.
+    The ideal: one cache of the same total capacity shared by every server (what pulls would make
+    of the workers' caches), dispatched with the load information raykv has: the least reported
+    load (:meth:`~raykv.replay.timing.ServerQueues.reported_loads`, raykv's load estimate), ties
+    random. Every server sees the same cache, so that is also the least estimated TTFT. An upper
+    bound on hits and the TTFT anchor for raykv_pull.
+pooled_oracle
+    The same pooled cache dispatched by the simulator's exact outstanding work, which includes the
+    output lengths of requests still decoding (no real router knows them); ties random. It replays
+    the cache exactly like ``pooled`` (one cache, requests in arrival order), so only TTFT differs.
 
 Every router is seeded and replays identically. ``choose`` is what the replay times as the
-routing decision; ``routed`` is the router's own state update afterwards (timed separately).
+routing decision; ``routed`` is the router's own state update afterwards (timed separately). For
+raykv the timed decision is the index route over the request's block keys, the reported loads
+and the cost model (with the hot-prefix rule); the keys themselves are computed before the loop
+(:func:`~raykv.replay.engine.prepare`, timed there: ``Prepared.keys_ns``), though raykv's Serve
+router hashes the prompt itself before it routes (``actors/serve.py``).
 """
 
 from __future__ import annotations
@@ -55,15 +66,18 @@ from raykv.replay.trace import BLOCK_TOKENS, Request, block_text
 from raykv.routing import RoutingConfig, choose_loads
 from raykv.types import WorkerId
 
-ROUTERS = ("random", "pow2", "ray_prefix", "raykv", "raykv_pull", "pooled")
+ROUTERS = ("random", "pow2", "ray_prefix", "raykv", "raykv_pull", "pooled", "pooled_oracle")
+_NEW = tuple.__new__  # builds a NamedTuple from its field values without the generated __new__
 
 
 class Prepared(NamedTuple):
-    """Request number ``seq`` with its block keys (full blocks, in its salt's scope)."""
+    """Request number ``seq`` with its block keys (full blocks, in its salt's scope) and the
+    nanoseconds computing them took (SHA-256 over the prompt: outside the timed decision)."""
 
     seq: int
     req: Request
     keys: Sequence[bytes]
+    keys_ns: int = 0
 
 
 class Choice(NamedTuple):
@@ -135,17 +149,30 @@ class Pow2Router(Router):
         return Choice(_shortest(self.pair(), queues.queue_lengths()))
 
 
+def _least(values: Sequence[float], rng: random.Random) -> int:
+    """The server with the lowest value; ``rng`` picks among those within 1e-9 of it."""
+    low = min(values)
+    ties = [i for i, v in enumerate(values) if v <= low + 1e-9]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
+
+
 class PooledRouter(Router):
-    """Least outstanding work over all servers; the engine gives it one pooled cache."""
+    """Least reported load (raykv's estimate) over all servers; the engine gives it one cache."""
 
     name = "pooled"
     pooled = True
 
     def choose(self, p: Prepared, queues: ServerQueues) -> Choice:
-        work = queues.outstanding()
-        low = min(work)
-        ties = [i for i, w in enumerate(work) if w <= low + 1e-9]
-        return Choice(ties[0] if len(ties) == 1 else self.rng.choice(ties))
+        return Choice(_least(queues.reported_loads(), self.rng))
+
+
+class PooledOracleRouter(PooledRouter):
+    """Least exact outstanding work (the simulator's, output lengths included); one cache."""
+
+    name = "pooled_oracle"
+
+    def choose(self, p: Prepared, queues: ServerQueues) -> Choice:
+        return Choice(_least(queues.outstanding(), self.rng))
 
 
 class RayPrefixRouter(Pow2Router):
@@ -266,21 +293,31 @@ class RaykvRouter(Router):
             seed=ctx.seed,
         )
         self.server_of = {w: i for i, w in enumerate(ctx.worker_ids)}
+        self._route, self._workers = ctx.route, ctx.worker_ids
+        self._hot_rule = None if self.allow_pulls else self._hot  # with pulls a hot prefix spreads by pulling
         self._routed: dict[bytes, tuple[int, float]] = {}  # key -> (server, when) of its last request
         self._keys: Sequence[bytes] = ()
         self._queues: ServerQueues | None = None
 
     def choose(self, p: Prepared, queues: ServerQueues) -> Choice:
-        matches = self.ctx.route(p.keys)
-        dec = queues.mean_decode_units
-        loads = [q + dec * n for q, n in zip(queues.queued_prefill, queues.in_flight)]
-        self._keys, self._queues = p.keys, queues
-        hot = None if self.allow_pulls else self._hot  # with pulls a hot prefix spreads by pulling
-        d = choose_loads(p.req.input_length, self.ctx.worker_ids, loads, matches, self.cfg, self.rng, hot)
+        """The decision the replay times: index route, reported loads, cost model (module doc)."""
+        keys = p.keys
+        matches = self._route(keys)
+        self._keys, self._queues = keys, queues
+        d = choose_loads(
+            p.req.input_length,
+            self._workers,
+            queues.reported_loads(),
+            matches,
+            self.cfg,
+            self.rng,
+            self._hot_rule,
+        )
         server = self.server_of[d.worker]
-        if d.pull_from is None:
-            return Choice(server, None, d.cached_blocks, 0)
-        return Choice(server, self.server_of[d.pull_from], d.cached_blocks, d.pull_blocks)
+        pull_from = d.pull_from
+        if pull_from is None:
+            return _NEW(Choice, (server, None, d.cached_blocks, 0))
+        return _NEW(Choice, (server, self.server_of[pull_from], d.cached_blocks, d.pull_blocks))
 
     def _hot(self, worker: WorkerId, blocks: int) -> bool:
         """Did a request that is still in flight on ``worker`` bring it the prefix's last block?
@@ -310,6 +347,8 @@ def make_router(name: str, tuning: RaykvTuning | None = None) -> Router:
         return RaykvRouter(allow_pulls=name == "raykv_pull", tuning=tuning)
     if name == "pooled":
         return PooledRouter()
+    if name == "pooled_oracle":
+        return PooledOracleRouter()
     raise InvalidArgumentError("router", f"unknown router {name!r}; known: {', '.join(ROUTERS)}")
 
 
@@ -331,6 +370,7 @@ def parse_routers(text: str | Sequence[str]) -> list[str]:
 __all__ = [
     "ROUTERS",
     "Choice",
+    "PooledOracleRouter",
     "PooledRouter",
     "Pow2Router",
     "Prepared",

@@ -26,9 +26,9 @@ busy), ``queued_prefill`` (prompt tokens still to prefill: the
 uncached tokens of requests whose prefill has not started plus what is left of the one in
 progress, as an engine's scheduler knows them; what a raykv worker reports as
 ``queued_prefill_tokens``) and ``mean_decode_units`` (mean decode units of the requests finished so
-far: what a router can learn from completions). ``outstanding`` (exact units not yet served) uses
-the output lengths of requests still decoding, which no deployment knows in advance: only the
-pooled ideal uses it.
+far: what a router can learn from completions); ``reported_loads`` combines them into raykv's load
+estimate. ``outstanding`` (exact units not yet served) uses the output lengths of requests still
+decoding, which no deployment knows in advance: only the ``pooled_oracle`` ideal uses it.
 """
 
 from __future__ import annotations
@@ -155,6 +155,16 @@ class ServerQueues:
     def mean_decode_units(self) -> float:
         """Mean decode units (``work - uncached``) of the requests finished so far (0 before any)."""
         return self._done_decode / self._done if self._done else 0.0
+
+    def reported_loads(self) -> list[float]:
+        """Per server, the load a raykv deployment reports, in units: ``queued_prefill`` plus
+        ``mean_decode_units`` per request in flight (what raykv's routers and the pooled ideal
+        compare; no output length of a request still running enters it)."""
+        dec = self._done_decode / self._done if self._done else 0.0  # mean_decode_units, inlined
+        loads = []
+        for q, n in zip(self.queued_prefill, self.in_flight):  # no comprehension: no function object
+            loads.append(q + dec * n)
+        return loads
 
     def outstanding(self) -> list[float]:
         """Per server, units of work not yet served at ``now``."""

@@ -243,12 +243,13 @@ def test_route_length_cap_and_no_lane_bleed():
     assert ix.route(keys) == {"a": capped, "b": normal["b"]}
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(6))
 def test_many_workers_match_brute_force(seed):
     rng = random.Random(seed)
     clock = Clock()
     ix = PrefixIndex(clock=clock)
-    lanes = [*range(39), MAX_LANES - 1] if seed % 2 else list(range(0, 120, 3))
+    # sparse lanes up to 117, 39 dense lanes and the last one, 40 dense lanes (the dense path)
+    lanes = (list(range(0, 120, 3)), [*range(39), MAX_LANES - 1], list(range(40)))[seed % 3]
     held, predicted = {}, {}
     for i, lane in enumerate(lanes):
         w = f"w{i}"
@@ -261,9 +262,38 @@ def test_many_workers_match_brute_force(seed):
             ix.predict(w, predicted[w])
     for keys in (KEYS[:30], KEYS[:1], KEYS[2:20], rng.sample(KEYS[:30], 10)):
         assert ix.route(keys) == reference_route(held, predicted, keys)
-    assert len(ix.route(KEYS[:2])) > 8  # the vectorized path ran
+    assert len(ix.route(KEYS[:2])) > 8  # the vectorized (or the dense) path ran
+    if seed % 3 == 2:  # the dense path lists workers by lane
+        route = ix.route(KEYS[:30])
+        assert list(route) == sorted(route, key=lambda w: lanes[int(w[1:])])
     clock.t += 10
     assert ix.route(KEYS[:30]) == reference_route(held, {}, KEYS[:30])
+
+
+def test_route_walks_past_lookup_chunks_and_stops_at_the_first_gap():
+    # Keys are looked up in doubling chunks (merge_route): runs that cross chunk edges, a tier
+    # change inside a chunk, and keys after the first gap (held, yet not part of any prefix).
+    ix = fresh("a", "b", "c")
+    ix.apply_batch(mk("a", 1, [put(k, HOST if i < 37 else DISK) for i, k in enumerate(KEYS[:45])]))
+    ix.apply_batch(mk("b", 1, [put(k, GPU) for k in KEYS[:9]]))
+    ix.apply_batch(mk("c", 1, [put(k, GPU) for k in KEYS[50:60]]))  # after a's gap at 45
+    expect = {"a": RouteMatch("a", 45, 0, 37, 8), "b": RouteMatch("b", 9, 9, 0, 0)}
+    assert ix.route(KEYS[:60]) == expect
+    assert ix.route(KEYS[:60]) == expect  # the memoized answer, as a fresh dict
+    assert ix.route(KEYS[:3]) == {"a": RouteMatch("a", 3, 0, 3, 0), "b": RouteMatch("b", 3, 3, 0, 0)}
+    assert ix.route(KEYS[50:]) == {"c": RouteMatch("c", 10, 10, 0, 0)}
+    ix.route(KEYS[:60]).clear()  # callers own their answer
+    assert ix.route(KEYS[:60]) == expect
+
+
+def test_memoized_routes_follow_membership_changes():
+    ix = fresh("a", "b")
+    ix.apply_batch(mk("a", 1, [put(k, GPU) for k in KEYS[:4]]))
+    assert ix.route(KEYS[:4]) == {"a": RouteMatch("a", 4, 4, 0, 0)}
+    ix.remove_worker("a")
+    ix.register_worker("z", 0, 1)  # a's lane, the same blocks: the same lane counters as before
+    ix.apply_batch(mk("z", 1, [put(k, GPU) for k in KEYS[:4]]))
+    assert ix.route(KEYS[:4]) == {"z": RouteMatch("z", 4, 4, 0, 0)}
 
 
 OPS = st.tuples(st.integers(0, 4), st.integers(0, 9), st.integers(0, 11), st.integers(0, 2))

@@ -15,14 +15,20 @@ from raykv.replay.report import format_table, goal_checks, summarize, write_json
 from raykv.replay.routers import (
     ROUTERS,
     Choice,
+    PooledOracleRouter,
+    PooledRouter,
     Pow2Router,
+    Prepared,
     RaykvRouter,
     RaykvTuning,
+    RouterContext,
     make_router,
     parse_routers,
 )
+from raykv.replay.timing import ServerQueues
 from raykv.replay.trace import BLOCK_TOKENS, Request
 from raykv.replay.workload import WorkloadSpec
+from raykv.types import WorkerId
 
 TIMING = TimingConfig(speed=1000.0)
 
@@ -110,12 +116,36 @@ def test_pow2_picks_the_shorter_queue_and_is_seeded() -> None:
     assert run("random", reqs, workers=3).chosen == run("random", reqs, workers=3).chosen
 
 
+def _pooled_pick(router: PooledRouter, queues: ServerQueues) -> int:
+    ctx = RouterContext(2, [WorkerId("w0")] * 2, lambda keys: {}, lambda w, keys: None, 100.0, TIMING, 1.0)
+    router.start(ctx)
+    return router.choose(Prepared(0, req(0.0, [0]), ()), queues).server
+
+
+def test_pooled_goes_by_reported_load_and_pooled_oracle_by_exact_work() -> None:
+    q = ServerQueues(2, speed=100.0)
+    q.advance(0.0)
+    q.dispatch(0, pre_s=0.0, uncached=100, work=10_100)  # 1 s of prefill, then 100 s of decode
+    q.dispatch(1, pre_s=0.0, uncached=300, work=300)  # 3 s of prefill, no decode
+    q.advance(2.0)  # server 0 decodes (no prefill left, no request finished yet); 1 s left on 1
+    assert q.reported_loads() == pytest.approx([0.0, 100.0])
+    assert q.outstanding() == pytest.approx([9900.0, 100.0])
+    # raykv's load information says server 0; only the exact output lengths say server 1
+    assert _pooled_pick(PooledRouter(), q) == 0
+    assert _pooled_pick(PooledOracleRouter(), q) == 1
+    assert make_router("pooled").pooled and make_router("pooled_oracle").pooled
+
+
 def test_grid_on_builtin_workload_pooled_bounds_hits_and_pages_verify() -> None:
     reqs = generate(WorkloadSpec(requests=120, seed=2))
     grid = run_grid(reqs, GridSpec(workers=3, capacity_pcts=(15.0,), verify=8), in_process, out=None)
     assert not grid.interrupted and [s.router for s in grid.summaries] == list(ROUTERS)
     hits = {s.router: s.block_hit_pct for s in grid.summaries}
     assert all(hits["pooled"] >= h for h in hits.values()), hits
+    # one cache fed in arrival order: the dispatch rule changes TTFT, never the hits
+    assert hits["pooled_oracle"] == hits["pooled"]
+    ttft = {s.router: s.ttft_p90_s for s in grid.summaries}
+    assert ttft["pooled"] != ttft["pooled_oracle"]
     assert hits["raykv"] > hits["random"]
     assert all(s.notes["verified_pages"] > 0 for s in grid.summaries)
     assert all(s.requests == 120 and s.ttft_p90_s >= s.ttft_p50_s for s in grid.summaries)
@@ -149,13 +179,18 @@ def test_reports_table_json_plot_and_goals(tmp_path: Path) -> None:
     assert {"block_hit_pct", "ttft_p90_s", "imbalance", "moved_bytes"} <= set(data["results"][0])
     png = write_plot(tmp_path / "r.png", sums, "test")
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert all(s.keys_p50_us > 0 for s in sums)  # hashing the prompt is measured, not hidden
     goals = goal_checks(sums)
     assert any("within 1 pp of pooled" in g for g in goals)
+    assert any("raykv_pull TTFT p90 <= pooled (same load information)" in g for g in goals)
+    assert any("raykv_pull TTFT p90 vs pooled_oracle" in g for g in goals)
     assert any("0.5x ray_prefix" in g for g in goals) and any("decision p50" in g for g in goals)
 
 
 def test_router_names() -> None:
     assert parse_routers("all") == list(ROUTERS)
+    assert {"pooled", "pooled_oracle"} <= set(ROUTERS)
+    assert [make_router(n).name for n in ("pooled", "pooled_oracle")] == ["pooled", "pooled_oracle"]
     assert parse_routers("pooled, raykv,pooled") == ["pooled", "raykv"]
     with pytest.raises(InvalidArgumentError):
         parse_routers("raykv,nope")

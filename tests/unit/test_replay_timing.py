@@ -47,6 +47,7 @@ def test_reported_load_is_prefill_left_in_flight_and_learned_decode() -> None:
     q.advance(2.0)  # the first finished (50 decode units); the second is 0.5 s into its prefill
     assert q.queued_prefill[0] == pytest.approx(150.0)
     assert q.in_flight == [1, 0] and q.mean_decode_units == pytest.approx(50.0)
+    assert q.reported_loads() == pytest.approx([150.0 + 50.0 * 1, 0.0])  # prefill left + decode estimate
     q.advance(4.0)  # decoding: no prefill left, still in flight
     assert q.queued_prefill == [0.0, 0.0] and q.in_flight == [1, 0] and q.busy_since == [0.0, 0.0]
     q.advance(9.0)
