@@ -99,7 +99,7 @@ def route_held(
 
     ``entries`` holds the first positions (at least one). Without ``get`` it holds all ``n``; with
     ``get``, position ``i`` beyond them is ``get(keys[i])``, fetched only when the walk gets there
-    (in chunks that double), so a prefix that ends early costs few index lookups. ``memo`` goes
+    (all at once), so a prefix that ends within the first lookups costs few of them. ``memo`` goes
     to :func:`_collect`.
     """
     got = len(entries) if get is not None else n
@@ -113,7 +113,7 @@ def route_held(
     while True:
         j = i + 1 if i + 1 < got and entries[i + 1] is not e else _run_end(entries, (), i, got)
         while j == got < n and get is not None:  # the run reaches the last fetched position
-            got = min(n, 2 * got)
+            got = n  # the prefix outlived the first lookups: fetch the rest at once
             entries += map(get, keys[j:got])
             j = _run_end(entries, (), j - 1, got)
         run = j - i
@@ -196,8 +196,8 @@ def _expand(
 ) -> dict[WorkerId, RouteMatch]:
     """:func:`_collect` without the memo; ``blocks`` holds every lane's prefix length."""
     lanes = (blocks.bit_length() + LANE_BITS - 1) // LANE_BITS
-    if lanes > DENSE_LANES:
-        return _collect_sparse(ends, counters, lane_names)
+    if lanes > DENSE_LANES or sum(m.bit_count() for _, m in ends) <= SPARSE_MATCHES:
+        return _collect_sparse(ends, counters, lane_names)  # few matches: visit only their bits
     # Only lanes that ended were counted, so no counter reaches above ``lanes`` lanes: struct
     # reads every lane's counts at once.
     unpack, size, zeros = _UNPACK_LANES[lanes], 2 * lanes, _ZERO_LANES[lanes]
@@ -224,7 +224,7 @@ def _collect_sparse(
     ends: list[tuple[int, int]], counters: tuple[int, int, int, int], lane_names: Mapping[int, WorkerId]
 ) -> dict[WorkerId, RouteMatch]:
     """:func:`_collect` beyond DENSE_LANES lanes: bit by bit for a few matches, else numpy."""
-    if sum(m.bit_count() for _, m in ends) > 8:
+    if sum(m.bit_count() for _, m in ends) > SPARSE_MATCHES:
         return _collect_many(ends, counters, lane_names)
     cg, ch, cd, cp = counters
     out: dict[WorkerId, RouteMatch] = {}
@@ -268,6 +268,7 @@ def _collect_many(
 
 
 _MAKE_MATCH = functools.partial(tuple.__new__, RouteMatch)
+SPARSE_MATCHES = 8  # up to this many matching workers a route visits their bits one by one
 DENSE_LANES = 64  # up to this many lanes a route reads every lane's counters in one C-level step
 _UNPACK_LANES = tuple(struct.Struct(f"<{n}H").unpack for n in range(DENSE_LANES + 1))
 _ZERO_LANES = tuple((0,) * n for n in range(DENSE_LANES + 1))
