@@ -37,6 +37,7 @@ from raykv.index_route import (
     merge_route,
     route_held,
 )
+from raykv.keytable import KeyTableLike, new_key_table
 from raykv.types import BLOCK_KEY_BYTES, TierKind, WorkerId
 
 MAX_LANES = 4096
@@ -172,7 +173,7 @@ class PrefixIndex:
         self.num_shards = num_shards
         self.predict_ttl_s = predict_ttl_s
         self._clock = clock
-        self._entries: dict[bytes, Entry] = {}
+        self._entries: KeyTableLike = new_key_table()  # key -> Entry (compiled when built)
         self._workers: dict[WorkerId, _Worker] = {}
         self._lanes: dict[int, WorkerId] = {}
         self._predicted: dict[bytes, dict[int, float]] = {}
@@ -382,7 +383,7 @@ class PrefixIndex:
     # ---- queries -------------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> tuple[list[Entry | None], list[int]]:
         """Raw entries and predicted masks for ``keys`` (a copy; valid until the next change)."""
-        entries = list(map(self._entries.get, keys))
+        entries = self._entries.get_many(keys)
         pred = self._predicted
         if not pred:
             return entries, []
@@ -411,9 +412,9 @@ class PrefixIndex:
             n = min(len(keys), MAX_ROUTE_BLOCKS)
             if not n:
                 return {}
-            get = self._entries.get
-            first = list(map(get, keys[:FIRST_LOOKUPS]))
-            return route_held(first, n, self._lanes, keys, get, self._route_memo)
+            get_many = self._entries.get_many
+            first = get_many(keys[:FIRST_LOOKUPS])
+            return route_held(first, n, self._lanes, keys, get_many, self._route_memo)
         entries, predicted = self.lookup(keys)
         return merge_route(entries, predicted, self._lanes)
 

@@ -92,17 +92,18 @@ def route_held(
     n: int,
     lane_names: Mapping[int, WorkerId],
     keys: Sequence[bytes] = (),
-    get: Callable[[bytes], Entry | None] | None = None,
+    get_many: Callable[[Sequence[bytes]], list[Entry | None]] | None = None,
     memo: RouteMemo | None = None,
 ) -> dict[WorkerId, RouteMatch]:
     """:func:`merge_route` of ``n`` positions without predictions (the common case).
 
-    ``entries`` holds the first positions (at least one). Without ``get`` it holds all ``n``; with
-    ``get``, position ``i`` beyond them is ``get(keys[i])``, fetched only when the walk gets there
+    ``entries`` holds the first positions (at least one). Without ``get_many`` it holds all ``n``;
+    with it, the positions beyond are ``get_many(keys[len(entries):n])``, fetched only when the walk
+    gets there
     (all at once), so a prefix that ends within the first lookups costs few of them. ``memo`` goes
     to :func:`_collect`.
     """
-    got = len(entries) if get is not None else n
+    got = len(entries) if get_many is not None else n
     e = entries[0]
     if e is None or not e[0]:
         return {}
@@ -112,9 +113,9 @@ def route_held(
     i = 0
     while True:
         j = i + 1 if i + 1 < got and entries[i + 1] is not e else _run_end(entries, (), i, got)
-        while j == got < n and get is not None:  # the run reaches the last fetched position
+        while j == got < n and get_many is not None:  # the run reaches the last fetched position
             got = n  # the prefix outlived the first lookups: fetch the rest at once
-            entries += map(get, keys[j:got])
+            entries += get_many(keys[j:got])
             j = _run_end(entries, (), j - 1, got)
         run = j - i
         cg += (e[1] & alive) * run

@@ -1,0 +1,150 @@
+"""raykv.keytable: the compiled KeyTable behaves as the dict-based one, op for op.
+
+Random programs of stores, overwrites, deletes, lookups (single and batched, with malformed keys
+among them), clears and listings run against both tables and a plain dict; every answer and the
+final contents must agree. Growth, tombstone reuse and reference counts are checked directly.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from raykv.keytable import DictKeyTable, compiled_available, new_key_table
+
+compiled = pytest.mark.skipif(not compiled_available(), reason="raykv._keytable was not built")
+
+POOL = [bytes([i]) * 32 for i in range(12)] + [os.urandom(32) for _ in range(12)]
+BAD = [b"short", b"x" * 33, "a str of 32 characters long....", bytearray(32), 7, None, (1,)]
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("set"), st.sampled_from(POOL), st.integers(0, 5)),
+        st.tuples(st.just("del"), st.sampled_from(POOL), st.just(0)),
+        st.tuples(st.just("get"), st.sampled_from(POOL + BAD), st.just(0)),
+        st.tuples(st.just("many"), st.lists(st.sampled_from(POOL + BAD), max_size=80), st.just(0)),
+        st.tuples(st.just("clear"), st.just(b""), st.just(0)),
+    ),
+    max_size=120,
+)
+
+
+def _apply(table, op, key, value):
+    if op == "set":
+        table[key] = ("v", value)
+        return None
+    if op == "del":
+        try:
+            del table[key]
+        except KeyError:
+            return "missing"
+        return None
+    if op == "get":
+        if not _hashable(key):  # the dict raises here; the compiled table answers "absent"
+            return (None, "d", False) if isinstance(table, DictKeyTable) else _absent(table, key)
+        return (table.get(key), table.get(key, "d"), key in table)
+    if op == "many":
+        return table.get_many(key)
+    table.clear()
+    return None
+
+
+def _absent(table, key):
+    return (table.get(key), table.get(key, "d"), key in table)
+
+
+def _hashable(key):
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
+
+
+@compiled
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_compiled_table_matches_the_dict_table(program):
+    fast, slow = new_key_table(), DictKeyTable()
+    for op, key, value in program:
+        if op == "many":
+            assert fast.get_many(key) == [slow.get(k) if _hashable(k) else None for k in key]
+            continue
+        assert _apply(fast, op, key, value) == _apply(slow, op, key, value)
+        assert len(fast) == len(slow)
+    assert sorted(fast.keys()) == sorted(slow.keys())
+    assert all(fast[k] == slow[k] for k in slow)
+
+
+@compiled
+def test_growth_and_tombstones_keep_every_key():
+    table = new_key_table()
+    keys = [os.urandom(32) for _ in range(20_000)]
+    for i, k in enumerate(keys):
+        table[k] = i
+    for k in keys[::2]:
+        del table[k]
+    for i, k in enumerate(keys[::2]):  # reuse tombstones
+        table[k] = -i
+    assert len(table) == len(keys)
+    assert table.get_many(keys[:4]) == [0, 1, -1, 3]
+    assert table.get_many(keys) == [(-(i // 2) if i % 2 == 0 else i) for i in range(len(keys))]
+    table.clear()
+    assert len(table) == 0 and table.get(keys[0]) is None and table.keys() == []
+
+
+@compiled
+def test_references_are_released():
+    table = new_key_table()
+    value = object()
+    base = sys.getrefcount(value)
+    keys = [os.urandom(32) for _ in range(300)]
+    for k in keys:
+        table[k] = value
+    assert sys.getrefcount(value) == base + 300
+    table.get_many(keys)  # the returned list is dropped at once
+    for k in keys[:100]:
+        del table[k]
+    table[keys[100]] = 5  # overwrite drops the old reference
+    assert sys.getrefcount(value) == base + 199
+    table.clear()
+    assert sys.getrefcount(value) == base
+    for k in keys:
+        table[k] = value
+    del table
+    gc.collect()
+    assert sys.getrefcount(value) == base
+
+
+@compiled
+def test_bad_keys_are_refused_or_absent():
+    table = new_key_table()
+    for bad in BAD:
+        assert table.get(bad) is None and table.get(bad, 1) == 1
+        assert bad not in table
+        with pytest.raises(KeyError):
+            table[bad]
+        with pytest.raises(KeyError):
+            del table[bad]
+        with pytest.raises(TypeError):
+            table[bad] = 1
+    assert table.get_many(BAD) == [None] * len(BAD)
+    with pytest.raises(TypeError):
+        table.get_many(5)
+    with pytest.raises(TypeError):
+        type(table)(1)
+    assert len(table) == 0
+
+
+def test_pure_fallback_has_the_same_interface(monkeypatch):
+    monkeypatch.setenv("RAYKV_PURE_INDEX", "1")
+    table = new_key_table()
+    assert isinstance(table, DictKeyTable)
+    key = os.urandom(32)
+    table[key] = 1
+    assert table.get_many([key, b"x"]) == [1, None] and list(table.keys()) == [key]
