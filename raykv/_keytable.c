@@ -3,13 +3,14 @@
  * The prefix index maps every cached block's key (a SHA-256 digest) to an interned entry. A dict
  * pays, per lookup, SipHash over the key and three dependent cache misses (index slot, entry, the
  * stored key object); at a million keys a 100-key route is ~20 us of misses. This table stores
- * each key's 32 bytes inline next to its value, takes its slot from the key's own first 8 bytes
+ * each key's 32 bytes inline next to its value (one 48-byte slot), takes its slot from the key's own first 8 bytes
  * (digests are uniform; a multiply spreads them anyway), and get_many() computes every slot and
  * prefetches it before resolving any, so the misses of one route overlap.
  *
  * Contract (mirrored by raykv.keytable.DictKeyTable, the pure-Python fallback):
  *   get(key, default=None), t[key], t[key] = value, del t[key], key in t, len(t), get_many(keys)
- *   (a list of values, None where absent), keys() (a list of new bytes objects), clear().
+ *   (a list of values, None where absent), prefetch(keys) (no result: warms the slots of a batch of
+ *   stores), keys() (a list of new bytes objects), clear().
  *   A key is a bytes object of exactly 32 bytes; get/get_many/in answer "absent" for anything else,
  *   t[key] = v raises TypeError for it, t[key]/del t[key] raise KeyError. Values are strong
  *   references; the table is not tracked by the cycle collector, so a value must not refer back to
@@ -27,10 +28,14 @@
 #define BATCH 64
 
 typedef struct {
+    uint64_t tag;                   /* EMPTY, TOMB, or the key's tag (>= 2) */
+    unsigned char key[KEY_BYTES];   /* the key's bytes */
+    PyObject *value;                /* owned while the slot is live */
+} Slot;                             /* 48 bytes: a probe reads one slot, not three arrays */
+
+typedef struct {
     PyObject_HEAD
-    uint64_t *tags;        /* per slot: EMPTY, TOMB, or the key's tag (>= 2) */
-    unsigned char *keys;   /* per slot: the key's 32 bytes */
-    PyObject **values;     /* per slot: the value (owned) when the slot is live */
+    Slot *slots;
     Py_ssize_t cap;        /* a power of two */
     Py_ssize_t used;       /* live slots */
     Py_ssize_t filled;     /* live + tombstone slots */
@@ -53,27 +58,20 @@ static inline const unsigned char *key_bytes(PyObject *key) {
 static Py_ssize_t find(KeyTable *t, const unsigned char *key, uint64_t tag) {
     Py_ssize_t mask = t->cap - 1, i = (Py_ssize_t)(tag & (uint64_t)mask);
     for (;;) {
-        uint64_t s = t->tags[i];
-        if (s == EMPTY) return -1;
-        if (s == tag && memcmp(t->keys + i * KEY_BYTES, key, KEY_BYTES) == 0) return i;
+        const Slot *s = &t->slots[i];
+        if (s->tag == EMPTY) return -1;
+        if (s->tag == tag && memcmp(s->key, key, KEY_BYTES) == 0) return i;
         i = (i + 1) & mask;
     }
 }
 
 static int alloc_arrays(KeyTable *t, Py_ssize_t cap) {
-    t->tags = PyMem_Calloc((size_t)cap, sizeof(uint64_t));
-    t->keys = PyMem_Malloc((size_t)cap * KEY_BYTES);
-    t->values = PyMem_Calloc((size_t)cap, sizeof(PyObject *));
-    if (!t->tags || !t->keys || !t->values) {
-        PyMem_Free(t->tags);
-        PyMem_Free(t->keys);
-        PyMem_Free(t->values);
-        t->tags = NULL;
-        t->keys = NULL;
-        t->values = NULL;
+    Slot *slots = PyMem_Calloc((size_t)cap, sizeof(Slot)); /* all tags EMPTY, values NULL */
+    if (!slots) {
         PyErr_NoMemory();
         return -1;
     }
+    t->slots = slots;
     t->cap = cap;
     t->used = 0;
     t->filled = 0;
@@ -82,32 +80,25 @@ static int alloc_arrays(KeyTable *t, Py_ssize_t cap) {
 
 /* Rehash the live slots into arrays of new_cap slots (drops the tombstones). */
 static int resize(KeyTable *t, Py_ssize_t new_cap) {
-    uint64_t *old_tags = t->tags;
-    unsigned char *old_keys = t->keys;
-    PyObject **old_values = t->values;
-    Py_ssize_t old_cap = t->cap, used = t->used;
+    Slot *old = t->slots;
+    Py_ssize_t old_cap = t->cap, used = t->used, filled = t->filled;
     if (alloc_arrays(t, new_cap) < 0) {
-        t->tags = old_tags;
-        t->keys = old_keys;
-        t->values = old_values;
+        t->slots = old;
         t->cap = old_cap;
+        t->used = used;
+        t->filled = filled;
         return -1;
     }
     Py_ssize_t mask = new_cap - 1;
     for (Py_ssize_t j = 0; j < old_cap; j++) {
-        uint64_t tag = old_tags[j];
-        if (tag < 2) continue;
-        Py_ssize_t i = (Py_ssize_t)(tag & (uint64_t)mask);
-        while (t->tags[i] != EMPTY) i = (i + 1) & mask;
-        t->tags[i] = tag;
-        memcpy(t->keys + i * KEY_BYTES, old_keys + j * KEY_BYTES, KEY_BYTES);
-        t->values[i] = old_values[j];
+        if (old[j].tag < 2) continue;
+        Py_ssize_t i = (Py_ssize_t)(old[j].tag & (uint64_t)mask);
+        while (t->slots[i].tag != EMPTY) i = (i + 1) & mask;
+        t->slots[i] = old[j];
     }
     t->used = used;
     t->filled = used;
-    PyMem_Free(old_tags);
-    PyMem_Free(old_keys);
-    PyMem_Free(old_values);
+    PyMem_Free(old);
     return 0;
 }
 
@@ -115,9 +106,9 @@ static int set_item(KeyTable *t, const unsigned char *key, PyObject *value) {
     uint64_t tag = tag_of(key);
     Py_ssize_t at = find(t, key, tag);
     if (at >= 0) {
-        PyObject *old = t->values[at];
+        PyObject *old = t->slots[at].value;
         Py_INCREF(value);
-        t->values[at] = value;
+        t->slots[at].value = value;
         Py_DECREF(old);
         return 0;
     }
@@ -127,12 +118,13 @@ static int set_item(KeyTable *t, const unsigned char *key, PyObject *value) {
         if (resize(t, cap) < 0) return -1;
     }
     Py_ssize_t mask = t->cap - 1, i = (Py_ssize_t)(tag & (uint64_t)mask);
-    while (t->tags[i] >= 2) i = (i + 1) & mask; /* first empty or tombstone slot */
-    if (t->tags[i] == EMPTY) t->filled++;
-    t->tags[i] = tag;
-    memcpy(t->keys + i * KEY_BYTES, key, KEY_BYTES);
+    while (t->slots[i].tag >= 2) i = (i + 1) & mask; /* first empty or tombstone slot */
+    Slot *s = &t->slots[i];
+    if (s->tag == EMPTY) t->filled++;
+    s->tag = tag;
+    memcpy(s->key, key, KEY_BYTES);
     Py_INCREF(value);
-    t->values[i] = value;
+    s->value = value;
     t->used++;
     return 0;
 }
@@ -144,9 +136,9 @@ static int del_item(KeyTable *t, PyObject *keyobj) {
         PyErr_SetObject(PyExc_KeyError, keyobj);
         return -1;
     }
-    PyObject *old = t->values[at];
-    t->values[at] = NULL;
-    t->tags[at] = TOMB;
+    PyObject *old = t->slots[at].value;
+    t->slots[at].value = NULL;
+    t->slots[at].tag = TOMB;
     t->used--;
     Py_DECREF(old);
     return 0;
@@ -154,8 +146,8 @@ static int del_item(KeyTable *t, PyObject *keyobj) {
 
 static void clear_all(KeyTable *t) {
     for (Py_ssize_t i = 0; i < t->cap; i++) {
-        if (t->tags[i] >= 2) Py_CLEAR(t->values[i]);
-        t->tags[i] = EMPTY;
+        if (t->slots[i].tag >= 2) Py_CLEAR(t->slots[i].value);
+        t->slots[i].tag = EMPTY;
     }
     t->used = 0;
     t->filled = 0;
@@ -177,10 +169,8 @@ static PyObject *KeyTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds
 }
 
 static void KeyTable_dealloc(KeyTable *t) {
-    if (t->tags) clear_all(t);
-    PyMem_Free(t->tags);
-    PyMem_Free(t->keys);
-    PyMem_Free(t->values);
+    if (t->slots) clear_all(t);
+    PyMem_Free(t->slots);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -193,7 +183,7 @@ static PyObject *KeyTable_getitem(KeyTable *t, PyObject *keyobj) {
         PyErr_SetObject(PyExc_KeyError, keyobj);
         return NULL;
     }
-    return Py_NewRef(t->values[at]);
+    return Py_NewRef(t->slots[at].value);
 }
 
 static int KeyTable_ass_sub(KeyTable *t, PyObject *keyobj, PyObject *value) {
@@ -218,7 +208,7 @@ static PyObject *KeyTable_get(KeyTable *t, PyObject *const *args, Py_ssize_t nar
     }
     const unsigned char *key = key_bytes(args[0]);
     Py_ssize_t at = key ? find(t, key, tag_of(key)) : -1;
-    if (at >= 0) return Py_NewRef(t->values[at]);
+    if (at >= 0) return Py_NewRef(t->slots[at].value);
     return Py_NewRef(nargs == 2 ? args[1] : Py_None);
 }
 
@@ -243,20 +233,36 @@ static PyObject *KeyTable_get_many(KeyTable *t, PyObject *keys) {
             uint64_t tag = key ? tag_of(key) : 0;
             tags[k - lo] = tag;
             if (tag) {
-                Py_ssize_t i = (Py_ssize_t)(tag & (uint64_t)mask);
-                __builtin_prefetch(&t->tags[i]);
-                __builtin_prefetch(t->keys + i * KEY_BYTES);
-                __builtin_prefetch(&t->values[i]);
+                const char *slot = (const char *)&t->slots[(Py_ssize_t)(tag & (uint64_t)mask)];
+                __builtin_prefetch(slot);
+                __builtin_prefetch(slot + sizeof(Slot) - 1); /* a slot may straddle two lines */
             }
         }
         for (Py_ssize_t k = lo; k < hi; k++) {
             uint64_t tag = tags[k - lo];
             Py_ssize_t at = tag ? find(t, (const unsigned char *)PyBytes_AS_STRING(items[k]), tag) : -1;
-            PyList_SET_ITEM(out, k, Py_NewRef(at >= 0 ? t->values[at] : Py_None));
+            PyList_SET_ITEM(out, k, Py_NewRef(at >= 0 ? t->slots[at].value : Py_None));
         }
     }
     Py_DECREF(seq);
     return out;
+}
+
+/* Start loading the slots of a batch of keys (a batch of stores that follows then hits cache). */
+static PyObject *KeyTable_prefetch(KeyTable *t, PyObject *keys) {
+    PyObject *seq = PySequence_Fast(keys, "prefetch() takes a sequence of keys");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), mask = t->cap - 1;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        const unsigned char *key = key_bytes(items[k]);
+        if (!key) continue;
+        const char *slot = (const char *)&t->slots[(Py_ssize_t)(tag_of(key) & (uint64_t)mask)];
+        __builtin_prefetch(slot, 1);
+        __builtin_prefetch(slot + sizeof(Slot) - 1, 1);
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
 }
 
 static PyObject *KeyTable_keys(KeyTable *t, PyObject *Py_UNUSED(ignored)) {
@@ -264,8 +270,8 @@ static PyObject *KeyTable_keys(KeyTable *t, PyObject *Py_UNUSED(ignored)) {
     if (!out) return NULL;
     Py_ssize_t k = 0;
     for (Py_ssize_t i = 0; i < t->cap && k < t->used; i++) {
-        if (t->tags[i] < 2) continue;
-        PyObject *key = PyBytes_FromStringAndSize((const char *)t->keys + i * KEY_BYTES, KEY_BYTES);
+        if (t->slots[i].tag < 2) continue;
+        PyObject *key = PyBytes_FromStringAndSize((const char *)t->slots[i].key, KEY_BYTES);
         if (!key) {
             Py_DECREF(out);
             return NULL;
@@ -284,6 +290,7 @@ static PyObject *KeyTable_clear(KeyTable *t, PyObject *Py_UNUSED(ignored)) {
 static PyMethodDef KeyTable_methods[] = {
     {"get", (PyCFunction)(void (*)(void))KeyTable_get, METH_FASTCALL, "get(key, default=None)"},
     {"get_many", (PyCFunction)KeyTable_get_many, METH_O, "get_many(keys) -> list (None if absent)"},
+    {"prefetch", (PyCFunction)KeyTable_prefetch, METH_O, "prefetch(keys): start loading their slots"},
     {"keys", (PyCFunction)KeyTable_keys, METH_NOARGS, "keys() -> list of the keys (new bytes)"},
     {"clear", (PyCFunction)KeyTable_clear, METH_NOARGS, "clear(): remove everything"},
     {NULL, NULL, 0, NULL},

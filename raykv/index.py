@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ from raykv.types import BLOCK_KEY_BYTES, TierKind, WorkerId
 MAX_LANES = 4096
 OP_STORE, OP_REMOVE, OP_CLEAR = 0, 1, 2
 REORDER_WINDOW = 64
+PREFETCH_OPS = 512  # batches up to this long warm their keys' slots first
+_KEY_OF_OP = operator.itemgetter(1)
 CANON_LIMIT = 65_536  # distinct entry objects kept canonical (interned); beyond it the table restarts
 
 
@@ -316,6 +319,8 @@ class PrefixIndex:
         stored = memo.stored
         seen: tuple[dict[int, tuple[Entry, bool]], ...] = ({}, {}, {})  # per tier: id(old) -> result
         added = removed = 0
+        if isinstance(ops, (tuple, list)) and len(ops) <= PREFETCH_OPS:  # a worker's event batch
+            entries.prefetch(list(map(_KEY_OF_OP, ops)))  # the slots load together, not one by one
         for op, key, tier in ops:
             if op == OP_STORE:
                 e = get(key)

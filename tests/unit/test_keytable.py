@@ -28,6 +28,7 @@ ops = st.lists(
         st.tuples(st.just("del"), st.sampled_from(POOL), st.just(0)),
         st.tuples(st.just("get"), st.sampled_from(POOL + BAD), st.just(0)),
         st.tuples(st.just("many"), st.lists(st.sampled_from(POOL + BAD), max_size=80), st.just(0)),
+        st.tuples(st.just("prefetch"), st.lists(st.sampled_from(POOL + BAD), max_size=80), st.just(0)),
         st.tuples(st.just("clear"), st.just(b""), st.just(0)),
     ),
     max_size=120,
@@ -50,6 +51,8 @@ def _apply(table, op, key, value):
         return (table.get(key), table.get(key, "d"), key in table)
     if op == "many":
         return table.get_many(key)
+    if op == "prefetch":  # warms slots only: changes nothing, answers nothing
+        return table.prefetch(key)
     table.clear()
     return None
 
@@ -136,6 +139,9 @@ def test_bad_keys_are_refused_or_absent():
     assert table.get_many(BAD) == [None] * len(BAD)
     with pytest.raises(TypeError):
         table.get_many(5)
+    with pytest.raises(TypeError):
+        table.prefetch(5)
+    assert table.prefetch(BAD) is None
     with pytest.raises(TypeError):
         type(table)(1)
     assert len(table) == 0
