@@ -304,7 +304,8 @@ def import_written(
 ChunkWriter = Callable[[list[PageId], list[int], list[int]], Sequence[object]]
 """``write(slots, new, cuts)``: start copying the pages of records ``new`` into top-tier
 ``slots`` (same order) as chunks split at the indices ``cuts`` of ``new``; returns one handle per
-chunk, which the matching ``confirm`` waits on (the copies may still be running). Slots of chunks
+chunk, which the matching ``confirm`` waits on (the copies may still be running).
+:func:`import_pipelined` calls it once per chunk, with no cuts. Slots of chunks
 that are not inserted are given back without waiting: the writer must make their next user wait
 for its copies (a GPU tier's slot events do; a synchronous copy needs nothing)."""
 
@@ -330,9 +331,10 @@ def import_pipelined(
     """:func:`import_written` in chunks (records ``starts[k]`` up to ``starts[k + 1]``; ``starts``
     ascending from 0, the last chunk ending with the records) whose copies overlap the
     inserts: under the lock, all records are validated (a problem raises and changes nothing),
-    pages for every new block are allocated and one ``write`` starts every chunk's copy; then each
-    chunk in order is confirmed (``confirm(handle, first, end)`` without the lock: waits for its
-    copy, raises if the source changed meanwhile) and inserted while later chunks still copy. The
+    each chunk's pages are allocated and its ``write`` started in turn (the first chunk copies
+    while the later ones are allocated); then each chunk in order is confirmed
+    (``confirm(handle, first, end)`` without the lock: waits for its copy, raises if the source
+    changed meanwhile) and inserted while later chunks still copy. The
     new pages and the cached parents stay leased until the last chunk settles, so no chunk loses
     its parent.
 
@@ -350,7 +352,7 @@ def import_pipelined(
         if not new:
             present = tuple(BlockKey(k) for k in records.keys)
             return Pipelined(ImportResult((), present), len(records), None)
-        cached = {id(b.page): b.page for i in new if (b := mgr.tree.get(BlockKey(records.parent_keys[i])))}
+        cached = _cached_parents(mgr, records, new)
         outer = _hold(mgr, list(cached.values()))
         try:
             staged = _stage_chunks(mgr, records, new, starts, priority, write, outer)
@@ -364,6 +366,16 @@ def import_pipelined(
             _release_hold(mgr, outer)
 
 
+def _cached_parents(mgr: CacheManager, records: BlockRecords, new: list[int]) -> dict[int, Page]:
+    """The pages of the cached blocks that new records hang from (to hold while importing). In a
+    chain only a new record whose predecessor is not new can have one (C-level check first)."""
+    keys, parents, get = records.keys, records.parent_keys, mgr.tree.get
+    if len(keys) > 1 and list(parents[1:]) == list(keys[:-1]):
+        fresh = set(new)
+        new = [i for i in new if i == 0 or i - 1 not in fresh]
+    return {id(b.page): b.page for i in new if (b := get(cast(BlockKey, parents[i]))) is not None}
+
+
 def _stage_chunks(
     mgr: CacheManager,
     records: BlockRecords,
@@ -373,24 +385,27 @@ def _stage_chunks(
     write: ChunkWriter,
     outer: int,
 ) -> list[_Chunk]:
-    """Allocate every new block's page (held by lease ``outer``) and start the chunked copy."""
+    """Chunk by chunk: allocate the new blocks' pages (held by lease ``outer``) and start their
+    copy, so the first chunk copies while the later ones are being allocated. On an error every
+    chunk staged so far is given back (copies still running are the writer's to fence)."""
     held = {p.uid for p in mgr._leases[outer]}
-    pages = mgr.allocate_pages(len(new), priority, held)
-    _extend_hold(mgr, outer, pages)
-    cuts = [bisect.bisect_left(new, first) for first in firsts[1:]]
+    ends = [*firsts[1:], len(records)]
+    staged: list[_Chunk] = []
     try:
-        handles = list(write([p.slot for p in pages], new, cuts))
-        if len(handles) != len(firsts):
-            raise ValueError(f"the writer returned {len(handles)} handles for {len(firsts)} chunks")
+        for first, end in zip(firsts, ends):
+            mine = new[bisect.bisect_left(new, first) : bisect.bisect_left(new, end)]
+            pages = mgr.allocate_pages(len(mine), priority, held)
+            _extend_hold(mgr, outer, pages)
+            part = _Staged(mine, pages, None)
+            staged.append((part, None, first, end))
+            handles = list(write([p.slot for p in pages], mine, []))
+            if len(handles) != 1:
+                raise ValueError(f"the writer returned {len(handles)} handles for one chunk")
+            staged[-1] = (part, handles[0], first, end)
     except BaseException:
-        _release_hold(mgr, outer, pages)
-        mgr.pools[0].release([p.slot for p in pages])
+        _abort_from(mgr, staged, 0, outer)
         raise
-    bounds, ends = [0, *cuts, len(new)], [*firsts[1:], len(records)]
-    return [
-        (_Staged(new[lo:hi], pages[lo:hi], None), handle, first, end)
-        for (lo, hi), handle, first, end in zip(itertools.pairwise(bounds), handles, firsts, ends)
-    ]
+    return staged
 
 
 def _hold(mgr: CacheManager, pages: list[Page]) -> int:

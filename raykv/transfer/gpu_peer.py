@@ -362,8 +362,8 @@ async def _pull_batch(
 
 # ---- one-sided: no request at all ----------------------------------------------------------------
 LOCAL_PATH = "gpu_read"
-PIPELINE_SHARES = (4, 3, 2, 1)  # 4 chunks: on 2x H200, 4 equal ones beat 1, 2, 8 and 16
-PIPELINE_MIN_CHUNK = 24
+PIPELINE_SHARES = (1, 3, 3, 2, 1)  # a small first chunk starts the copy early, a small last one
+PIPELINE_MIN_CHUNK = 16  # ends it early; on 2x H200: 1.89 ms for 256 x 2 MiB, one chunk 2.45 ms
 
 
 async def _pull_local(
@@ -445,9 +445,7 @@ def _land_local(
     outcome and the keys left for the owner to serve (a chunk's slot changed while it was
     copied: that chunk and the later ones were not imported). None when nothing was imported
     because the first chunk changed."""
-    records = BlockRecords(
-        tuple(keys), tuple(BlockKey(p) for p in located.parents), tuple(located.roots), tuple(located.tokens)
-    )
+    records = BlockRecords(keys, located.parents, located.roots, located.tokens)  # parents: keys' bytes
     n = importable_prefix(manager, records)
     pool: Any = manager.top_pool
 
