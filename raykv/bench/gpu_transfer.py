@@ -1,6 +1,6 @@
 """GPU-to-GPU page pulls between two processes (needs 2 CUDA devices and ucxx).
 
-``python -m raykv.bench.gpu_transfer [--quick] [--json PATH]``: a page-server process owns a
+``python -m raykv.bench.gpu_transfer [--quick] [--json PATH] [--gpu-read-only] [--repeats N]``: a page-server process owns a
 CacheManager whose top tier is a GPU tier on cuda:0 (plus a pinned host tier) holding committed
 blocks written by the device oracle; this process pulls them into a manager on cuda:1 and times:
 
@@ -19,6 +19,9 @@ blocks written by the device oracle; this process pulls them into a manager on c
   :func:`raykv.transfer.gpu_peer.pull_gpu_local` with no event-loop or executor hop;
 * ``ucx pull+import``: the host path (:func:`raykv.transfer.pull_into`): pages land in host memory,
   CRC-32 on both sides, then imported (only with ``--host-path``; fewer samples: it is slow).
+
+``--gpu-read-only`` times only the raw copy, gpu_read in the caller's thread and the raw copy
+again (the host's speed drifts; the two raw rows bracket the pull).
 
 Baseline, measured in the same run: one torch copy of one contiguous buffer of the same bytes
 from cuda:0 to cuda:1 (``copy_``, then synchronize). Issue goal: >= 0.75x for 256 pages of 2 MiB.
@@ -313,7 +316,8 @@ def _scenario(
 
     try:
         rows = [("raw torch peer copy", _median_seconds(raw, nothing, repeats, warmup))]
-        for variant in [v for v in VARIANTS if options.in_place or v != "in_place"]:
+        only = getattr(options, "gpu_read_only", False)
+        for variant in [v for v in VARIANTS if (options.in_place or v != "in_place") and not only]:
             peer = PeerAddress("127.0.0.1", entry[variant])
             for what, fn, before in (("pull", pull, nothing), ("pull+import", pull_import, clear)):
                 try:
@@ -329,7 +333,7 @@ def _scenario(
             ("gpu_peer pull+import", functools.partial(peer_pull_import, False)),
             ("gpu_read pull+import (event loop)", functools.partial(peer_pull_import, True)),
             ("gpu_read pull+import (caller's thread)", local_pull_import),
-        )
+        )[2 if only else 0 :]
         for label, work in labelled:
             try:  # after the direct rows: the first gpu_peer pull makes the server's pool shared
                 rows.append((label, _median_seconds(work, clear, repeats, warmup)))
@@ -337,6 +341,8 @@ def _scenario(
                 errors.append(f"{sc.name} {label}: {type(exc).__name__}: {exc}")
         if len(local_served) < repeats:
             errors.append(f"{sc.name}: gpu_read served {len(local_served)} of {repeats} timed pulls")
+        if only:  # the machine drifts: the baseline again, after the rows it is compared with
+            rows.append(("raw torch peer copy (again)", _median_seconds(raw, nothing, repeats, warmup)))
         if options.host_path:
             try:
                 rows.append(("ucx pull+import (host path)", _median_seconds(ucx_pull_import, clear, 2, 1)))
@@ -367,6 +373,8 @@ def measure(options: argparse.Namespace, scenarios: tuple[Scenario, ...] = SCENA
     import secrets
 
     repeats, warmup = (5, 2) if options.quick else (15, 3)
+    if getattr(options, "repeats", None):
+        repeats = options.repeats
     token = secrets.token_bytes(32)
     server = ServerProcess(token, list(scenarios))
     out: dict[str, Any] = {"server_transports": server.ready["transports"], "rows": [], "errors": []}
@@ -391,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--host-path", action="store_true", help="also time the ucx host path (slow)")
     parser.add_argument("--in-place", action="store_true", help="also time in-place GPU sends (slow)")
+    parser.add_argument(
+        "--gpu-read-only", action="store_true", help="only the raw copy and gpu_read in the caller's thread"
+    )
+    parser.add_argument("--repeats", type=int, help="timed samples per row (default 5 quick, 15 full)")
     opts = parser.parse_args(args)
     result = measure(opts)
     print(f"UCX transports: server {result['server_transports']}, client {result['client_transports']}")
