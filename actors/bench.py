@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from actors.ray_util import shutdown_ray
 from raykv.bench import SUITES
 from raykv.bench.harness import Benchmark, Row
 from raykv.index import OP_STORE, EventBatch
@@ -116,7 +117,7 @@ def _ray_rows(quick: bool) -> list[Row]:
         return rows
     finally:
         if started:
-            ray.shutdown()
+            shutdown_ray()
 
 
 def register() -> None:

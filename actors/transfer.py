@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from actors.ray_util import shutdown_ray
 from raykv.errors import TransferError
 from raykv.manager import CacheManager
 from raykv.transfer import (
@@ -282,7 +283,7 @@ def _object_store_rows(quick: bool) -> list[Any]:
         ray.get(peer.close.remote(), timeout=60)
         ray.kill(peer)
         if started:
-            ray.shutdown()
+            shutdown_ray()
     return rows
 
 

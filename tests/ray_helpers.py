@@ -12,6 +12,7 @@ import ray
 
 import raykv
 from actors.cluster import RayKVCluster
+from actors.ray_util import shutdown_ray
 from raykv import CacheConfig, KVLayout, TierConfig
 from raykv.index import RouteMatch
 from raykv.types import WorkerId
@@ -126,3 +127,8 @@ def serve_example(example: Any, prefix: str, num_workers: int, app_name: str) ->
     finally:
         serve.shutdown()
         dep.shutdown()
+
+
+def quiet_shutdown() -> None:
+    """:func:`actors.ray_util.shutdown_ray` with a longer settle (a deployment was just killed)."""
+    shutdown_ray(settle_s=0.5)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import ray
-from ray_helpers import running
+from ray_helpers import quiet_shutdown, running
 
 from actors.cluster import RayKVCluster
 
@@ -21,7 +21,7 @@ from actors.cluster import RayKVCluster
 @pytest.fixture(scope="package")
 def ray_local() -> Iterator[None]:
     if ray.is_initialized():
-        ray.shutdown()
+        quiet_shutdown()
     ray.init(
         address="local",  # never attach to another Ray instance on this machine
         num_cpus=2,
@@ -30,7 +30,7 @@ def ray_local() -> Iterator[None]:
         namespace="raykv-integration-driver",
     )
     yield
-    ray.shutdown()
+    quiet_shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from ray_helpers import quiet_shutdown
 
 NUM_NODES = 3
 OBJECT_STORE = 100 * 1024 * 1024
@@ -22,7 +23,7 @@ NODE_RESOURCES = [{f"node{i}": 0.01} for i in range(NUM_NODES)]
 @pytest.fixture(scope="package")
 def cluster() -> Iterator[Cluster]:
     if ray.is_initialized():
-        ray.shutdown()
+        quiet_shutdown()
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
@@ -39,5 +40,5 @@ def cluster() -> Iterator[Cluster]:
         ray.init(address=cluster.address, namespace="raykv-multinode-driver")
         yield cluster
     finally:
-        ray.shutdown()
+        quiet_shutdown()
         cluster.shutdown()

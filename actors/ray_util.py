@@ -1,0 +1,22 @@
+"""Ending a Ray session that this process started, without Ray ending the process.
+
+Ray's core worker exits the whole process (status 1, no message) when a thread touches it after
+``ray.shutdown()`` (ray-project/ray#19115). A cyclic garbage object holding an ActorHandle or an
+ObjectRef does exactly that when the cycle collector happens to run later in some other thread (a
+UCX or transfer thread), so the garbage goes first, while Ray is still up.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import ray
+
+
+def shutdown_ray(settle_s: float = 0.2) -> None:
+    """Collect garbage (and let the last actor-death notices arrive), then ``ray.shutdown()``."""
+    gc.collect()
+    time.sleep(settle_s)
+    gc.collect()
+    ray.shutdown()
