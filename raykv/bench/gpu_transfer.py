@@ -1,8 +1,9 @@
 """GPU-to-GPU page pulls between two processes (needs 2 CUDA devices and ucxx).
 
-``python -m raykv.bench.gpu_transfer [--quick] [--json PATH] [--gpu-read-only] [--repeats N]``: a page-server process owns a
-CacheManager whose top tier is a GPU tier on cuda:0 (plus a pinned host tier) holding committed
-blocks written by the device oracle; this process pulls them into a manager on cuda:1 and times:
+``python -m raykv.bench.gpu_transfer [--quick] [--json PATH] [--gpu-read-only] [--repeats N]``:
+a page-server process owns a CacheManager whose top tier is a GPU tier on cuda:0 (plus a pinned
+host tier) holding committed blocks written by the device oracle; this process pulls them into a
+manager on cuda:1 and times:
 
 * ``direct pull``: :func:`raykv.transfer.device.pull_direct` into a buffer on cuda:1, every page's
   digest checked; the sender gathers the pages into a plain device allocation (``staged``: up to 4
