@@ -76,6 +76,12 @@ class BlockRecords:
         """The first ``count`` blocks."""
         return self.slice(0, count)
 
+    def is_chain(self) -> bool:
+        """Whether each block's parent is the block before it (the usual batch: one request's
+        prefix), so only the first block's parent can be outside the batch."""
+        n = len(self.keys)
+        return n > 0 and list(self.parent_keys[1:]) == list(self.keys[: n - 1])
+
     def slice(self, first: int, end: int) -> BlockRecords:
         """Blocks ``first`` up to (not including) ``end``."""
         return BlockRecords(

@@ -149,7 +149,7 @@ def _scan_chain(mgr: CacheManager, records: BlockRecords) -> list[int] | None:
         return None
     if not (type(parents[0]) is bytes and len(parents[0]) == 32):
         return None
-    if list(parents[1:]) != list(keys[: n - 1]) or any(records.parent_is_root[1:]):
+    if not records.is_chain() or any(records.parent_is_root[1:]):
         return None
     if list(records.num_tokens).count(mgr.tokens_per_block) != n or len(set(keys)) != n:
         return None
@@ -370,7 +370,7 @@ def _cached_parents(mgr: CacheManager, records: BlockRecords, new: list[int]) ->
     """The pages of the cached blocks that new records hang from (to hold while importing). In a
     chain only a new record whose predecessor is not new can have one (C-level check first)."""
     keys, parents, get = records.keys, records.parent_keys, mgr.tree.get
-    if len(keys) > 1 and list(parents[1:]) == list(keys[:-1]):
+    if len(keys) > 1 and records.is_chain():
         fresh = set(new)
         new = [i for i in new if i == 0 or i - 1 not in fresh]
     return {id(b.page): b.page for i in new if (b := get(cast(BlockKey, parents[i]))) is not None}

@@ -52,12 +52,11 @@ class PullOutcome:
 
 def importable_prefix(manager: CacheManager, records: BlockRecords) -> int:
     """How many leading blocks have their parent (root, cached, or earlier in the batch)."""
-    keys, parents = records.keys, records.parent_keys
-    n = len(keys)
     seen: set[bytes] = set()
     with manager.locked():
-        if n and list(parents[1:]) == list(keys[: n - 1]):  # a chain: only its head's parent matters
-            return n if records.parent_is_root[0] or parents[0] in manager.tree else 0
+        if records.is_chain():  # only the head's parent matters
+            head = records.parent_is_root[0] or records.parent_keys[0] in manager.tree
+            return len(records.keys) if head else 0
         for i, (key, parent, root) in enumerate(
             zip(records.keys, records.parent_keys, records.parent_is_root)
         ):
