@@ -89,27 +89,21 @@ class EventQueue:
         return len(self._queue)
 
     def _push(self, make: type, *fields: object) -> CacheEvent:
-        with self._lock:
-            event: CacheEvent = make(self._next_id, *fields)
-            self._next_id += 1
-            if len(self._queue) >= self._max:
-                self._queue.popleft()
-                self.dropped += 1
-            self._queue.append(event)
-        for listener in self.listeners:
-            listener(event)
+        event: CacheEvent = self._push_many(make, [fields], built=True)[0]
         return event
 
-    def _push_many(self, make: type, rows: Sequence[tuple[object, ...]]) -> None:
-        """Queue one ``make`` event per row of fields, with consecutive ids."""
+    def _push_many(self, make: type, rows: Sequence[tuple[object, ...]], built: bool = False) -> list[Any]:
+        """Queue one ``make`` event per row of fields, with consecutive ids. The events are built
+        (and returned) when ``built`` or when listeners must see them; else queued raw (and []
+        is returned)."""
         if not rows:
-            return
+            return []
         listeners = self.listeners
         made: list[Any] = []
         with self._lock:
             first = self._next_id
             self._next_id = first + len(rows)
-            if listeners:
+            if built or listeners:
                 made = [make(first + i, *row) for i, row in enumerate(rows)]
                 items: list[Any] = made
             else:
@@ -126,6 +120,7 @@ class EventQueue:
         for listener in listeners:
             for event in made:
                 listener(event)
+        return made
 
     def stored(
         self, key: BlockKey, parent: BlockKey, tier: TierKind, num_tokens: int, request_id: int | None
