@@ -301,13 +301,11 @@ def import_written(
     return _import(mgr, records, None, write, priority, confirm)
 
 
-ChunkWriter = Callable[[list[PageId], list[int], list[int]], Sequence[object]]
-"""``write(slots, new, cuts)``: start copying the pages of records ``new`` into top-tier
-``slots`` (same order) as chunks split at the indices ``cuts`` of ``new``; returns one handle per
-chunk, which the matching ``confirm`` waits on (the copies may still be running).
-:func:`import_pipelined` calls it once per chunk, with no cuts. Slots of chunks
-that are not inserted are given back without waiting: the writer must make their next user wait
-for its copies (a GPU tier's slot events do; a synchronous copy needs nothing)."""
+ChunkWriter = Callable[[list[PageId], list[int]], object]
+"""``write(slots, new)``: start copying the pages of records ``new`` into top-tier ``slots`` (same
+order); returns a handle, which the chunk's ``confirm`` waits on (the copy may still be running).
+Slots of chunks that are not inserted are given back without waiting: the writer must make their
+next user wait for its copy (a GPU tier's slot events do; a synchronous copy needs nothing)."""
 
 
 @dataclass(frozen=True)
@@ -398,10 +396,7 @@ def _stage_chunks(
             _extend_hold(mgr, outer, pages)
             part = _Staged(mine, pages, None)
             staged.append((part, None, first, end))
-            handles = list(write([p.slot for p in pages], mine, []))
-            if len(handles) != 1:
-                raise ValueError(f"the writer returned {len(handles)} handles for one chunk")
-            staged[-1] = (part, handles[0], first, end)
+            staged[-1] = (part, write([p.slot for p in pages], mine), first, end)
     except BaseException:
         _abort_from(mgr, staged, 0, outer)
         raise

@@ -24,13 +24,10 @@ the disk for one chunk overlaps the copy of the previous one.
 
 from __future__ import annotations
 
-import bisect
 import ctypes
-import itertools
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -109,18 +106,6 @@ def _compile_kernel(device: int) -> Any:
     return module, check(drv.cuModuleGetFunction(module, b"raykv_copy_pages"), "cuModuleGetFunction")
 
 
-@dataclass(frozen=True)
-class _Batch:
-    """One copy call's pages: slot arrays and pool bases, on one stream."""
-
-    stream: Any
-    src_base: int
-    src: npt.NDArray[np.int64]
-    dst_base: int
-    dst: npt.NDArray[np.int64]
-    nbytes: int
-
-
 class CudaCopier:
     """Streams, the copy kernel and the disk staging buffer of one device."""
 
@@ -173,78 +158,48 @@ class CudaCopier:
             raise ValueError("source and destination batches differ in length")
         if not len(src_slots) or nbytes == 0:
             return None
-        return self.copy_chunked(stream_name, src_base, src_slots, dst_base, dst_slots, nbytes, waits, ())[0]
-
-    def copy_chunked(
-        self,
-        stream_name: str,
-        src_base: int,
-        src_slots: SlotList,
-        dst_base: int,
-        dst_slots: SlotList,
-        nbytes: int,
-        waits: Sequence[Any],
-        cuts: Sequence[int],
-    ) -> list[Any]:
-        """:meth:`copy` as consecutive chunks split at the indices ``cuts`` (ascending, inside the
-        batch), one event recorded after each chunk: a caller can use the first pages while the
-        rest still copy. Empty chunks get None. Every event is also each chunk's slots' new
-        pending event (the caller records them; later chunks complete after earlier ones)."""
-        if len(src_slots) != len(dst_slots):
-            raise ValueError("source and destination batches differ in length")
-        bounds = [0, *cuts, len(src_slots)]
-        if any(b > a for a, b in zip(bounds[1:], bounds)):
-            raise ValueError(f"cuts must be ascending within 0..{len(src_slots)}, got {list(cuts)}")
-        if nbytes == 0 or not len(src_slots):
-            return [None] * (len(bounds) - 1)
         torch = self._torch
         ensure_context(self.device)
         stream = self.streams[stream_name]
-        events: list[Any] = []
         with torch_errors(f"{stream_name} page copy"):
             stream.wait_stream(torch.cuda.current_stream(self.torch_device))
             for event in waits:
                 stream.wait_event(event)
             src = np.asarray(src_slots, dtype=np.int64)
             dst = np.asarray(dst_slots, dtype=np.int64)
-            breaks = _run_starts(src, dst).tolist()  # one pass for every chunk
-            batch = _Batch(stream, src_base, src, dst_base, dst, nbytes)
-            for lo, hi in itertools.pairwise(bounds):
-                if lo == hi:
-                    events.append(None)
-                    continue
-                first = bisect.bisect_right(breaks, lo)
-                self._enqueue(batch, lo, hi, [lo, *breaks[first : bisect.bisect_left(breaks, hi)]])
-                event = torch.cuda.Event()
-                event.record(stream)
-                events.append(event)
-        return events
+            self._enqueue(stream, src_base, src, dst_base, dst, nbytes)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
 
-    def _enqueue(self, batch: _Batch, lo: int, hi: int, starts: list[int]) -> None:
-        """Copy pages ``lo..hi`` of ``batch``, whose runs (consecutive on both sides) begin at
-        ``starts``: one cuMemcpyAsync per run, or one kernel launch for many short runs."""
-        nbytes, count = batch.nbytes, hi - lo
+    def _enqueue(
+        self,
+        stream: Any,
+        src_base: int,
+        src: npt.NDArray[np.int64],
+        dst_base: int,
+        dst: npt.NDArray[np.int64],
+        nbytes: int,
+    ) -> None:
+        """Copy the pages: one cuMemcpyAsync per run (consecutive on both sides), or one kernel
+        launch for many short runs."""
+        spans = runs(src, dst)
         if self.method in ("memcpy", "kernel"):
             use_memcpy = self.method == "memcpy"
-        elif len(starts) <= MEMCPY_MAX_RUNS:
+        elif len(spans) <= MEMCPY_MAX_RUNS:
             use_memcpy = True
         else:  # long runs between host and device: DMA engines; within the device: the kernel
-            host_side = batch.stream is not self.streams["d2d"]
-            use_memcpy = host_side and count * nbytes >= len(starts) * MEMCPY_MIN_RUN_BYTES
-        src, dst = batch.src, batch.dst
-        aligned = nbytes % 16 == 0 and not (batch.src_base | batch.dst_base) % 16
+            host_side = stream is not self.streams["d2d"]
+            use_memcpy = host_side and len(src) * nbytes >= len(spans) * MEMCPY_MIN_RUN_BYTES
+        aligned = nbytes % 16 == 0 and not (src_base | dst_base) % 16
         if not use_memcpy and aligned and self._load_kernel():
-            src_addr = batch.src_base + src[lo:hi] * nbytes
-            self._launch(batch.stream, src_addr, batch.dst_base + dst[lo:hi] * nbytes, nbytes)
+            self._launch(stream, src_base + src * nbytes, dst_base + dst * nbytes, nbytes)
             return
         drv = driver()
-        handle = batch.stream.cuda_stream
-        for start, end in zip(starts, [*starts[1:], hi]):
-            s, d = int(src[start]), int(dst[start])
+        handle = stream.cuda_stream
+        for s, d, n in spans:
             check(
-                drv.cuMemcpyAsync(
-                    batch.dst_base + d * nbytes, batch.src_base + s * nbytes, (end - start) * nbytes, handle
-                ),
+                drv.cuMemcpyAsync(dst_base + d * nbytes, src_base + s * nbytes, n * nbytes, handle),
                 "cuMemcpyAsync",
             )
 

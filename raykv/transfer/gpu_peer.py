@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import os
 import secrets
@@ -449,15 +448,8 @@ def _land_local(
     n = importable_prefix(manager, records)
     pool: Any = manager.top_pool
 
-    def write(dst: list[PageId], new: list[int], cuts: list[int]) -> list[Any]:
-        waits = pool.events.pending(list(dst))
-        src = [located.slots[i] for i in new]
-        base, page = pool.base_address, pool.page_bytes
-        events = pool.copier.copy_chunked("d2d", source.base_address, src, base, dst, page, waits, cuts)
-        for (lo, hi), event in zip(itertools.pairwise([0, *cuts, len(dst)]), events):
-            if event is not None:  # a slot given back (a later chunk went stale) waits for its copy
-                pool.events.set(dst[lo:hi], event)
-        return events  # type: ignore[no-any-return]
+    def write(dst: list[PageId], new: list[int]) -> Any:
+        return start_copy(source, [located.slots[i] for i in new], pool, dst)
 
     def confirm(event: Any, first: int, end: int) -> None:
         if event is not None:
@@ -507,11 +499,20 @@ def chunk_starts(count: int) -> list[int]:
     return starts
 
 
-def copy_from(source: AttachedPool, src: list[int], pool: Any, dst: list[PageId]) -> None:
-    """Copy pages ``src`` of a mapped peer pool onto pages ``dst`` of ``pool`` (a GpuPool) with
-    the pool's copy engine; returns once the copy completed (the caller's lease may end then)."""
+def start_copy(source: AttachedPool, src: list[int], pool: Any, dst: list[PageId]) -> Any:
+    """Start copying pages ``src`` of a mapped peer pool onto pages ``dst`` of ``pool`` (a GpuPool)
+    with the pool's copy engine; the event (None for nothing to copy) becomes the pending event
+    of ``dst``, so the slots are not reused or read before the copy ends."""
     waits = pool.events.pending(list(dst))
     event = pool.copier.copy("d2d", source.base_address, src, pool.base_address, dst, pool.page_bytes, waits)
+    if event is not None:
+        pool.events.set(dst, event)
+    return event
+
+
+def copy_from(source: AttachedPool, src: list[int], pool: Any, dst: list[PageId]) -> None:
+    """:func:`start_copy` that returns once the copy completed (the caller's lease may end then)."""
+    event = start_copy(source, src, pool, dst)
     if event is not None:
         event.synchronize()
 

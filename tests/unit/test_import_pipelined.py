@@ -8,26 +8,12 @@ behind (no pages, no leases), and the exception comes back in ``stopped``.
 
 from __future__ import annotations
 
-import itertools
-
-import numpy as np
 import pytest
+from import_support import chain, toks
 
-from raykv import ImportRejectedError, TransferError, block_keys
+from raykv import ImportRejectedError, TransferError
 from raykv.records import BlockRecords
 from raykv.transfer_blocks import import_pipelined
-
-TPB = 4
-
-
-def toks(seed: int, n: int) -> list[int]:
-    return [seed * 1000 + i for i in range(n)]
-
-
-def chain(mgr, run_request, tokens):
-    run_request(mgr, tokens)
-    blocks = mgr.export_blocks(block_keys(tokens, TPB))
-    return BlockRecords.of(blocks), np.stack([np.frombuffer(b.data, dtype=np.uint8) for b in blocks])
 
 
 def starts(count: int, per: int) -> list[int]:
@@ -42,13 +28,10 @@ class Copier:
         self.started: list[list[int]] = []
         self.confirmed: list[tuple[int, int]] = []
 
-    def write(self, slots, new, cuts):
-        bounds = [0, *cuts, len(new)]
-        for lo, hi in itertools.pairwise(bounds):
-            rows = new[lo:hi]
-            self.mgr.copy.write(0, slots[lo:hi], self.data[rows] if rows else self.data[:0])
-            self.started.append(rows)
-        return list(range(len(bounds) - 1))  # the handles: the chunks' numbers
+    def write(self, slots, new):
+        self.mgr.copy.write(0, slots, self.data[new] if new else self.data[:0])
+        self.started.append(list(new))
+        return len(self.started) - 1  # the handle: the chunk's number
 
     def confirm(self, handle, first, end):
         assert len(self.started) > handle  # every chunk was started before any confirm
@@ -61,7 +44,7 @@ class Copier:
 
 def test_all_chunks_imported_in_order(make_manager, oracle, run_request):
     src, dst = make_manager(16), make_manager(16)
-    records, data = chain(src, run_request, toks(1, 40))
+    records, data, _ = chain(src, run_request, toks(1, 40))
     cp = Copier(dst, data)
     done = import_pipelined(dst, records, starts(len(records), 3), cp.write, cp.confirm, 50)
     dst.check_invariants()
@@ -75,7 +58,7 @@ def test_all_chunks_imported_in_order(make_manager, oracle, run_request):
 
 def test_present_blocks_are_skipped(make_manager, oracle, run_request):
     src, dst = make_manager(16), make_manager(16)
-    records, data = chain(src, run_request, toks(1, 24))
+    records, data, _ = chain(src, run_request, toks(1, 24))
     dst.import_pages(records.head(2), data[:2], None, verify=False)
     cp = Copier(dst, data)
     done = import_pipelined(dst, records, starts(len(records), 2), cp.write, cp.confirm, 50)
@@ -89,7 +72,7 @@ def test_present_blocks_are_skipped(make_manager, oracle, run_request):
 @pytest.mark.parametrize("fail_at", [0, 1, 3])
 def test_a_failed_confirm_keeps_the_earlier_chunks_only(make_manager, oracle, run_request, fail_at):
     src, dst = make_manager(16), make_manager(16)
-    records, data = chain(src, run_request, toks(1, 40))
+    records, data, _ = chain(src, run_request, toks(1, 40))
     cp = Copier(dst, data, fail_at=fail_at)
     done = import_pipelined(dst, records, starts(len(records), 3), cp.write, cp.confirm, 50)
     dst.check_invariants()
@@ -103,7 +86,7 @@ def test_a_failed_confirm_keeps_the_earlier_chunks_only(make_manager, oracle, ru
 
 def test_invalid_records_change_nothing(make_manager, run_request, state_of):
     src, dst = make_manager(16), make_manager(16)
-    records, data = chain(src, run_request, toks(1, 16))
+    records, data, _ = chain(src, run_request, toks(1, 16))
     before = state_of(dst)
     cp = Copier(dst, data)
     with pytest.raises(ImportRejectedError):
@@ -119,7 +102,7 @@ def test_committed_chunks_stay_while_later_ones_settle(make_manager, oracle, run
     """Between chunks the lock is free: another request that needs every free page must not
     evict the chunks already inserted (their children are still to come), nor the staged ones."""
     src, dst = make_manager(16), make_manager(12)
-    records, data = chain(src, run_request, toks(1, 32))  # 8 blocks
+    records, data, _ = chain(src, run_request, toks(1, 32))  # 8 blocks
     run_request(dst, toks(2, 16))  # 4 unrelated cached blocks: the only evictable ones
     evicted: list[int] = []
 
@@ -151,7 +134,7 @@ def test_chain_scan_agrees_with_the_full_scan(make_manager, run_request, monkeyp
     import raykv.transfer_blocks as tb
 
     src, dst = make_manager(16), make_manager(16)
-    records, data = chain(src, run_request, toks(1, 24))
+    records, data, _ = chain(src, run_request, toks(1, 24))
     dst.import_pages(records.head(2), data[:2], None, verify=False)
     keys, parents = list(records.keys), list(records.parent_keys)
     roots, tokens = list(records.parent_is_root), list(records.num_tokens)
