@@ -11,6 +11,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from import_support import TPB, chain, toks
 
 from raykv import (
     ImportRejectedError,
@@ -20,21 +21,6 @@ from raykv import (
     TierKind,
     block_keys,
 )
-from raykv.records import BlockRecords
-
-TPB = 4
-
-
-def toks(seed: int, n: int) -> list[int]:
-    return [seed * 1000 + i for i in range(n)]
-
-
-def chain(mgr, run_request, tokens):
-    """Commit ``tokens`` in ``mgr``; returns (records, rows [n, page_bytes], checksums)."""
-    run_request(mgr, tokens)
-    blocks = mgr.export_blocks(block_keys(tokens, TPB))
-    data = np.stack([np.frombuffer(b.data, dtype=np.uint8) for b in blocks])
-    return BlockRecords.of(blocks), data, [b.checksum for b in blocks]
 
 
 def corrupt(data: np.ndarray, row: int) -> np.ndarray:
