@@ -8,6 +8,7 @@ paths take over whenever the directory cannot answer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator
@@ -218,11 +219,21 @@ def test_reader_refuses_a_foreign_or_mismatched_file(tmp_path: object) -> None:
         shm_read.LocalPeer(type("Info", (), {"path": path, "num_slots": 8, "page_bytes": 4096})())  # type: ignore[arg-type]
 
 
-def test_many_keys_are_located_in_numpy_passes_like_one_at_a_time(tmp_path: object) -> None:
+@contextlib.contextmanager
+def _directory_and_reader(tmp_path: object, num_slots: int) -> Iterator[tuple[ShmDirectory, DirectoryReader]]:
+    """An owner's slot directory for a tier of ``num_slots`` 4 KiB pages and a reader of it."""
     path = os.path.join(str(tmp_path), "raykv-test-tier")
-    directory = ShmDirectory(path, 256, 4096)
-    reader = DirectoryReader(path, 256, 4096)
+    directory = ShmDirectory(path, num_slots, 4096)
+    reader = DirectoryReader(path, num_slots, 4096)
     try:
+        yield directory, reader
+    finally:
+        reader.close()
+        directory.close()
+
+
+def test_many_keys_are_located_in_numpy_passes_like_one_at_a_time(tmp_path: object) -> None:
+    with _directory_and_reader(tmp_path, 256) as (directory, reader):
         keys = [_key(i) for i in range(150)]
         twins = [k[:8] + bytes([255 - j]) * 24 for j, k in enumerate(keys[:50])]  # same tags: probing
         for slot, key in enumerate([*keys, *twins]):
@@ -240,9 +251,6 @@ def test_many_keys_are_located_in_numpy_passes_like_one_at_a_time(tmp_path: obje
         directory.unbind([3])  # keys[3]'s slot: the generation moves, the key is gone
         assert not reader.unchanged(many, wanted)
         assert reader.locate(wanted) is None
-    finally:
-        reader.close()
-        directory.close()
 
 
 # ---- runs of slots and scattered slots ----------------------------------------------------------
@@ -351,10 +359,7 @@ def test_pulled_pages_intact_equals_the_plain_constructor() -> None:
 
 
 def test_runs_are_located_like_one_key_at_a_time_and_checked_whole(tmp_path: object) -> None:
-    path = os.path.join(str(tmp_path), "raykv-test-tier")
-    directory = ShmDirectory(path, 16, 4096)
-    reader = DirectoryReader(path, 16, 4096)
-    try:
+    with _directory_and_reader(tmp_path, 16) as (directory, reader):
         keys = [_key(i) for i in range(16)]
         for slot, key in enumerate(keys):  # slot i holds key i: any slice of keys is a run
             directory.bind(slot, key, bytes([slot]) * 32, slot % 2 == 0, 16 - slot % 3)
@@ -383,9 +388,6 @@ def test_runs_are_located_like_one_key_at_a_time_and_checked_whole(tmp_path: obj
         directory.bind(7, _key(99), bytes(32), True, 16)  # another key: the run is broken
         assert not reader.unchanged(run, keys[4:8]) and reader.locate(keys[4:8]) is None
         assert reader.locate(keys[4:7]) is not None  # the slots before it still form a run
-    finally:
-        reader.close()
-        directory.close()
 
 
 def test_located_part_keeps_the_run_start() -> None:
