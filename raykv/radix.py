@@ -88,6 +88,31 @@ class BlockRadixTree:
         page.block = block
         return block
 
+    def insert_chain(
+        self, parent: Root | Block, keys: Sequence[BlockKey], pages: Sequence[Page], tokens: Sequence[int]
+    ) -> None:
+        """:meth:`insert` ``keys[0]`` under ``parent``, each later key under the one before it,
+        backed by ``pages`` (same order). Raises StateError, with nothing changed, if a key is
+        already in the tree (or twice in ``keys``), a page already backs a block, or the
+        sequences differ in length."""
+        blocks = self.blocks
+        if not len(keys) == len(pages) == len(tokens):
+            raise StateError("a chain needs one page and one token count per key")
+        if len(set(keys)) != len(keys) or not blocks.keys().isdisjoint(keys):
+            raise StateError("a chain key is already in the tree")
+        if any(page.block is not None for page in pages):
+            raise StateError("page already backs a block")
+        if isinstance(parent, Root) and parent.key not in self.roots:
+            self.roots[parent.key] = parent
+        node, made = parent, []
+        for key, page, num_tokens in zip(keys, pages, tokens):
+            block = Block(key, node, page, num_tokens)
+            node.children[key] = block
+            page.block = block
+            made.append(block)
+            node = block
+        blocks.update(zip(keys, made))
+
     def remove(self, block: Block) -> None:
         """Remove a leaf block (and its root once the root has no children).
 

@@ -25,13 +25,13 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.errors import ImportRejectedError, IntegrityError
+from raykv.page import Page
 from raykv.radix import Root
 from raykv.records import BlockRecords, ExportedBlock, ImportResult, crc32, page_checksum
-from raykv.types import BlockKey, PageId, Priority, TierKind, check_block_key
+from raykv.types import BlockKey, PageId, Priority, TierKind, TierLevel, check_block_key
 
 if TYPE_CHECKING:
     from raykv.manager import CacheManager
-    from raykv.page import Page
 
 
 def export_blocks(mgr: CacheManager, keys: list[BlockKey]) -> list[ExportedBlock]:
@@ -145,7 +145,7 @@ def _scan_chain(mgr: CacheManager, records: BlockRecords) -> list[int] | None:
     such a chain or has a problem (the full scan then finds and orders it)."""
     keys, parents = records.keys, records.parent_keys
     n = len(keys)
-    if n == 0 or not all(type(k) is bytes and len(k) == 32 for k in keys):
+    if n == 0 or set(map(type, keys)) != {bytes} or set(map(len, keys)) != {32}:
         return None
     if not (type(parents[0]) is bytes and len(parents[0]) == 32):
         return None
@@ -156,6 +156,8 @@ def _scan_chain(mgr: CacheManager, records: BlockRecords) -> list[int] | None:
     blocks = mgr.tree.blocks
     if not (records.parent_is_root[0] or parents[0] in blocks):
         return None
+    if blocks.keys().isdisjoint(keys):
+        return list(range(n))
     return [i for i, key in enumerate(keys) if key not in blocks]
 
 
@@ -239,6 +241,9 @@ def _commit(mgr: CacheManager, records: BlockRecords, staged: _Staged) -> Import
     """Insert the staged blocks, parents first. A block that another import added meanwhile (only
     possible while a held stage waited unlocked) keeps its page; the staged copy is released."""
     _unhold(mgr, staged)
+    chained = _commit_chain(mgr, records, staged)
+    if chained is not None:
+        return chained
     tree, add = mgr.tree, mgr.policy.add
     keys, parents, roots = records.keys, records.parent_keys, records.parent_is_root
     tokens = records.num_tokens
@@ -261,6 +266,28 @@ def _commit(mgr: CacheManager, records: BlockRecords, staged: _Staged) -> Import
     mgr.counters.imported_blocks += len(stored)
     done = {s[0] for s in stored}
     return ImportResult(tuple(s[0] for s in stored), tuple(cast(BlockKey, k) for k in keys if k not in done))
+
+
+def _commit_chain(mgr: CacheManager, records: BlockRecords, staged: _Staged) -> ImportResult | None:
+    """:func:`_commit` for the usual stage, a chain of records all new and none in the tree yet:
+    inserted as one chain (no lookup per record). None when the stage is not that (nothing done)."""
+    keys, n = records.keys, len(records.keys)
+    if len(staged.new) != n or n < 2 or not records.is_chain():
+        return None
+    tree = mgr.tree
+    if not tree.blocks.keys().isdisjoint(keys):
+        return None
+    parents, tokens, tier = records.parent_keys, records.num_tokens, mgr.tier_kinds[0]
+    parent = tree.parent_node(cast(BlockKey, parents[0]), create_root=bool(records.parent_is_root[0]))
+    assert parent is not None, "a held parent vanished"
+    tree.insert_chain(parent, cast(Sequence[BlockKey], keys), staged.pages, tokens)
+    add = mgr.policy.add
+    for page in staged.pages:
+        add(page)
+    none = itertools.repeat(None)
+    mgr.events.stored_many(list(zip(keys, parents, itertools.repeat(tier), tokens, none)))  # type: ignore[arg-type]
+    mgr.counters.imported_blocks += n
+    return ImportResult(tuple(keys), ())  # type: ignore[arg-type]  # 32-byte keys
 
 
 def import_pages(
@@ -328,9 +355,10 @@ def import_pipelined(
 ) -> Pipelined:
     """:func:`import_written` in chunks (records ``starts[k]`` up to ``starts[k + 1]``; ``starts``
     ascending from 0, the last chunk ending with the records) whose copies overlap the
-    inserts: under the lock, all records are validated (a problem raises and changes nothing),
-    each chunk's pages are allocated and its ``write`` started in turn (the first chunk copies
-    while the later ones are allocated); then each chunk in order is confirmed
+    inserts: under the lock, the first chunk's copy is started into free slots (when enough are
+    free), all records are validated meanwhile (a problem raises and changes nothing: those
+    slots are given back), each later chunk's pages are allocated and its ``write`` started in
+    turn (while the earlier chunks copy); then each chunk in order is confirmed
     (``confirm(handle, first, end)`` without the lock: waits for its copy, raises if the source
     changed meanwhile) and inserted while later chunks still copy. The
     new pages and the cached parents stay leased until the last chunk settles, so no chunk loses
@@ -346,14 +374,20 @@ def import_pipelined(
         raise ValueError(f"chunk start {starts[-1]} is past the {len(records)} records")
     with mgr.locked():
         mgr._check_open()
-        new = validate(mgr, records, None)
+        head = _start_head(mgr, records, starts[1] if len(starts) > 1 else len(records), write)
+        try:
+            new = validate(mgr, records, None)
+        except BaseException:
+            _drop_head(mgr, head)
+            raise
         if not new:
+            _drop_head(mgr, head)
             present = tuple(BlockKey(k) for k in records.keys)
             return Pipelined(ImportResult((), present), len(records), None)
         cached = _cached_parents(mgr, records, new)
         outer = _hold(mgr, list(cached.values()))
         try:
-            staged = _stage_chunks(mgr, records, new, starts, priority, write, outer)
+            staged = _stage_chunks(mgr, records, new, starts, priority, write, outer, head)
         except BaseException:
             _release_hold(mgr, outer)
             raise
@@ -369,8 +403,11 @@ def _cached_parents(mgr: CacheManager, records: BlockRecords, new: list[int]) ->
     chain only a new record whose predecessor is not new can have one (C-level check first)."""
     keys, parents, get = records.keys, records.parent_keys, mgr.tree.get
     if len(keys) > 1 and records.is_chain():
-        fresh = set(new)
-        new = [i for i in new if i == 0 or i - 1 not in fresh]
+        if len(new) == len(keys):  # every record new: only the head hangs from a cached block
+            new = [0]
+        else:
+            fresh = set(new)
+            new = [i for i in new if i == 0 or i - 1 not in fresh]
     return {id(b.page): b.page for i in new if (b := get(cast(BlockKey, parents[i]))) is not None}
 
 
@@ -382,25 +419,82 @@ def _stage_chunks(
     priority: Priority,
     write: ChunkWriter,
     outer: int,
+    head: _Head | None,
 ) -> list[_Chunk]:
     """Chunk by chunk: allocate the new blocks' pages (held by lease ``outer``) and start their
-    copy, so the first chunk copies while the later ones are being allocated. On an error every
-    chunk staged so far is given back (copies still running are the writer's to fence)."""
+    copy, so the first chunk copies while the later ones are being allocated (the first chunk
+    takes ``head``'s pages when its records are all new; else they are given back). On an error
+    every chunk staged so far is given back (copies still running are the writer's to fence)."""
     held = {p.uid for p in mgr._leases[outer]}
     ends = [*firsts[1:], len(records)]
     staged: list[_Chunk] = []
     try:
         for first, end in zip(firsts, ends):
             mine = new[bisect.bisect_left(new, first) : bisect.bisect_left(new, end)]
+            if head is not None:
+                adopted, head = _adopt_head(mgr, head, mine, priority), None
+                if adopted is not None:
+                    _extend_hold(mgr, outer, adopted[0])
+                    staged.append((_Staged(mine, adopted[0], None), adopted[1], first, end))
+                    continue
             pages = mgr.allocate_pages(len(mine), priority, held)
             _extend_hold(mgr, outer, pages)
             part = _Staged(mine, pages, None)
             staged.append((part, None, first, end))
             staged[-1] = (part, write([p.slot for p in pages], mine), first, end)
     except BaseException:
+        _drop_head(mgr, head)
         _abort_from(mgr, staged, 0, outer)
         raise
     return staged
+
+
+@dataclass
+class _Head:
+    """Free top-tier slots taken before validation, the first chunk's copy already started."""
+
+    slots: list[PageId]
+    handle: object
+
+
+def _start_head(mgr: CacheManager, records: BlockRecords, count: int, write: ChunkWriter) -> _Head | None:
+    """Start copying records ``0 .. count - 1`` (the first chunk) into ``count`` free top-tier
+    slots before the records are validated, so the copy runs meanwhile; None when fewer slots are
+    free (no eviction before validation: then the chunk is staged as the others are) or one of
+    those blocks is cached already. Nothing else changes: the slots are given back if the chunk
+    is not imported after all."""
+    pool = mgr.pools[0]
+    if count <= 0 or pool.num_free < count:
+        return None
+    try:
+        if not mgr.tree.blocks.keys().isdisjoint(records.keys[:count]):
+            return None
+    except TypeError:  # an unhashable key: validation rejects it
+        return None
+    slots = pool.allocate(count)
+    try:
+        handle = write(slots, list(range(count)))
+    except BaseException:
+        pool.release(slots)
+        raise
+    return _Head(slots, handle)
+
+
+def _adopt_head(
+    mgr: CacheManager, head: _Head, mine: list[int], priority: Priority
+) -> tuple[list[Page], object] | None:
+    """Pages on ``head``'s slots for the first chunk's new records ``mine`` and the copy's handle,
+    when they are exactly the records it copied; else None, its slots given back."""
+    if mine != list(range(len(head.slots))):
+        _drop_head(mgr, head)
+        return None
+    return [Page(TierLevel(0), slot, priority) for slot in head.slots], head.handle
+
+
+def _drop_head(mgr: CacheManager, head: _Head | None) -> None:
+    """Give ``head``'s slots back (a copy still running is fenced by the slots' events)."""
+    if head is not None:
+        mgr.pools[0].release(head.slots)
 
 
 def _hold(mgr: CacheManager, pages: list[Page]) -> int:

@@ -84,7 +84,7 @@ def check_block_key(value: object, name: str = "key") -> BlockKey:
 def check_block_keys(values: Iterable[object], name: str = "key") -> list[BlockKey]:
     """:func:`check_block_key` of each value (one fast pass when all are 32-byte ``bytes``)."""
     keys = list(values)
-    if all(type(k) is bytes and len(k) == BLOCK_KEY_BYTES for k in keys):
+    if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {BLOCK_KEY_BYTES}:  # type: ignore[arg-type]
         return keys  # type: ignore[return-value]
     return [check_block_key(k, name) for k in keys]
 

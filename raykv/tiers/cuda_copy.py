@@ -72,6 +72,16 @@ def _run_starts(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> npt.N
     return np.concatenate((np.zeros(1, dtype=np.intp), breaks))
 
 
+def one_run(slots: SlotList) -> bool:
+    """Whether ``slots``, a non-empty list, is ``s, s + 1, s + 2, ...`` (C-level passes, no numpy:
+    the usual batch, a run of slots allocated or committed together, is checked in about a
+    microsecond). False for anything else, including arrays (then :func:`runs` finds the runs)."""
+    if type(slots) is not list or not slots:
+        return False
+    first = slots[0]
+    return bool(slots[-1] - first == len(slots) - 1 and slots == list(range(first, first + len(slots))))
+
+
 def runs(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> list[tuple[int, int, int]]:
     """(first source slot, first destination slot, length) of runs consecutive on both sides."""
     if len(src) == 0:
@@ -165,9 +175,13 @@ class CudaCopier:
             stream.wait_stream(torch.cuda.current_stream(self.torch_device))
             for event in waits:
                 stream.wait_event(event)
-            src = np.asarray(src_slots, dtype=np.int64)
-            dst = np.asarray(dst_slots, dtype=np.int64)
-            self._enqueue(stream, src_base, src, dst_base, dst, nbytes)
+            if self.method != "kernel" and one_run(src_slots) and one_run(dst_slots):
+                spans = [(int(src_slots[0]), int(dst_slots[0]), len(src_slots))]  # one DMA copy
+                self._memcpy(stream, src_base, dst_base, nbytes, spans)
+            else:
+                src = np.asarray(src_slots, dtype=np.int64)
+                dst = np.asarray(dst_slots, dtype=np.int64)
+                self._enqueue(stream, src_base, src, dst_base, dst, nbytes)
             event = torch.cuda.Event()
             event.record(stream)
         return event
@@ -195,6 +209,13 @@ class CudaCopier:
         if not use_memcpy and aligned and self._load_kernel():
             self._launch(stream, src_base + src * nbytes, dst_base + dst * nbytes, nbytes)
             return
+        self._memcpy(stream, src_base, dst_base, nbytes, spans)
+
+    @staticmethod
+    def _memcpy(
+        stream: Any, src_base: int, dst_base: int, nbytes: int, spans: list[tuple[int, int, int]]
+    ) -> None:
+        """One cuMemcpyAsync per run ``(first source slot, first destination slot, length)``."""
         drv = driver()
         handle = stream.cuda_stream
         for s, d, n in spans:

@@ -26,6 +26,7 @@ one-sided path is then never used.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import platform
@@ -95,6 +96,33 @@ def _tag(key: bytes) -> int:
 
 _odd = (1).__and__
 """``_odd(gen)``: non-zero while the slot's record is being edited (a C call: no Python frame)."""
+
+
+def _any_odd(gens: list[int]) -> bool:
+    """Whether any generation is odd (a record being edited): one OR over them all."""
+    if len(gens) < 16:
+        return any(map(_odd, gens))
+    return bool(int(np.bitwise_or.reduce(np.array(gens, dtype=np.uint64))) & 1)
+
+
+def _split_parents(parents: bytes, keys: Sequence[bytes], joined: bytes) -> list[bytes]:
+    """The 32-byte parent keys in ``parents`` (a run's records, read in one slice). In a chain
+    (each block the parent of the next, the usual run) they are the first parent and the keys
+    before the last, so the list is built from those after one comparison."""
+    n = len(keys)
+    if n == 1:
+        return [parents]
+    if parents[32:] == joined[: 32 * (n - 1)]:
+        return [parents[:32], *keys[: n - 1]]
+    return [parents[i : i + 32] for i in range(0, 32 * n, 32)]
+
+
+def _root_flags(flags: list[int]) -> list[bool]:
+    """Whether each record's parent is a scope root (flag bit 0); in a chain only the first's can
+    be, so the usual answer is built without a pass per record."""
+    if not any(flags[1:]):
+        return [flags[0] & 1 == 1, *itertools.repeat(False, len(flags) - 1)]
+    return [f & 1 == 1 for f in flags]
 
 
 class ShmDirectory:
@@ -328,10 +356,11 @@ class DirectoryView:
         if end > self.num_slots:
             return None
         gens = self._gen[first:end].tolist()
-        if any(map(_odd, gens)):
+        if _any_odd(gens):
             return None
         at = self._key_off + 32 * first
-        if self._mem[at : at + 32 * n].tobytes() != (keys[0] if n == 1 else b"".join(keys)):
+        joined = keys[0] if n == 1 else b"".join(keys)
+        if self._mem[at : at + 32 * n].tobytes() != joined:
             return None
         at = self._parent_off + 32 * first
         parents = self._mem[at : at + 32 * n].tobytes()
@@ -339,8 +368,8 @@ class DirectoryView:
         return Located(
             list(range(first, end)),
             gens,
-            [parents] if n == 1 else [parents[i : i + 32] for i in range(0, 32 * n, 32)],
-            [f & 1 == 1 for f in meta[1::2]],
+            _split_parents(parents, keys, joined),
+            _root_flags(meta[1::2]),
             meta[0::2],
             first,
         )

@@ -1,16 +1,20 @@
 """transfer_blocks.import_pipelined: an import in chunks whose copies overlap the inserts.
 
-Every chunk is staged (pages allocated, copy started) before the first is confirmed; each chunk is
-then confirmed and inserted in order. A confirm that raises stops the import there: earlier
+Every chunk is staged (pages allocated, copy started) before the first is confirmed (the first
+chunk's copy starts before the records are validated when free slots allow); each chunk is then
+confirmed and inserted in order. A confirm that raises stops the import there: earlier
 chunks stay imported (whole, verified by the oracle), that chunk and later ones leave nothing
 behind (no pages, no leases), and the exception comes back in ``stopped``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from import_support import chain, toks
 
+import raykv.transfer_blocks as tb
 from raykv import ImportRejectedError, TransferError
 from raykv.records import BlockRecords
 from raykv.transfer_blocks import import_pipelined
@@ -91,11 +95,60 @@ def test_invalid_records_change_nothing(make_manager, run_request, state_of):
     cp = Copier(dst, data)
     with pytest.raises(ImportRejectedError):
         import_pipelined(dst, records.slice(1, 4), [0, 2], cp.write, cp.confirm, 50)  # no parent
-    assert cp.started == [] and state_of(dst) == before
+    # The first chunk's copy starts into free slots before validation; they are given back.
+    assert cp.started == [[0, 1]] and state_of(dst) == before
+    partial = dataclasses.replace(records, num_tokens=(*records.num_tokens[:3], 1))
+    with pytest.raises(ImportRejectedError, match="record 3"):
+        import_pipelined(dst, partial, [0, 2], cp.write, cp.confirm, 50)  # a partial block
+    assert cp.started == [[0, 1], [0, 1]] and state_of(dst) == before
     for bad in ([], [1], [0, 2, 2], [0, 4]):
         with pytest.raises(ValueError):
             import_pipelined(dst, records, bad, cp.write, cp.confirm, 50)
-    assert cp.started == [] and state_of(dst) == before
+    assert len(cp.started) == 2 and state_of(dst) == before
+    dst.check_invariants()
+
+
+def _logged(cp: Copier, order: list[str], monkeypatch) -> object:
+    """``cp.write`` noting each call in ``order``, with validation noted there too."""
+    real = tb.validate
+
+    def validate(*args):
+        order.append("validate")
+        return real(*args)
+
+    def write(slots, new):
+        order.append("write")
+        return cp.write(slots, new)
+
+    monkeypatch.setattr(tb, "validate", validate)
+    return write
+
+
+def test_first_copy_starts_before_validation_when_slots_are_free(
+    make_manager, oracle, run_request, monkeypatch
+):
+    src, dst = make_manager(16), make_manager(16)
+    records, data, _ = chain(src, run_request, toks(1, 24))  # 6 blocks
+    cp, order = Copier(dst, data), []
+    done = import_pipelined(dst, records, starts(6, 3), _logged(cp, order, monkeypatch), cp.confirm, 50)
+    assert order == ["write", "validate", "write"] and done.result.imported == tuple(records.keys)
+    assert oracle.verify_manager(dst) == 6
+    dst.check_invariants()
+
+
+def test_first_chunk_waits_for_validation_when_slots_must_be_freed(
+    make_manager, oracle, run_request, monkeypatch
+):
+    """Too few free slots: starting early would evict before the records are known good, so the
+    first chunk is staged after validation like the others, evicting as needed."""
+    src, dst = make_manager(16), make_manager(8)
+    records, data, _ = chain(src, run_request, toks(1, 24))
+    run_request(dst, toks(2, 24))  # 6 of 8 slots hold unrelated cached blocks
+    cp, order = Copier(dst, data), []
+    done = import_pipelined(dst, records, starts(6, 3), _logged(cp, order, monkeypatch), cp.confirm, 50)
+    assert order == ["validate", "write", "write"] and done.result.imported == tuple(records.keys)
+    assert oracle.verify_manager(dst) == 8  # 6 imported, 2 of the unrelated blocks left
+    dst.check_invariants()
 
 
 def test_committed_chunks_stay_while_later_ones_settle(make_manager, oracle, run_request):

@@ -399,3 +399,27 @@ def test_located_part_keeps_the_run_start() -> None:
     assert run.part(1, 3) == Located([6, 7], [2, 4], [b"b", b"c"], [False, False], [4, 4], 6)
     scattered = run._replace(slots=[9, 2, 7, 1], first=-1)
     assert scattered.part(2, 4).first == -1 and scattered.part(2, 4).slots == [7, 1]
+
+
+def test_a_chain_run_is_located_like_one_key_at_a_time(tmp_path: object) -> None:
+    """A run committed as one chain (each block the parent of the next, only the first hanging
+    from a root) is located through the chain shortcuts; the answer equals key-by-key lookups,
+    and an odd generation anywhere in a long run still refuses it."""
+    with _directory_and_reader(tmp_path, 64) as (directory, reader):
+        keys = [_key(i) for i in range(40)]
+        root = bytes([7]) * 32
+        for slot, key in enumerate(keys):
+            directory.bind(slot, key, keys[slot - 1] if slot else root, slot == 0, 16)
+        for wanted in (keys, keys[5:30], keys[:2]):
+            run = reader.locate(wanted)
+            singles = [reader.locate([k]) for k in wanted]
+            assert run is not None and all(s is not None for s in singles)
+            for name in ("slots", "gens", "parents", "roots", "tokens"):
+                assert getattr(run, name) == [getattr(s, name)[0] for s in singles], name  # type: ignore[index]
+        assert reader.locate(keys[:3]).parents == [root, keys[0], keys[1]]  # type: ignore[union-attr]
+        directory._gen[33] += 1  # mid-edit deep inside a long run
+        assert reader.locate(keys) is None and reader.locate(keys[:33]) is not None
+        directory._gen[33] += 1
+        directory.bind(20, keys[20], root, True, 16)  # rebound under a root: no longer a chain
+        run = reader.locate(keys)
+        assert run is not None and run.parents[20] == root and run.roots[20] and not run.roots[21]

@@ -1,0 +1,105 @@
+"""Shortcuts for the usual batch, one request's chain of blocks: each must give exactly the
+general path's answer, and bad input must still be refused with nothing changed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from import_support import chain, toks
+
+from raykv import ImportRejectedError
+from raykv.errors import StateError
+from raykv.page import Page
+from raykv.radix import BlockRadixTree, Root
+from raykv.tiers.cuda_copy import one_run
+from raykv.types import BlockKey, PageId, Priority, TierLevel, check_block_keys
+
+
+def _pages(n: int) -> list[Page]:
+    return [Page(TierLevel(0), PageId(i), Priority(50)) for i in range(n)]
+
+
+def _keys(n: int, seed: int = 0) -> list[BlockKey]:
+    return [BlockKey(bytes([seed, i]) * 16) for i in range(n)]
+
+
+def test_insert_chain_builds_what_insert_one_by_one_builds() -> None:
+    keys, pages = _keys(5), _pages(5)
+    chained, single = BlockRadixTree(), BlockRadixTree()
+    chained.insert_chain(Root(BlockKey(bytes(32))), keys, pages, [4] * 5)
+    node: object = single.parent_node(BlockKey(bytes(32)), create_root=True)
+    for key, page in zip(keys, _pages(5)):
+        node = single.insert(node, key, page, 4)  # type: ignore[arg-type]
+    assert list(chained.blocks) == list(single.blocks) and list(chained.roots) == list(single.roots)
+    for key in keys:
+        a, b = chained.blocks[key], single.blocks[key]
+        assert (a.parent_key, a.ordinal, a.num_tokens, list(a.children)) == (
+            b.parent_key,
+            b.ordinal,
+            b.num_tokens,
+            list(b.children),
+        )
+        assert a.page.block is a
+    assert [b.key for b in chained.match(BlockKey(bytes(32)), keys)] == keys
+
+
+@pytest.mark.parametrize("problem", ["present", "twice", "backed", "lengths"])
+def test_insert_chain_refuses_bad_chains_changing_nothing(problem: str) -> None:
+    tree, keys, pages = BlockRadixTree(), _keys(4), _pages(4)
+    root = tree.parent_node(BlockKey(bytes(32)), create_root=True)
+    assert root is not None
+    tree.insert(root, _keys(1, seed=9)[0], _pages(1)[0], 4)
+    tokens = [4] * 4
+    if problem == "present":
+        keys[2] = _keys(1, seed=9)[0]
+    elif problem == "twice":
+        keys[3] = keys[1]
+    elif problem == "backed":
+        pages[1].block = tree.blocks[_keys(1, seed=9)[0]]
+    else:
+        tokens = [4] * 3
+    before = (dict(tree.blocks), dict(root.children), [p.block for p in pages])
+    with pytest.raises(StateError):
+        tree.insert_chain(root, keys, pages, tokens)
+    assert (dict(tree.blocks), dict(root.children), [p.block for p in pages]) == before
+
+
+@pytest.mark.parametrize(
+    ("slots", "expected"),
+    [
+        ([3], True),
+        ([3, 4, 5], True),
+        ([5, 4, 3], False),
+        ([3, 5, 4], False),
+        ([3, 4, 4, 5], False),
+        ([], False),
+    ],
+)
+def test_one_run_only_for_lists_in_ascending_steps_of_one(slots: list[int], expected: bool) -> None:
+    assert one_run(slots) is expected
+    assert one_run(tuple(slots)) is False  # anything but a list goes the general way
+
+
+def test_key_lists_check_every_key_not_the_total_length() -> None:
+    good = _keys(3)
+    assert check_block_keys(good) == good and check_block_keys([]) == []
+    with pytest.raises(ValueError, match="32 bytes, got 31"):
+        check_block_keys([b"x" * 31, b"y" * 33])  # 64 bytes together
+    converted = check_block_keys([*good[:2], bytearray(good[2])])  # bytes-like: made bytes
+    assert converted == good and type(converted[2]) is bytes
+    with pytest.raises(ValueError, match="got str"):
+        check_block_keys([*good[:2], "k" * 32])
+
+
+def test_an_import_with_compensating_key_sizes_is_rejected(make_manager, run_request, state_of) -> None:
+    src, dst = make_manager(16), make_manager(16)
+    records, data, _ = chain(src, run_request, toks(1, 12))
+    keys = list(records.keys)
+    keys[1], keys[2] = keys[1][:31], keys[2] + b"!"  # still 96 bytes in all
+    parents = [records.parent_keys[0], keys[0], keys[1]]
+    bad = dataclasses.replace(records, keys=keys, parent_keys=parents)
+    before = state_of(dst)
+    with pytest.raises(ImportRejectedError, match="record 1"):
+        dst.import_pages(bad, data, None, verify=False)
+    assert state_of(dst) == before
