@@ -298,10 +298,22 @@ class CacheManager:
                     self.tier_kinds[b.page.level],
                     b.page.level,
                     int(b.page.slot),
+                    b.checksum,
                 )
                 for b in found
             )
             return BlockLease(lease_id, blocks)
+
+    def remember_checksums(self, blocks: Sequence[LeasedBlock], sums: Sequence[int]) -> None:
+        """Keep the page checksums a sender computed for leased ``blocks`` (same order), so later
+        leases carry them (``LeasedBlock.checksum``) and no sender reads those pages to checksum
+        them again. Call while the lease is held: its pages are then still the blocks' own. A
+        block that already has one keeps it; blocks no longer in the tree are skipped."""
+        with self.locked():
+            for leased, crc in zip(blocks, sums):
+                block = self.tree.get(leased.key)
+                if block is not None and block.checksum is None:
+                    block.checksum = int(crc)
 
     def leased_page(self, block: LeasedBlock) -> Any:
         """The page of a leased block, in place: a numpy (host) or torch (GPU) uint8 view; a

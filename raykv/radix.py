@@ -26,9 +26,12 @@ class Root:
 
 
 class Block:
-    """One committed block. ``ordinal`` is its index in the sequence (0 for a root's child)."""
+    """One committed block. ``ordinal`` is its index in the sequence (0 for a root's child).
+    ``checksum``: its page's CRC-32 once a sender computed it (None before); a committed block's
+    bytes never change, so it holds while the block is in the tree (re-committing a key makes a
+    new Block, without one)."""
 
-    __slots__ = ("children", "key", "num_tokens", "ordinal", "page", "parent")
+    __slots__ = ("checksum", "children", "key", "num_tokens", "ordinal", "page", "parent")
 
     def __init__(self, key: BlockKey, parent: Root | Block, page: Page, num_tokens: int) -> None:
         self.key = key
@@ -37,6 +40,7 @@ class Block:
         self.page = page
         self.ordinal: int = parent.ordinal + 1 if isinstance(parent, Block) else 0
         self.num_tokens = num_tokens
+        self.checksum: int | None = None
 
     @property
     def parent_key(self) -> BlockKey:

@@ -105,7 +105,9 @@ class BlockRecords:
 
 @dataclass(frozen=True)
 class LeasedBlock:
-    """A committed block held in place for a sender: where its page is and how to re-key it."""
+    """A committed block held in place for a sender: where its page is and how to re-key it, and
+    its page's checksum when a sender computed it before (None: compute it; see
+    ``CacheManager.remember_checksums``)."""
 
     key: BlockKey
     parent_key: BlockKey
@@ -114,6 +116,7 @@ class LeasedBlock:
     tier: TierKind
     level: int
     slot: int
+    checksum: int | None = None
 
 
 @dataclass(frozen=True)

@@ -383,17 +383,22 @@ class PageServer:
             await self._send(conn, {"t": "ack", "id": rid})
 
     async def _send_ucx(self, conn: _Conn, rid: int, lease: BlockLease, tag: int) -> None:
-        """Header, then every chunk as one UCX message (tag ``tag + i``), then the checksums
-        (a small payload is prepared and checksummed first, its checksums go in the header).
-        Every send is posted before any checksum is computed, so UCX always has the whole
-        payload queued and the checksums overlap with the transfer."""
+        """Header, then every chunk as one UCX message (tag ``tag + i``), then the checksums.
+        Checksums computed by an earlier send of the same blocks go in the header (nothing to
+        compute); so do a small payload's, computed first. Otherwise every send is posted before
+        any checksum is computed, so UCX always has the whole payload queued and the checksums
+        overlap with the transfer; they are remembered for the next sends
+        (``CacheManager.remember_checksums``)."""
         corrupt = self.faults.corrupt_payload
         payload = LeasedPayload(self.manager, lease.blocks, self.config.chunk_bytes, corrupt)
         endpoint: Any = await self._endpoint(conn) if lease.blocks else None
         chunks = range(len(payload.counts))
-        small = payload.nbytes <= INLINE_BYTES
+        sums = known_sums(lease)
+        small = sums is None and payload.nbytes <= INLINE_BYTES
         ready = [payload.chunk(i) for i in chunks] if small else []
-        sums = [s for i in chunks for s in payload.checksums(i)] if small else None
+        if small:
+            sums = [s for i in chunks for s in payload.checksums(i)]
+            self.manager.remember_checksums(lease.blocks, sums)
         await self._send(conn, self._header(rid, "ucx", lease, payload.counts, sums))
         await self._after_header(conn)
         sends: list[asyncio.Future[Any]] = []
@@ -404,11 +409,12 @@ class PageServer:
                     ready[i] if small else await offload(0 if payload.in_place else nbytes, payload.chunk, i)
                 )
                 sends.append(asyncio.ensure_future(tag_send(endpoint, buf, tag + i)))
-            if not small:
+            if sums is None:
                 trailer: list[int] = []
                 for i in chunks:
                     trailer.extend(await map_rows(payload.page_bytes, payload.counts[i], payload.sums_of(i)))
                 await self._send(conn, {"t": "sums", "id": rid, "sums": trailer})
+                self.manager.remember_checksums(lease.blocks, trailer)
             await self._await_done(conn, rid, asyncio.gather(*sends) if sends else None)
         except BaseException:
             # Stop UCX reading the pages before the caller ends the lease.
@@ -458,6 +464,12 @@ class PageServer:
                 raise TransferError("no UCX path to this peer", reason="unavailable")
             conn.endpoint = await ucx_endpoint(self._ucx_ctx, conn.ucx_address)
         return conn.endpoint
+
+
+def known_sums(lease: BlockLease) -> list[int] | None:
+    """The leased pages' checksums when an earlier send computed every one, else None."""
+    sums = [b.checksum for b in lease.blocks]
+    return None if None in sums else sums  # type: ignore[return-value]
 
 
 def _page_sums(pool: HostPool, slots: list[int], first: int, last: int, corrupt: bool) -> list[int]:

@@ -19,6 +19,7 @@ import pytest
 from transfer_support import commit, seq
 
 from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError
+from raykv.records import page_checksum
 from raykv.transfer import AuthToken, PageClient, PageServer, TransferConfig, get_runtime, pull_into, wire
 from raykv.transfer.importer import import_pulled
 
@@ -454,3 +455,48 @@ def test_server_sees_a_peer_gone_by_eof_reset_or_closing_transport() -> None:
         return out
 
     assert get_runtime().run(states(), 5) == [False, True, True, True]
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_sender_checksums_are_remembered_and_catch_damage_at_rest(
+    make_pair: Callable[..., Pair], layout: KVLayout, size: str
+) -> None:
+    """A sender checksums a block's page once (in the header for a small payload, in a trailer
+    for a large one) and keeps it with the block: later leases carry it, so a later pull sends it
+    in the header without reading the page, and a page damaged in memory since then fails the
+    receiver's check instead of being sent with a fresh checksum of the damaged bytes."""
+    page_layout = layout if size == "small" else KVLayout.uniform(4, 8, 128, 4)  # 64 KiB pages
+    oracle = ContentOracle(page_layout)
+    pair = make_pair(host_pages=40, disk_pages=0, page_layout=page_layout)
+    keys = commit(pair.src, oracle, seq(21, 32))  # 2 MiB of 64 KiB pages: over the inline limit
+    lease = pair.src.lease_blocks(keys)
+    assert all(b.checksum is None for b in lease.blocks)
+    pair.src.release_lease(lease.lease_id)
+    check_pages(oracle, pair.client.pull_sync(pair.server.address, keys, prefer_shm=False), keys)  # type: ignore[arg-type]
+    pair.wait_no_leases()
+    lease = pair.src.lease_blocks(keys)
+    pages = [np.array(pair.src.leased_page(b)) for b in lease.blocks]
+    assert [b.checksum for b in lease.blocks] == [page_checksum(memoryview(p)) for p in pages]
+    pair.src.release_lease(lease.lease_id)
+    again = pair.client.pull_sync(pair.server.address, keys[3:9], prefer_shm=False)  # type: ignore[arg-type]
+    check_pages(oracle, again, keys[3:9])
+    pair.src.pools[0].array[pair.src.tree.blocks[keys[5]].page.slot, 7] ^= 0x40  # type: ignore[attr-defined]
+    with pytest.raises(TransferError) as info:
+        pair.client.pull_sync(pair.server.address, keys, prefer_shm=False)  # type: ignore[arg-type]
+    assert info.value.reason == "integrity" and info.value.bad_keys == (keys[5],)
+    pair.wait_no_leases()
+
+
+def test_a_recommitted_block_does_not_inherit_the_old_checksum(
+    make_pair: Callable[..., Pair], oracle: ContentOracle
+) -> None:
+    pair = make_pair(host_pages=8, disk_pages=0)
+    keys = commit(pair.src, oracle, seq(5, 4))
+    pair.client.pull_sync(pair.server.address, keys, prefer_shm=False)  # type: ignore[arg-type]
+    pair.wait_no_leases()
+    assert all(pair.src.tree.blocks[k].checksum is not None for k in keys)
+    pair.src.clear_reusable()
+    again = commit(pair.src, oracle, seq(5, 4))
+    assert again == keys and all(pair.src.tree.blocks[k].checksum is None for k in keys)
+    check_pages(oracle, pair.client.pull_sync(pair.server.address, keys, prefer_shm=False), keys)  # type: ignore[arg-type]
+    pair.wait_no_leases()
