@@ -213,11 +213,20 @@ class _Client:
         pulled = self.client.runtime.run(pull, 300)
         assert len(pulled.keys) == count and pulled.path == ("shm" if shm else "ucx"), pulled.path
 
-    def read_local(self, page: int, count: int, out: np.ndarray) -> None:
-        """A one-sided pull (``PageClient.pull_sync`` in this thread; the first one connects)."""
+    def local_sampler(self, page: int, count: int, out: np.ndarray) -> Sampler:
+        """Times one one-sided pull (``PageClient.pull_sync`` in this thread; the first one
+        connects), checking its result after the clock stopped (the memcpy has no checks)."""
         address, keys, _ = self.info[page]
-        pulled = self.local.pull_sync(address, keys[:count], out=out)
-        assert len(pulled.keys) == count and pulled.path in ("shm_read", "shm"), pulled.path
+        keys, pull = keys[:count], self.local.pull_sync
+
+        def sample() -> float:
+            start = time.perf_counter()
+            pulled = pull(address, keys, out=out)
+            seconds = time.perf_counter() - start
+            assert len(pulled.keys) == count and pulled.path in ("shm_read", "shm"), pulled.path
+            return seconds
+
+        return sample
 
     def import_sampler(self, page: int, count: int, shm: bool, one_sided: bool = False) -> Sampler:
         """Times one ``pull_into`` of ``count`` pages (emptying the destination first, untimed)."""
@@ -279,7 +288,7 @@ def _size_rows(cl: _Client, settings: TransferSettings, page: int, count: int, d
         return timed(functools.partial(cl.pull, page, count, shm, dst, verify))
 
     size = label(count, page)
-    local = timed(functools.partial(cl.read_local, page, count, dst))
+    local = cl.local_sampler(page, count, dst)
     cases: list[tuple[str, Sampler, Sampler, float | None, str]] = [
         (f"shm_read pull {size}", local, memcpy, 0.5, "vs memcpy; one-sided, no request"),
         (f"shm pull {size}", pull(True, None), memcpy, None, "vs memcpy; request + ack"),
