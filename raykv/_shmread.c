@@ -82,10 +82,7 @@ static int scratch_init(Scratch *s, Py_ssize_t n) {
         return 0;
     }
     s->slots = (size_t)n < PY_SSIZE_T_MAX / 16 ? PyMem_Malloc((size_t)n * 16) : NULL; /* slots, gens */
-    if (!s->slots) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    if (!s->slots) return PyErr_NoMemory(), -1;
     s->gens = (uint64_t *)(s->slots + n);
     return 0;
 }
@@ -186,11 +183,9 @@ static void copy_pages(const Reader *r, const int64_t *slots, Py_ssize_t n, unsi
 
 /* ---- argument checks ------------------------------------------------------------------------ */
 static int check_open(const Reader *r) {
-    if (!r->has_buffers || r->closing) {
-        PyErr_SetString(PyExc_ValueError, "the shm reader was released");
-        return -1;
-    }
-    return 0;
+    if (r->has_buffers && !r->closing) return 0;
+    PyErr_SetString(PyExc_ValueError, "the shm reader was released");
+    return -1;
 }
 
 /* keys as a tuple (a new reference; a list is copied so it cannot change under us), every item a
@@ -358,6 +353,8 @@ done:
 static PyObject *Reader_set_result(Reader *r, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyType_Check(args[0]) || !PyTuple_CheckExact(args[1]))
         return PyErr_Format(PyExc_TypeError, "set_result(type, ((name, value), ...))");
+    if (((PyTypeObject *)args[0])->tp_new != PyBaseObject_Type.tp_new) /* made by object.__new__ */
+        return PyErr_Format(PyExc_TypeError, "set_result(): the type must not define or inherit __new__");
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[1]); i++) {
         PyObject *f = PyTuple_GET_ITEM(args[1], i);
         if (!PyTuple_CheckExact(f) || PyTuple_GET_SIZE(f) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(f, 0)))
@@ -561,9 +558,11 @@ static PyObject *tally(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ss
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[0]); i++) {
         PyObject *counts = PyTuple_GET_ITEM(args[0], i);
         if (!PyDict_Check(counts)) return PyErr_Format(PyExc_TypeError, "tally(): counters are dicts");
-        PyObject *had = PyDict_GetItemWithError(counts, args[1]); /* borrowed; absent: 0, as a Counter */
+        PyObject *had = PyDict_GetItemWithError(counts, args[1]); /* absent: 0, as a Counter */
         if (!had && PyErr_Occurred()) return NULL;
-        PyObject *sum = PyNumber_Add(had ? had : zero, PyTuple_GET_ITEM(args[2], i));
+        had = Py_NewRef(had ? had : zero); /* owned: an amount's __radd__ may drop it from the dict */
+        PyObject *sum = PyNumber_Add(had, PyTuple_GET_ITEM(args[2], i));
+        Py_DECREF(had);
         int failed = !sum || PyDict_SetItem(counts, args[1], sum) < 0;
         Py_XDECREF(sum);
         if (failed) return NULL;

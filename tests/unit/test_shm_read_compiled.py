@@ -295,6 +295,9 @@ def test_bad_keys_and_arguments_raise(tmp_path: Any) -> None:
         assert reader.unchanged([0, 1], [0], POOL[:2]) is False  # not what was located
         with pytest.raises(TypeError):
             reader.set_result(PulledPages, (("keys",),))
+        for unsafe in (dict, int, np.ndarray, type("WithNew", (), {"__new__": lambda cls: None})):
+            with pytest.raises(TypeError):  # object.__new__ cannot make these
+                reader.set_result(unsafe, ())
         assert shm_read.read(compiled, (POOL[0],)) is None  # a tuple is fine; nothing is bound
 
 
@@ -407,3 +410,12 @@ def test_tally_counts_as_counter_increments() -> None:
             tally(*bad)
     with pytest.raises(TypeError):
         tally(fast, "a", ("x", 1, 1))  # 2 + "x"
+
+    class Sneaky:
+        def __radd__(self, other: int) -> int:
+            del counts["k"]  # drops the dict's reference to the value being added
+            return other + 1
+
+    counts = collections.Counter({"k": 10**30})
+    tally((counts,), "k", (Sneaky(),))
+    assert counts == {"k": 10**30 + 1}
