@@ -1,8 +1,9 @@
-"""Build hook for the optional compiled key table (everything else is in pyproject.toml).
+"""Build hook for the optional compiled extensions (everything else is in pyproject.toml).
 
-``raykv._keytable`` speeds up the prefix index's lookups (:mod:`raykv.keytable`); where it cannot
-be compiled (no C compiler or Python headers) the install goes on without it and the index uses a
-dict.
+``raykv._keytable`` speeds up the prefix index's lookups (:mod:`raykv.keytable`) and
+``raykv._shmread`` same-node one-sided pulls (:mod:`raykv.transfer.shm_read`); where they cannot
+be compiled (no C compiler or Python headers) the install goes on without them and the index uses
+a dict, the one-sided reads Python.
 """
 
 from setuptools import Extension, setup
@@ -10,5 +11,6 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension("raykv._keytable", ["raykv/_keytable.c"], optional=True, extra_compile_args=["-O3"]),
+        Extension("raykv._shmread", ["raykv/_shmread.c"], optional=True, extra_compile_args=["-O3"]),
     ]
 )

@@ -84,9 +84,14 @@ def check_block_key(value: object, name: str = "key") -> BlockKey:
 def check_block_keys(values: Iterable[object], name: str = "key") -> list[BlockKey]:
     """:func:`check_block_key` of each value (one fast pass when all are 32-byte ``bytes``)."""
     keys = list(values)
-    if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {BLOCK_KEY_BYTES}:  # type: ignore[arg-type]
-        return keys  # type: ignore[return-value]
-    return [check_block_key(k, name) for k in keys]
+    if len(keys) > 16:  # C-level passes; a loop for few keys (no set to build)
+        if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {BLOCK_KEY_BYTES}:  # type: ignore[arg-type]
+            return keys  # type: ignore[return-value]
+        return [check_block_key(k, name) for k in keys]
+    for k in keys:
+        if type(k) is not bytes or len(k) != BLOCK_KEY_BYTES:
+            return [check_block_key(k, name) for k in keys]
+    return keys  # type: ignore[return-value]
 
 
 def check_priority(value: object) -> Priority:

@@ -57,6 +57,11 @@ from raykv.transfer.shm import ShmMapping
 KIB = 1024
 RAW_REQUEST_TAG = 0x5241574B56  # "RAWKV"
 TPB = 16
+SHORT_ROW_BYTES = 1 << 20
+"""Rows moving at most this many bytes (a few us to a few ms per sample) take ``short_factor``
+times the samples and at least ``short_warmup`` warmups: Python 3.11+ specializes a function's
+bytecode only after it ran 8 times, so the first samples of a one-sided pull would time cold code
+(its memcpy baseline is one C call), and a median of 9 samples of a few us is noisy."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,8 @@ class TransferSettings:
     counts: tuple[int, ...]
     repeats: int
     warmup: int
+    short_factor: int = 3  # see SHORT_ROW_BYTES
+    short_warmup: int = 20
 
 
 QUICK = TransferSettings(page_sizes=(64 * KIB, 2048 * KIB), counts=(1, 16), repeats=7, warmup=2)
@@ -213,11 +220,20 @@ class _Client:
         pulled = self.client.runtime.run(pull, 300)
         assert len(pulled.keys) == count and pulled.path == ("shm" if shm else "ucx"), pulled.path
 
-    def read_local(self, page: int, count: int, out: np.ndarray) -> None:
-        """A one-sided pull (``PageClient.pull_sync`` in this thread; the first one connects)."""
+    def local_sampler(self, page: int, count: int, out: np.ndarray) -> Sampler:
+        """Times one one-sided pull (``PageClient.pull_sync`` in this thread; the first one
+        connects), checking its result after the clock stopped (the memcpy has no checks)."""
         address, keys, _ = self.info[page]
-        pulled = self.local.pull_sync(address, keys[:count], out=out)
-        assert len(pulled.keys) == count and pulled.path in ("shm_read", "shm"), pulled.path
+        keys, pull = keys[:count], self.local.pull_sync
+
+        def sample() -> float:
+            start = time.perf_counter()
+            pulled = pull(address, keys, out=out)
+            seconds = time.perf_counter() - start
+            assert len(pulled.keys) == count and pulled.path in ("shm_read", "shm"), pulled.path
+            return seconds
+
+        return sample
 
     def import_sampler(self, page: int, count: int, shm: bool, one_sided: bool = False) -> Sampler:
         """Times one ``pull_into`` of ``count`` pages (emptying the destination first, untimed)."""
@@ -279,7 +295,7 @@ def _size_rows(cl: _Client, settings: TransferSettings, page: int, count: int, d
         return timed(functools.partial(cl.pull, page, count, shm, dst, verify))
 
     size = label(count, page)
-    local = timed(functools.partial(cl.read_local, page, count, dst))
+    local = cl.local_sampler(page, count, dst)
     cases: list[tuple[str, Sampler, Sampler, float | None, str]] = [
         (f"shm_read pull {size}", local, memcpy, 0.5, "vs memcpy; one-sided, no request"),
         (f"shm pull {size}", pull(True, None), memcpy, None, "vs memcpy; request + ack"),
@@ -299,9 +315,12 @@ def _size_rows(cl: _Client, settings: TransferSettings, page: int, count: int, d
             (f"shm pull {size}, verified", pull(True, True), memcpy, None, "vs memcpy; CRC on both sides"),
             (f"ucx pull {size}, no receiver CRC", pull(False, False), raw, None, "vs raw ucxx"),
         ]
+    short = nbytes <= SHORT_ROW_BYTES
+    repeats = settings.repeats * (settings.short_factor if short else 1)
+    warmup = max(settings.warmup, settings.short_warmup) if short else settings.warmup
     rows = []
     for name, ours_fn, base_fn, goal, info in cases:
-        ours, base = paired_seconds(ours_fn, base_fn, settings.repeats, settings.warmup)
+        ours, base = paired_seconds(ours_fn, base_fn, repeats, warmup)
         rows.append(Row(name, nbytes / ours / 1e6, nbytes / base / 1e6, "MB/s", goal, info=info))
     return rows
 
@@ -347,7 +366,9 @@ def describe(settings: TransferSettings, quick: bool) -> str:
         ctx_info = "UCX unavailable"
     mode = "quick" if quick else "full"
     return (
-        f"{mode} mode, median of {settings.repeats} after {settings.warmup} warmup; "
+        f"{mode} mode, median of {settings.repeats} after {settings.warmup} warmup "
+        f"({settings.repeats * settings.short_factor} after {max(settings.warmup, settings.short_warmup)}"
+        f" for rows of <= {SHORT_ROW_BYTES >> 20} MiB); "
         f"peer in another process on this node; UCX transports: {ctx_info}; "
         f"CRC-32 from {getattr(crc32, '__module__', '?')}"
     )

@@ -82,6 +82,14 @@ def _layout(num_slots: int) -> tuple[int, dict[str, tuple[int, Any, tuple[int, .
     return offset, out
 
 
+def offsets(num_slots: int) -> tuple[tuple[int, ...], int]:
+    """The byte offsets of the gen, key, parent, meta, tags and cells arrays, and the table's
+    cell count (for the compiled reader, :func:`raykv.transfer.shm_read.compiled_reader`)."""
+    _, arrays = _layout(num_slots)
+    names = ("gen", "key", "parent", "meta", "tags", "cells")
+    return tuple(arrays[name][0] for name in names), _cells(num_slots)
+
+
 def _views(buf: Any, num_slots: int) -> dict[str, npt.NDArray[Any]]:
     _, arrays = _layout(num_slots)
     return {

@@ -316,7 +316,7 @@ class PageClient:
         if have is not None and have.path == info.path:
             return
         try:
-            fresh = shm_read.LocalPeer(info)
+            fresh = shm_read.LocalPeer(info, f"{peer[0]}:{peer[1]}")
         except TransferError as exc:
             log.info("one-sided reads from %s unavailable (%s)", peer, exc)
             return
@@ -327,14 +327,16 @@ class PageClient:
     def _read_local(
         self, peer: tuple[str, int], keys: list[BlockKey], out: npt.NDArray[np.uint8] | None
     ) -> PulledPages | None:
-        """The pages read one-sided from a mapped same-node peer, or None (then ask the peer)."""
+        """The pages read one-sided from a mapped same-node peer, or None (then ask the peer).
+        InvalidArgumentError for a bad ``out`` (see :meth:`pull`)."""
         local = self._local.get(peer)
         if local is None:
             return None
-        check_out(out, len(keys), local.mapping.array.shape[1])
-        pulled = shm_read.read(local, keys, out)
-        if pulled is not None:
-            self._count(shm_read.PATH, peer, len(keys), pulled.nbytes)
+        pulled = shm_read.read(local, keys, out)  # checks `out`
+        if pulled is not None:  # self._count, in one call: a small pull is ~3 us
+            n, stats, path = len(keys), self.stats, shm_read.PATH
+            local.tally((stats.pulls, stats.pages, stats.bytes), path, (1, n, n * local.page_bytes))
+            stats.last_path[local.label] = path
         return pulled
 
     def land_local(self, peer: Peer, keys: Sequence[bytes], land: Land[T]) -> T | None:
@@ -357,13 +359,14 @@ class PageClient:
         return result
 
     def _count(self, path: str, peer: tuple[str, int], pages: int, nbytes: int) -> None:
-        self.stats.pulls[path] += 1
-        self.stats.pages[path] += pages
-        self.stats.bytes[path] += nbytes
+        stats = self.stats
+        stats.pulls[path] += 1
+        stats.pages[path] += pages
+        stats.bytes[path] += nbytes
         label = self._labels.get(peer)
         if label is None:
             label = self._labels[peer] = f"{peer[0]}:{peer[1]}"
-        self.stats.last_path[label] = path
+        stats.last_path[label] = path
 
     # ---- pulls -----------------------------------------------------------------------------------
     async def _pull_all(
@@ -568,5 +571,5 @@ def _request(peer: Peer, keys: Sequence[bytes]) -> tuple[list[BlockKey], tuple[s
     checked = check_block_keys(keys)
     if len(checked) > 1 and len(set(checked)) != len(checked):
         raise InvalidArgumentError("keys", "duplicate keys in one pull")
-    endpoint = peer.endpoint if isinstance(peer, PeerAddress) else (str(peer[0]), int(peer[1]))
+    endpoint = (peer.host, peer.port) if isinstance(peer, PeerAddress) else (str(peer[0]), int(peer[1]))
     return checked, endpoint

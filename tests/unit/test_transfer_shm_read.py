@@ -18,7 +18,7 @@ import pytest
 from transfer_support import Pair, commit, host_pair, run, seq
 
 from raykv import ContentOracle, KVLayout, TransferError
-from raykv.errors import StateError
+from raykv.errors import InvalidArgumentError, StateError
 from raykv.tiers import shm_directory
 from raykv.tiers.shm_directory import DirectoryReader, ShmDirectory
 from raykv.transfer import (
@@ -84,17 +84,15 @@ def test_a_page_evicted_mid_read_is_never_returned(
     keys = commit(pair.src, oracle, seq(4, 4))
     pair.client.pull_sync(pair.address, keys)
     local = pair.client._local[pair.address.endpoint]
-    real_copy = shm_read.copy_located
 
-    def copy_then_evict(src: np.ndarray, located: shm_directory.Located, out: np.ndarray) -> None:
-        real_copy(src, located, out)
+    def evict() -> None:  # between the copy and the re-check (either reader)
         with pair.src.locked():
             pair.src.clear_reusable()  # the owner drops every block (and unbinds the slots)
         commit(pair.src, oracle, seq(5, 4))  # and reuses the slots for other blocks
 
-    monkeypatch.setattr(shm_read, "copy_located", copy_then_evict)
+    monkeypatch.setattr(shm_read, "after_copy", evict)
     assert shm_read.read(local, keys) is None
-    monkeypatch.setattr(shm_read, "copy_located", real_copy)
+    monkeypatch.setattr(shm_read, "after_copy", None)
     pulled = pair.client.pull_sync(pair.address, keys)  # falls back: the owner no longer has them
     assert pulled.path != "shm_read" and list(pulled.missing) == keys
     pair.settled()
@@ -313,7 +311,7 @@ def test_a_slot_rebound_mid_read_is_never_returned_or_imported(
     local = _local(pair, keys)
     directory = pair.src.pools[0].slot_directory
     assert directory is not None
-    real_copy, real_view = shm_read.copy_located, shm_read.view
+    real_view = shm_read.view
 
     def rebind_same_key(located: shm_directory.Located) -> None:
         """The owner rebinds a located slot to the very same key: only the generation moves."""
@@ -321,13 +319,11 @@ def test_a_slot_rebound_mid_read_is_never_returned_or_imported(
         slot = located.slots[2]
         directory.bind(slot, keys[2], located.parents[2], located.roots[2], located.tokens[2])
 
-    def copy_then_rebind(src: np.ndarray, located: shm_directory.Located, out: np.ndarray) -> None:
-        real_copy(src, located, out)
-        rebind_same_key(located)
-
-    monkeypatch.setattr(shm_read, "copy_located", copy_then_rebind)
+    seen = shm_read.locate(local, keys)
+    assert seen is not None
+    monkeypatch.setattr(shm_read, "after_copy", lambda: rebind_same_key(seen))
     assert shm_read.read(local, keys) is None
-    monkeypatch.setattr(shm_read, "copy_located", real_copy)
+    monkeypatch.setattr(shm_read, "after_copy", None)
     pulled = shm_read.read(local, keys)  # the new generation is stable: read as before
     assert pulled is not None
     _check(oracle, pulled, keys)
@@ -423,3 +419,49 @@ def test_a_chain_run_is_located_like_one_key_at_a_time(tmp_path: object) -> None
         directory.bind(20, keys[20], root, True, 16)  # rebound under a root: no longer a chain
         run = reader.locate(keys)
         assert run is not None and run.parents[20] == root and run.roots[20] and not run.roots[21]
+
+
+def test_compiled_and_python_readers_pull_the_same_pages(
+    pair: Pair, oracle: ContentOracle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chains = _commit_interleaved(pair, oracle, (41, 42), 4)
+    run_keys = commit(pair.src, oracle, seq(43, 4))
+    local = _local(pair, run_keys)
+    assert (local.compiled is not None) == shm_read.compiled_available()
+    fast = local.compiled or shm_read.compiled_reader(
+        local.directory._mmap, local.mapping._mmap, len(local.mapping.array), local.page_bytes, force=True
+    )
+    if fast is None:
+        pytest.skip("raykv._shmread was not built")
+    out = np.zeros((8, pair.src.layout.page_bytes), dtype=np.uint8)
+    for keys in (run_keys, run_keys[1:2], chains[0], [chains[1][0], *run_keys[2:]], [bytes(32)]):
+        answers = []
+        for reader in (None, fast):
+            monkeypatch.setattr(local, "compiled", reader)
+            got = pair.client.pull_sync(pair.address, keys, out=out)
+            _check(oracle, got, [k for k in keys if k not in got.missing])
+            answers.append((got.path, got.parent_keys, got.parent_is_root, got.num_tokens, got.missing))
+        assert answers[0] == answers[1], keys
+        assert answers[0][0] == ("shm_read" if keys != [bytes(32)] else "shm")
+    monkeypatch.setattr(local, "compiled", fast)
+    with pytest.raises(InvalidArgumentError):
+        pair.client.pull_sync(pair.address, run_keys, out=out[:2])  # too few rows
+    with pytest.raises(InvalidArgumentError):
+        pair.client.pull_sync(pair.address, run_keys, out=out.astype(np.int8))
+    if fast is not local.compiled:
+        fast.release()
+    pair.settled()
+
+
+def test_pure_reader_is_selected_by_the_environment(
+    pair: Pair, oracle: ContentOracle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RAYKV_PURE_SHM_READ", "1")
+    assert not shm_read.compiled_available()
+    keys = commit(pair.src, oracle, seq(44, 3))
+    local = _local(pair, keys)
+    assert local.compiled is None
+    pulled = pair.client.pull_sync(pair.address, keys)
+    assert pulled.path == "shm_read"
+    _check(oracle, pulled, keys)
+    pair.settled()
