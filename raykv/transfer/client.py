@@ -51,7 +51,16 @@ from raykv.transfer.connection import ClientConn as _Conn
 from raykv.transfer.connection import handshake
 from raykv.transfer.landing import Land, LeaseCheck, run_land
 from raykv.transfer.peer_pools import PeerPools
-from raykv.transfer.receive import SpareBuffers, compare, copy_shm, read_sums, receive_ucx
+from raykv.transfer.receive import (
+    FirstChunk,
+    SpareBuffers,
+    compare,
+    copy_shm,
+    post_first,
+    read_header,
+    read_sums,
+    receive_ucx,
+)
 from raykv.transfer.results import ClientStats, Part, PulledPages, check_out, merge
 from raykv.transfer.runtime import (
     ByteBudget,
@@ -413,30 +422,47 @@ class PageClient:
         sums = self._verify("shm", opts.verify)  # checksums over shm; else the server acknowledges
         request = {"t": "pull", "id": rid, "keys": list(keys), "tag": tag, "sums": sums}
         request.update(path="shm" if mapping is not None else "ucx", ack=land is not None or not sums)
-        await self._send(conn, request)
-        limit = min(conn.max_payload, self.config.max_payload_bytes)
-        msg = await wire.read_message(conn.reader, self.config.max_header_bytes)
-        header = wire.Header.from_msg(msg, list(keys), limit)
-        if header.request_id != rid or header.page_bytes != conn.page_bytes:
-            raise wire.protocol_error("header does not answer this request")
-        if (header.path == "shm" and mapping is None) or header.path not in ("shm", "ucx"):
-            raise wire.protocol_error(f"server chose the {header.path} path without being asked")
-        n = len(header.keys)
         if self._budget is None:
             self._budget = ByteBudget(self.config.client_inflight_bytes)
-        await self._budget.acquire(n * header.page_bytes)
+        early = mapping is None and self.config.post_receives
+        # Held before asking, for every requested page (a posted receive may take them all), the
+        # unfound ones given back with the header: a pull never waits for this budget while its
+        # server holds its own for it, so pulls and servers cannot wait on each other in a cycle.
+        held = len(keys) * conn.page_bytes
+        await self._budget.acquire(held)
         try:
+            first = await self._post_first(conn, len(keys), tag, dest, land is not None) if early else None
+            request["posted"] = early
+            await self._send(conn, request)
+            limits = (min(conn.max_payload, self.config.max_payload_bytes), self.config.max_header_bytes)
+            header = await read_header(conn, rid, keys, conn.page_bytes, limits, mapping is not None, first)
+            n = len(header.keys)
+            self._budget.release(held - n * header.page_bytes)
+            held = n * header.page_bytes
+            got: Part | _Landed
             if land is not None:
-                got: Part | _Landed = await self._land(conn, header, tag, mapping, opts.verify, land, keys)
+                got = await self._land(conn, header, tag, mapping, opts.verify, land, keys, first)
             else:
-                got = await self._receive(conn, header, tag, mapping, opts.verify, dest)
+                got = await self._receive(conn, header, tag, mapping, opts.verify, dest, first)
         finally:
-            self._budget.release(n * header.page_bytes)
+            self._budget.release(held)
         self.stats.pulls[header.path] += 1
         self.stats.pages[header.path] += n
         self.stats.bytes[header.path] += n * header.page_bytes
         self.stats.last_path[f"{conn.peer[0]}:{conn.peer[1]}"] = header.path
         return got
+
+    async def _post_first(
+        self, conn: _Conn, count: int, tag: int, dest: npt.NDArray[np.uint8] | None, landing: bool
+    ) -> FirstChunk:
+        """Post the receive of a ucx pull's chunk 0 (up to ``count`` pages, tag ``tag``) before the
+        request goes out: into ``dest`` (else a new array; a spare buffer for a landing)."""
+        flat = None
+        if landing:
+            flat, data = self._spare.take(count, conn.page_bytes)
+        else:
+            data = dest[:count] if dest is not None else np.empty((count, conn.page_bytes), dtype=np.uint8)
+        return await post_first(await self._endpoint(conn), data, flat, tag)
 
     def _verify(self, path: str, verify: bool | None) -> bool:
         """Whether this process checks the pages of ``path`` against the sender's checksums."""
@@ -452,16 +478,21 @@ class PageClient:
         mapping: ShmMapping | None,
         verify: bool | None,
         dest: npt.NDArray[np.uint8] | None,
+        first: FirstChunk | None = None,
     ) -> Part:
-        """The pages of ``header`` in ``dest`` (or a new array); see :meth:`pull`."""
+        """The pages of ``header`` in ``dest`` (or a new array, or ``first``'s rows); see
+        :meth:`pull`."""
         n = len(header.keys)
-        data = dest[:n] if dest is not None else np.empty((n, header.page_bytes), dtype=np.uint8)
+        if first is not None:
+            data = first.data[:n]
+        else:
+            data = dest[:n] if dest is not None else np.empty((n, header.page_bytes), dtype=np.uint8)
         if header.path == "shm":
             assert mapping is not None
             sums = self._verify("shm", verify)
             return Part(header, data, await self._receive_shm(conn, header, mapping, data, sums), True)
         check = self._verify("ucx", verify)
-        return Part(header, data, await self._receive_ucx(conn, header, tag, data, check), check)
+        return Part(header, data, await self._receive_ucx(conn, header, tag, data, check, first), check)
 
     async def _land(
         self,
@@ -472,6 +503,7 @@ class PageClient:
         verify: bool | None,
         land: Land[Any],
         keys: list[BlockKey],
+        first: FirstChunk | None = None,
     ) -> _Landed:
         """``land`` the pages of ``header``: over shm straight from the mapping, confirmed by the
         server's ``ack``; over ucx from the buffer they were received (and verified) into."""
@@ -479,9 +511,12 @@ class PageClient:
         loop = asyncio.get_running_loop()
         flat = None
         if header.path == "ucx":
-            flat, data = self._spare.take(len(header.keys), header.page_bytes)
+            if first is not None:
+                flat, data = first.flat, first.data[: len(header.keys)]
+            else:
+                flat, data = self._spare.take(len(header.keys), header.page_bytes)
             check = self._verify("ucx", verify)
-            theirs = await self._receive_ucx(conn, header, tag, data, check)  # failed: `flat` dropped
+            theirs = await self._receive_ucx(conn, header, tag, data, check, first)  # failed: `flat` dropped
             pulled = merge([Part(header, data, theirs, check)], keys, time.perf_counter() - start)
             lease = LeaseCheck(loop)
         else:
@@ -545,12 +580,21 @@ class PageClient:
             raise wire.protocol_error("'ack' for another request")
 
     async def _receive_ucx(
-        self, conn: _Conn, header: wire.Header, tag: int, data: npt.NDArray[np.uint8], verify: bool
+        self,
+        conn: _Conn,
+        header: wire.Header,
+        tag: int,
+        data: npt.NDArray[np.uint8],
+        verify: bool,
+        first: FirstChunk | None = None,
     ) -> list[int]:
-        """Receive the payload into ``data`` (checksummed as it lands when ``verify``), say
-        ``done``; the server's checksums (compared with ours when ``verify``)."""
+        """Receive the payload into ``data`` (checksummed as it lands when ``verify``; chunk 0
+        through ``first``'s receive when posted early), say ``done``; the server's checksums
+        (compared with ours when ``verify``)."""
         limit = self.config.max_header_bytes
-        mine, theirs = await receive_ucx(conn, lambda: self._endpoint(conn), header, tag, data, verify, limit)
+        posted = first.recv if first is not None else None
+        endpoint = lambda: self._endpoint(conn)  # noqa: E731
+        mine, theirs = await receive_ucx(conn, endpoint, header, tag, data, verify, limit, posted)
         await self._send(conn, {"t": "done", "id": header.request_id})
         return compare(header, mine, theirs)
 

@@ -75,6 +75,9 @@ class TransferConfig:
     ``use_gpu_peer``: allow the same-node ``gpu_peer`` path (:mod:`raykv.transfer.gpu_peer`): a
     server exports its GPU tier to authenticated same-node peers, who copy leased pages device to
     device (NVLink / PCIe peer access), no checksums, the lease acknowledged as on ``shm``.
+    ``post_receives``: over ``ucx``, post the receive of a pull's first chunk before sending the
+    request; the server then sends that chunk (a payload of at most ``chunk_bytes`` whole) before
+    its header, so the pages are on the wire while the header is built, sent and read.
     """
 
     host: str = "127.0.0.1"
@@ -94,6 +97,7 @@ class TransferConfig:
     verify_shm: bool = False
     use_shm_read: bool = True
     use_gpu_peer: bool = True
+    post_receives: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -117,7 +121,7 @@ class TransferConfig:
         object.__setattr__(self, "timeout_s", _positive_seconds("timeout_s", self.timeout_s))
         for name in ("ucx_net_devices", "ucx_tls", "node_id"):
             _optional_str(name, getattr(self, name))
-        for name in ("use_shm", "verify_shm", "use_shm_read", "use_gpu_peer"):
+        for name in ("use_shm", "verify_shm", "use_shm_read", "use_gpu_peer", "post_receives"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"must be a bool, got {getattr(self, name)!r}")
 

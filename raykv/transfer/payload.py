@@ -66,19 +66,29 @@ def host_array(buf: Any) -> npt.NDArray[np.uint8]:
 
 
 class LeasedPayload:
-    """Chunks of the pages of ``blocks`` (held by a lease: they do not move while this lives).
+    """Chunks of the pages of ``blocks`` (held by a lease: they do not move while this lives);
+    ``whole``: one chunk when the payload fits in ``chunk_bytes``.
 
     ``corrupt`` is a test hook: each chunk is copied and one byte flipped in the copy (the tier is
     never touched); checksums still describe the true pages, so the receiver must notice.
     """
 
     def __init__(
-        self, manager: CacheManager, blocks: tuple[LeasedBlock, ...], chunk_bytes: int, corrupt: bool = False
+        self,
+        manager: CacheManager,
+        blocks: tuple[LeasedBlock, ...],
+        chunk_bytes: int,
+        corrupt: bool = False,
+        whole: bool = False,
     ) -> None:
         self.manager = manager
         self.blocks = blocks
         self.page_bytes = manager.layout.page_bytes
-        self.counts = chunk_counts(len(blocks), self.page_bytes, chunk_bytes)
+        n, page = len(blocks), self.page_bytes
+        if whole and 0 < n * page <= chunk_bytes:  # one message (see PageServer._send_ucx)
+            self.counts = [n]
+        else:
+            self.counts = chunk_counts(n, page, chunk_bytes)
         self.starts = [sum(self.counts[:i]) for i in range(len(self.counts))]
         self.corrupt = corrupt
         settle_pages(manager, blocks)

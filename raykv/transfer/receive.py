@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -50,6 +51,49 @@ class SpareBuffers:
         self._free.append(flat)
         while sum(b.nbytes for b in self._free) > self.limit:
             self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].nbytes))
+
+
+@dataclass(frozen=True)
+class FirstChunk:
+    """A ucx pull's chunk-0 receive, posted before the request (``TransferConfig.post_receives``):
+    its rows (room for every requested page), the spare buffer they belong to (landings, else
+    None), and the receive."""
+
+    data: npt.NDArray[np.uint8]
+    flat: npt.NDArray[np.uint8] | None
+    recv: asyncio.Future[Any]
+
+
+async def post_first(
+    endpoint: Any, data: npt.NDArray[np.uint8], flat: npt.NDArray[np.uint8] | None, tag: int
+) -> FirstChunk:
+    """Post the receive of chunk 0 into ``data`` at ``tag`` (before the request goes out)."""
+    recv = asyncio.ensure_future(tag_recv(endpoint, data, tag))
+    await asyncio.sleep(0)  # let it post before the request goes out (UCX would queue it anyway)
+    return FirstChunk(data, flat, recv)
+
+
+async def read_header(
+    conn: Connection,
+    rid: int,
+    keys: Sequence[bytes],
+    page_bytes: int,
+    limits: tuple[int, int],
+    mapped: bool,
+    first: FirstChunk | None,
+) -> wire.Header:
+    """The server's header for request ``rid``, checked against the request: its keys, page
+    size, payload limit, and a path the client can take (shm only when ``mapped``; ucx when
+    chunk 0's receive was posted). ``limits``: (max payload, max header bytes)."""
+    msg = await wire.read_message(conn.reader, limits[1])
+    header = wire.Header.from_msg(msg, list(keys), limits[0])
+    if header.request_id != rid or header.page_bytes != page_bytes:
+        raise wire.protocol_error("header does not answer this request")
+    if (header.path == "shm" and not mapped) or header.path not in ("shm", "ucx"):
+        raise wire.protocol_error(f"server chose the {header.path} path without being asked")
+    if first is not None and header.path != "ucx":
+        raise wire.protocol_error("the server did not answer a posted receive over ucx")
+    return header
 
 
 async def read_sums(conn: Connection, header: wire.Header, max_bytes: int) -> list[int]:
@@ -104,21 +148,27 @@ async def receive_ucx(
     data: npt.NDArray[np.uint8],
     verify: bool,
     max_bytes: int,
+    posted: asyncio.Future[Any] | None = None,
 ) -> tuple[list[int] | None, list[int]]:
     """Post one receive per chunk into ``data`` (tags ``tag + i``) and checksum each chunk as it
-    lands (``verify``); returns (our checksums or None, the server's). On any failure the endpoint
-    is aborted first, which cancels the posted receives: nothing lands in ``data`` afterwards."""
+    lands (``verify``); returns (our checksums or None, the server's). ``posted``: chunk 0's
+    receive, posted before the request into rows starting at ``data``'s first (the server sends
+    an empty message there when it found nothing). On any failure the endpoint is aborted
+    first, which cancels the posted receives: nothing lands in ``data`` afterwards."""
     if header.sums is not None:
         sums_task: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
         sums_task.set_result(list(header.sums))
     else:
         sums_task = asyncio.ensure_future(read_sums(conn, header, max_bytes))
-    recvs: list[asyncio.Future[Any]] = []
+    recvs: list[asyncio.Future[Any]] = [posted] if posted is not None else []
     try:
-        if header.keys:
+        if posted is not None and not header.keys:
+            await posted  # the empty message: nothing more comes
+            recvs.clear()
+        elif header.keys:
             ep = await endpoint()
-            first = 0
-            for i, count in enumerate(header.layout):
+            first = header.layout[0] if recvs else 0
+            for i, count in enumerate(header.layout[len(recvs) :], start=len(recvs)):
                 rows = data[first : first + count]
                 recvs.append(asyncio.ensure_future(tag_recv(ep, rows, tag + i)))
                 first += count

@@ -85,7 +85,7 @@ def get_runtime() -> TransferRuntime:
         return _runtime
 
 
-INLINE_BYTES = 256 << 10
+INLINE_BYTES = 1 << 20
 """Copies and checksums of at most this many bytes run on the loop itself (a thread hop costs
 more than they do); larger ones run in the default executor (zlib and numpy release the GIL)."""
 

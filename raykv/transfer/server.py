@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from raykv.errors import RayKVError, TransferError
 from raykv.manager import CacheManager
 from raykv.records import BlockLease, LeasedBlock, page_checksum
@@ -111,6 +113,7 @@ class _Conn:
     endpoint: Any = None
     sums: bool = True  # the current pull asked for checksums on the shm path
     ack: bool = False  # the current pull asked for an ``ack`` of its ``done`` on the shm path
+    posted: bool = False  # the current pull's client has its ucx receive for chunk 0 posted
 
 
 class PageServer:
@@ -287,6 +290,7 @@ class PageServer:
             raise wire.protocol_error("field 'tag' out of range")
         conn.sums = _flag(msg, "sums", True)
         conn.ack = _flag(msg, "ack", False)
+        conn.posted = _flag(msg, "posted", False)
         try:
             lease = self.manager.lease_blocks(keys)
         except RayKVError as exc:
@@ -388,33 +392,37 @@ class PageServer:
         compute); so do a small payload's, computed first. Otherwise every send is posted before
         any checksum is computed, so UCX always has the whole payload queued and the checksums
         overlap with the transfer; they are remembered for the next sends
-        (``CacheManager.remember_checksums``)."""
-        corrupt = self.faults.corrupt_payload
-        payload = LeasedPayload(self.manager, lease.blocks, self.config.chunk_bytes, corrupt)
-        endpoint: Any = await self._endpoint(conn) if lease.blocks else None
+        (``CacheManager.remember_checksums``).
+
+        When the client posted its receive before asking (``posted``), chunk 0 goes first, before
+        the header (an empty message when nothing was found, so that receive always completes), and a
+        payload of at most ``chunk_bytes`` is one chunk: it is on the wire while the header is
+        built, sent and read."""
+        corrupt, early = self.faults.corrupt_payload, conn.posted
+        payload = LeasedPayload(self.manager, lease.blocks, self.config.chunk_bytes, corrupt, early)
+        endpoint: Any = await self._endpoint(conn) if lease.blocks or early else None
         chunks = range(len(payload.counts))
-        sums = known_sums(lease)
-        small = sums is None and payload.nbytes <= INLINE_BYTES
-        ready = [payload.chunk(i) for i in chunks] if small else []
-        if small:
-            sums = [s for i in chunks for s in payload.checksums(i)]
-            self.manager.remember_checksums(lease.blocks, sums)
-        await self._send(conn, self._header(rid, "ucx", lease, payload.counts, sums))
-        await self._after_header(conn)
         sends: list[asyncio.Future[Any]] = []
         try:
-            for i in chunks:
-                nbytes = payload.counts[i] * payload.page_bytes
-                buf = (
-                    ready[i] if small else await offload(0 if payload.in_place else nbytes, payload.chunk, i)
-                )
+            if early:
+                first = await _chunk_buf(payload, 0) if chunks else np.zeros(0, dtype=np.uint8)
+                sends.append(asyncio.ensure_future(tag_send(endpoint, first, tag)))
+            sums = known_sums(lease)
+            small = sums is None and payload.nbytes <= INLINE_BYTES
+            ready = [payload.chunk(i) for i in chunks[1 if early else 0 :]] if small else []
+            if small:
+                sums = [s for i in chunks for s in payload.checksums(i)]
+                self.manager.remember_checksums(lease.blocks, sums)
+            if early:
+                await self._after_header(conn)  # the test hooks: here, before the header
+            await self._send(conn, self._header(rid, "ucx", lease, payload.counts, sums))
+            if not early:
+                await self._after_header(conn)
+            for k, i in enumerate(chunks[1 if early else 0 :]):
+                buf = ready[k] if small else await _chunk_buf(payload, i)
                 sends.append(asyncio.ensure_future(tag_send(endpoint, buf, tag + i)))
             if sums is None:
-                trailer: list[int] = []
-                for i in chunks:
-                    trailer.extend(await map_rows(payload.page_bytes, payload.counts[i], payload.sums_of(i)))
-                await self._send(conn, {"t": "sums", "id": rid, "sums": trailer})
-                self.manager.remember_checksums(lease.blocks, trailer)
+                await self._send_trailer(conn, rid, lease, payload)
             await self._await_done(conn, rid, asyncio.gather(*sends) if sends else None)
         except BaseException:
             # Stop UCX reading the pages before the caller ends the lease.
@@ -423,6 +431,14 @@ class PageServer:
             for s in sends:
                 s.cancel()
             raise
+
+    async def _send_trailer(self, conn: _Conn, rid: int, lease: BlockLease, payload: LeasedPayload) -> None:
+        """Checksum every chunk (on the copy threads), send them as ``sums``, remember them."""
+        trailer: list[int] = []
+        for i in range(len(payload.counts)):
+            trailer.extend(await map_rows(payload.page_bytes, payload.counts[i], payload.sums_of(i)))
+        await self._send(conn, {"t": "sums", "id": rid, "sums": trailer})
+        self.manager.remember_checksums(lease.blocks, trailer)
 
     async def _send_direct(self, conn: _Conn, rid: int, lease: BlockLease, tag: int) -> None:
         """The ``direct`` path (:mod:`raykv.transfer.device`): pages stay on their device."""
@@ -464,6 +480,12 @@ class PageServer:
                 raise TransferError("no UCX path to this peer", reason="unavailable")
             conn.endpoint = await ucx_endpoint(self._ucx_ctx, conn.ucx_address)
         return conn.endpoint
+
+
+async def _chunk_buf(payload: LeasedPayload, index: int) -> Any:
+    """Chunk ``index``'s buffer: in place, or gathered on the loop's executor when large."""
+    nbytes = 0 if payload.in_place else payload.counts[index] * payload.page_bytes
+    return await offload(nbytes, payload.chunk, index)
 
 
 def known_sums(lease: BlockLease) -> list[int] | None:

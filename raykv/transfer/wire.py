@@ -14,7 +14,9 @@ welcome    s -> c     server proof, node id, page size, limits, shared-memory fi
                       ``gpu``: whether same-node peers may map its GPU tier (gpu_peer path)
 pull       c -> s     request id, keys (<= max_keys), wanted path ("shm"/"ucx"/"direct"/
                       "gpu_peer"), tag base, shm only: ``sums`` (send checksums), ``ack``
-                      (acknowledge ``done``; gpu_peer always acknowledges)
+                      (acknowledge ``done``; gpu_peer always acknowledges); ucx: ``posted``
+                      (chunk 0's receive is posted: send that chunk first, before the header;
+                      an empty message when nothing was found)
 gpu_pool   s -> c     gpu_peer path, right before its header: the GPU tier's export socket,
                       device UUID and slot count (:mod:`raykv.transfer.gpu_peer`)
 header     s -> c     keys found (request order), parent keys, parent_is_root, num_tokens,
@@ -23,8 +25,9 @@ header     s -> c     keys found (request order), parent keys, parent_is_root, n
                       (:mod:`raykv.transfer.device`)
 sums       s -> c     one CRC-32 (:func:`raykv.records.page_checksum`) per page, sent right
                       after the header's payload has been handed to UCX (see below); for a
-                      payload of at most 256 KiB they travel in ``header`` instead. Always
-                      on the ucx path; on the shm path only when the pull asked for ``sums``
+                      payload of at most 1 MiB, or pages whose checksums the server kept from
+                      an earlier send, they travel in ``header`` instead. Always on the ucx
+                      path; on the shm path only when the pull asked for ``sums``
 done       c -> s     the client has the pages (shm, gpu_peer: it stopped reading the tier)
 ack        s -> c     shm and gpu_peer paths, when asked: the lease was held until ``done``
                       arrived, so every byte the client read was the leased page

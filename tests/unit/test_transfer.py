@@ -318,8 +318,9 @@ def test_small_shm_pull_needs_nothing_after_the_header(
 @pytest.mark.parametrize("prefer_shm", [True, False])
 def test_cancel_and_timeout_release_everything(make_pair: Callable[..., Pair], prefer_shm: bool) -> None:
     big = KVLayout.uniform(num_layers=4, num_kv_heads=8, head_dim=128, tokens_per_block=4)  # 64 KiB pages
-    pair = make_pair(host_pages=8, disk_pages=0, page_layout=big)
-    keys = commit(pair.src, ContentOracle(big), seq(11, 5))  # 320 KiB: the client waits for checksums
+    pair = make_pair(host_pages=24, disk_pages=0, page_layout=big)
+    keys = commit(pair.src, ContentOracle(big), seq(11, 20))  # 1.25 MiB: over INLINE_BYTES, the
+    # checksums come after the stalled header (shm), the payload after it (ucx)
     pair.server.faults.stall_after_header_s = 30.0
 
     async def cancel_mid_pull() -> None:
@@ -500,4 +501,31 @@ def test_a_recommitted_block_does_not_inherit_the_old_checksum(
     again = commit(pair.src, oracle, seq(5, 4))
     assert again == keys and all(pair.src.tree.blocks[k].checksum is None for k in keys)
     check_pages(oracle, pair.client.pull_sync(pair.server.address, keys, prefer_shm=False), keys)  # type: ignore[arg-type]
+    pair.wait_no_leases()
+
+
+@pytest.mark.parametrize("posted", [True, False])
+def test_ucx_pages_land_in_the_right_rows_whatever_the_server_finds(
+    make_pair: Callable[..., Pair], oracle: ContentOracle, layout: KVLayout, posted: bool
+) -> None:
+    """With ``post_receives`` the client posts chunk 0's receive before asking and the server
+    sends that chunk before its header (an empty message when it found nothing). All of the
+    keys, some, none, or more than one chunk's worth must land in the right rows, and the
+    connection must stay clean for the next pull (nothing stray arrives later)."""
+    config = CFG.replace(chunk_bytes=4 * layout.page_bytes, post_receives=posted)
+    pair = make_pair(config, host_pages=32, disk_pages=0)
+    keys = commit(pair.src, oracle, seq(31, 12))
+    gone = [bytes([9]) * 32, bytes([8]) * 32]
+    cases = [keys, [gone[0], *keys[:7]], [*keys[:3], gone[1]], gone, keys[5:6]]
+    for want in cases * 2:  # twice over the same idle connection
+        out = np.zeros((len(want), layout.page_bytes), dtype=np.uint8)
+        pulled = pair.client.pull_sync(pair.server.address, want, prefer_shm=False, out=out)  # type: ignore[arg-type]
+        found = [k for k in want if k not in gone]
+        check_pages(oracle, pulled, found)
+        assert list(pulled.missing) == [k for k in want if k in gone] and pulled.verified
+        assert not found or np.shares_memory(pulled.data, out)
+    assert pair.client.stats.pulls["ucx"] == 2 * len(cases)
+    outcome = get_runtime().run(pull_into(pair.client, pair.server.address, pair.dst, cases[1], False), 30)  # type: ignore[arg-type]
+    assert outcome.imported == tuple(keys[:7]) and outcome.missing == (gone[0],)
+    assert oracle.verify_manager(pair.dst) == 7
     pair.wait_no_leases()
