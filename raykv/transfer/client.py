@@ -210,6 +210,9 @@ class PageClient:
         """``coro`` under the pull timeout; every failure counted and raised as a TransferError."""
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
         try:
+            if hasattr(asyncio, "timeout"):  # 3.11+: no extra task per pull, as wait_for makes
+                async with asyncio.timeout(timeout):
+                    return await coro
             return await asyncio.wait_for(coro, timeout)
         except asyncio.TimeoutError:
             self.stats.failures["timeout"] += 1

@@ -34,7 +34,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -311,7 +311,7 @@ class PageServer:
                     "direct": self._send_direct,
                     "gpu_peer": self._send_gpu_peer,
                 }[path]
-                await asyncio.wait_for(send(conn, rid, lease, tag), self.config.timeout_s)
+                await _within(send(conn, rid, lease, tag), self.config.timeout_s)
             finally:
                 self._budget.release(nbytes)
         finally:
@@ -480,6 +480,16 @@ class PageServer:
                 raise TransferError("no UCX path to this peer", reason="unavailable")
             conn.endpoint = await ucx_endpoint(self._ucx_ctx, conn.ucx_address)
         return conn.endpoint
+
+
+async def _within(coro: Coroutine[Any, Any, None], seconds: float) -> None:
+    """``await coro``, cancelled after ``seconds`` (asyncio.TimeoutError); on 3.11+ without the
+    extra task ``asyncio.wait_for`` makes."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(seconds):
+            await coro
+        return
+    await asyncio.wait_for(coro, seconds)
 
 
 async def _chunk_buf(payload: LeasedPayload, index: int) -> Any:

@@ -8,6 +8,7 @@ import random
 
 import numpy as np
 import pytest
+from import_support import toks
 
 from raykv import (
     AllCleared,
@@ -25,10 +26,6 @@ from raykv.tiers import DiskPool, HostPool
 
 TPB = 4
 HOST, DISK = TierKind.HOST, TierKind.DISK
-
-
-def toks(seed: int, n: int) -> list[int]:
-    return [seed * 1000 + i for i in range(n)]
 
 
 def tiers_of(mgr, tokens) -> tuple[TierKind, ...]:

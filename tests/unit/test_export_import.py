@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from import_support import toks
 
 from raykv import (
     BlockStored,
@@ -20,10 +21,6 @@ from raykv import (
 )
 
 TPB = 4
-
-
-def toks(seed: int, n: int) -> list[int]:
-    return [seed * 1000 + i for i in range(n)]
 
 
 def exported_chain(mgr, run_request, tokens, **kw) -> list[ExportedBlock]:

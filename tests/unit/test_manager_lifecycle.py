@@ -11,6 +11,7 @@ import gc
 
 import numpy as np
 import pytest
+from import_support import toks
 
 from raykv import (
     AllCleared,
@@ -28,11 +29,6 @@ from raykv import (
 )
 
 TPB = 4
-
-
-def toks(seed: int, n: int) -> list[int]:
-    """``n`` token ids unique to ``seed``."""
-    return [seed * 1000 + i for i in range(n)]
 
 
 def stored(events) -> list[BlockStored]:

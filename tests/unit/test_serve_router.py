@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
+from import_support import toks
+
 from actors.serve import (
     CacheRanker,
     IndexView,
@@ -89,10 +91,6 @@ def ranker(index: FakeIndex, budget: float = 0.5, retry_after: float = 30.0, **r
 def replicas(*loads: int) -> list[FakeReplica]:
     workers = ("w-a", "w-b", "w-c")
     return [FakeReplica(f"r{i}", workers[i], q) for i, q in enumerate(loads)]
-
-
-def toks(seed: int, n: int) -> list[int]:
-    return [seed * 1000 + i for i in range(n)]
 
 
 def req(tokens: list[int], scope: ReuseScope | None = None) -> RoutedRequest:
