@@ -361,13 +361,13 @@ async def _pull_batch(
 
 # ---- one-sided: no request at all ----------------------------------------------------------------
 LOCAL_PATH = "gpu_read"
-PIPELINE_SHARES = (4, 4, 4, 3, 1)
+PIPELINE_SHARES = (8, 8, 8, 7, 1)
 """Chunk sizes of a pipelined import. The first chunk's copy starts before validation
 (:func:`raykv.transfer_blocks.import_pipelined`), so a large one costs nothing up front and keeps
-the GPU busy while the next chunk is allocated; the small last one keeps the insert that nothing
-overlaps short. On 2x H200, 256 x 2 MiB: (4, 4, 4, 3, 1) 1.79 ms, (1, 2, 3, 3, 2, 1) 1.87 ms,
-(6, 5, 4, 1) 2.01 ms, one chunk 2.45 ms (medians, same run)."""
-PIPELINE_MIN_CHUNK = 16
+the GPU busy while the next chunk is allocated; the small last one (8 of 256) keeps the insert
+that nothing overlaps short. On 2x H200, 256 x 2 MiB with a last chunk of 16: (4, 4, 4, 3, 1)
+1.79 ms, (1, 2, 3, 3, 2, 1) 1.87 ms, (6, 5, 4, 1) 2.01 ms, one chunk 2.45 ms (medians, same run)."""
+PIPELINE_MIN_CHUNK = 8
 
 
 async def _pull_local(
@@ -493,9 +493,12 @@ def chunk_starts(count: int) -> list[int]:
     """Where the chunks of a pipelined local import of ``count`` blocks start: sized by
     :data:`PIPELINE_SHARES` (inserting a chunk overlaps copying the next; the last one's insert,
     which nothing overlaps, should be short), none under :data:`PIPELINE_MIN_CHUNK` blocks (the
-    last one takes what is left)."""
+    last one takes what is left); one chunk under 4 times that (each chunk costs a copy launch
+    and an event wait, more than a short copy it could hide)."""
     total = sum(PIPELINE_SHARES)
     starts, at = [0], 0
+    if count < 4 * PIPELINE_MIN_CHUNK:
+        return starts
     for share in PIPELINE_SHARES[:-1]:
         at += max(PIPELINE_MIN_CHUNK, count * share // total)
         if at > count - PIPELINE_MIN_CHUNK:

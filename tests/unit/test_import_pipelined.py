@@ -230,3 +230,18 @@ def test_chain_scan_agrees_with_the_full_scan(make_manager, run_request, monkeyp
         assert fast == slow
     clean = defect in ("none", "present", "root_mid")  # a record may name a scope root as parent
     assert clean == (isinstance(fast, tuple) and fast[1] is None)
+
+
+@pytest.mark.parametrize("count", [1, 16, 31, 32, 64, 100, 256, 1000])
+def test_gpu_read_chunks_cover_the_records_with_a_short_last_chunk(count: int) -> None:
+    """gpu_read's chunks: ascending from 0, none shorter than the minimum, one chunk when the
+    records are few, and for 256 a last chunk of 8 (its insert is the one nothing overlaps)."""
+    from raykv.transfer.gpu_peer import PIPELINE_MIN_CHUNK, chunk_starts
+
+    starts = chunk_starts(count)
+    sizes = [b - a for a, b in zip(starts, [*starts[1:], count])]
+    assert starts[0] == 0 and all(s >= PIPELINE_MIN_CHUNK for s in sizes[:-1])
+    assert sizes[-1] >= min(count, PIPELINE_MIN_CHUNK) and sum(sizes) == count
+    assert (len(starts) == 1) == (count < 4 * PIPELINE_MIN_CHUNK)
+    if count == 256:
+        assert sizes == [64, 64, 64, 56, 8]
