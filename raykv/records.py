@@ -5,7 +5,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from raykv.types import BlockKey, TierKind
 
@@ -103,11 +103,11 @@ class BlockRecords:
         )
 
 
-@dataclass(frozen=True)
-class LeasedBlock:
+class LeasedBlock(NamedTuple):
     """A committed block held in place for a sender: where its page is and how to re-key it, and
     its page's checksum when a sender computed it before (None: compute it; see
-    ``CacheManager.remember_checksums``)."""
+    ``CacheManager.remember_checksums``). A named tuple: a lease of 256 blocks makes 256 of them
+    under the manager's lock (a frozen dataclass takes ~1 us each to build, this ~0.2 us)."""
 
     key: BlockKey
     parent_key: BlockKey

@@ -340,14 +340,15 @@ class PageServer:
     ) -> dict[str, Any]:
         """The header of a pull: ``blocks`` (default: every leased block) and the layout."""
         blocks = lease.blocks if blocks is None else blocks
+        columns = list(zip(*blocks)) if blocks else [()] * 4  # key, parent, root flag, tokens, ...
         return wire.Header(
             rid,
             path,
             self.manager.layout.page_bytes,
-            tuple(b.key for b in blocks),
-            tuple(b.parent_key for b in blocks),
-            tuple(b.parent_is_root for b in blocks),
-            tuple(b.num_tokens for b in blocks),
+            columns[0],
+            columns[1],
+            columns[2],
+            columns[3],
             tuple(layout),
             tuple(sums) if sums is not None else None,
         ).to_msg()
@@ -480,6 +481,9 @@ class PageServer:
                 raise TransferError("no UCX path to this peer", reason="unavailable")
             conn.endpoint = await ucx_endpoint(self._ucx_ctx, conn.ucx_address)
         return conn.endpoint
+
+
+assert LeasedBlock._fields[:4] == ("key", "parent_key", "parent_is_root", "num_tokens")  # _header's columns
 
 
 async def _within(coro: Coroutine[Any, Any, None], seconds: float) -> None:
