@@ -427,7 +427,8 @@ class PageClient:
         request.update(path="shm" if mapping is not None else "ucx", ack=land is not None or not sums)
         if self._budget is None:
             self._budget = ByteBudget(self.config.client_inflight_bytes)
-        early = mapping is None and self.config.post_receives
+        early = mapping is None and self.config.post_receives and self._ucx_ctx is not None
+        early = early and conn.server_ucx is not None  # else no endpoint: the pull says so later
         # Held before asking, for every requested page (a posted receive may take them all), the
         # unfound ones given back with the header: a pull never waits for this budget while its
         # server holds its own for it, so pulls and servers cannot wait on each other in a cycle.
