@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from raykv.errors import CudaError, TransferError
 from raykv.events import BlockStored, BlockTierChanged, CacheEvent
 from raykv.manager import CacheManager
+from raykv.pipelined_import import import_pipelined
 from raykv.radix import Block
 from raykv.records import BlockLease, BlockRecords
 from raykv.tiers import shm_directory
@@ -53,7 +54,7 @@ from raykv.transfer.connection import ClientConn
 from raykv.transfer.importer import PullOutcome, importable_prefix, pull_into
 from raykv.transfer.landing import LeaseCheck, run_checked
 from raykv.transfer.peer_pools import PoolInfo
-from raykv.transfer_blocks import import_pipelined, import_written
+from raykv.transfer_blocks import import_written
 from raykv.types import DEFAULT_PRIORITY, BlockKey, PageId, Priority, TierKind, check_priority
 
 if TYPE_CHECKING:
@@ -363,7 +364,7 @@ async def _pull_batch(
 LOCAL_PATH = "gpu_read"
 PIPELINE_SHARES = (8, 8, 8, 7, 1)
 """Chunk sizes of a pipelined import. The first chunk's copy starts before validation
-(:func:`raykv.transfer_blocks.import_pipelined`), so a large one costs nothing up front and keeps
+(:func:`raykv.pipelined_import.import_pipelined`), so a large one costs nothing up front and keeps
 the GPU busy while the next chunk is allocated; the small last one (8 of 256) keeps the insert
 that nothing overlaps short. On 2x H200, 256 x 2 MiB with a last chunk of 16: (4, 4, 4, 3, 1)
 1.79 ms, (1, 2, 3, 3, 2, 1) 1.87 ms, (6, 5, 4, 1) 2.01 ms, one chunk 2.45 ms (medians, same run)."""

@@ -1,4 +1,4 @@
-"""transfer_blocks.import_pipelined: an import in chunks whose copies overlap the inserts.
+"""pipelined_import.import_pipelined: an import in chunks whose copies overlap the inserts.
 
 Every chunk is staged (pages allocated, copy started) before the first is confirmed (the first
 chunk's copy starts before the records are validated when free slots allow); each chunk is then
@@ -14,10 +14,10 @@ import dataclasses
 import pytest
 from import_support import chain, toks
 
-import raykv.transfer_blocks as tb
+import raykv.pipelined_import as tb
 from raykv import ImportRejectedError, TransferError
+from raykv.pipelined_import import import_pipelined
 from raykv.records import BlockRecords
-from raykv.transfer_blocks import import_pipelined
 
 
 def starts(count: int, per: int) -> list[int]:
