@@ -318,23 +318,9 @@ class PageClient:
     # ---- one-sided same-node reads (raykv.transfer.shm_read) -----------------------------------
     def _register_local(self, peer: tuple[str, int], conn: _Conn) -> None:
         """Map a same-node peer's shared tier and directory for one-sided reads (once per file)."""
-        info = conn.shm
         config = self.config
-        if info is None or conn.node != self.node_id or not (config.use_shm and config.use_shm_read):
-            return
-        if not shm_read.usable():
-            return
-        have = self._local.get(peer)
-        if have is not None and have.path == info.path:
-            return
-        try:
-            fresh = shm_read.LocalPeer(info, f"{peer[0]}:{peer[1]}")
-        except TransferError as exc:
-            log.info("one-sided reads from %s unavailable (%s)", peer, exc)
-            return
-        if have is not None:
-            self._retired_local.append(have)  # a read may still use it; closed with the client
-        self._local[peer] = fresh
+        allowed = conn.node == self.node_id and config.use_shm and config.use_shm_read
+        shm_read.register(self._local, self._retired_local, peer, conn.shm, allowed)
 
     def _read_local(
         self, peer: tuple[str, int], keys: list[BlockKey], out: npt.NDArray[np.uint8] | None
@@ -356,19 +342,11 @@ class PageClient:
         None, with nothing landed, when that path cannot serve every key or a page changed
         meanwhile (then use :meth:`pull_land`). ``confirm`` fails if any page changed."""
         checked, endpoint = _request(peer, keys)
-        local = self._local.get(endpoint)
-        got = shm_read.view(local, checked) if checked and local is not None else None
-        if got is None:
+        landed = shm_read.land_on(self._local.get(endpoint), checked, land)
+        if landed is None:
             return None
-        assert local is not None
-        try:
-            result = land(got[0], shm_read.StableCheck(None, local, got[1], checked))
-        except TransferError as exc:
-            if getattr(exc, "reason", "") == "stale":
-                return None
-            raise
-        self._count(shm_read.PATH, endpoint, len(checked), got[0].nbytes)
-        return result
+        self._count(shm_read.PATH, endpoint, len(checked), landed[1])
+        return landed[0]
 
     def _count(self, path: str, peer: tuple[str, int], pages: int, nbytes: int) -> None:
         stats = self.stats

@@ -22,10 +22,11 @@ was not built or ``RAYKV_PURE_SHM_READ=1`` (read when a peer is mapped; see
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from time import perf_counter
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -33,10 +34,13 @@ import numpy.typing as npt
 from raykv.errors import StateError, TransferError
 from raykv.tiers import shm_directory
 from raykv.transfer import wire
-from raykv.transfer.landing import LeaseCheck
+from raykv.transfer.landing import Land, LeaseCheck
 from raykv.transfer.results import PulledPages, check_out
 from raykv.transfer.shm import ShmMapping, copy_rows
 from raykv.types import BlockKey
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 try:  # the optional compiled reader
     from raykv import _shmread
@@ -117,6 +121,47 @@ class LocalPeer:
             self.compiled.release()  # deferred while a read copies without the GIL
         self.directory.close()
         self.mapping.close()
+
+
+def register(
+    peers: dict[tuple[str, int], LocalPeer],
+    retired: list[LocalPeer],
+    peer: tuple[str, int],
+    info: wire.ShmInfo | None,
+    allowed: bool,
+) -> None:
+    """Map a same-node peer's shared tier and directory for one-sided reads, once per file, into
+    ``peers``. ``allowed``: the peer is on this node and one-sided reads are on. A mapping a new
+    file replaces moves to ``retired`` (a read may still use it; the client closes it)."""
+    if info is None or not allowed or not usable():
+        return
+    have = peers.get(peer)
+    if have is not None and have.path == info.path:
+        return
+    try:
+        fresh = LocalPeer(info, f"{peer[0]}:{peer[1]}")
+    except TransferError as exc:
+        log.info("one-sided reads from %s unavailable (%s)", peer, exc)
+        return
+    if have is not None:
+        retired.append(have)
+    peers[peer] = fresh
+
+
+def land_on(peer: LocalPeer | None, keys: list[BlockKey], land: Land[T]) -> tuple[T, int] | None:
+    """``land(pulled, confirm)`` for the pages of ``keys`` read one-sided from ``peer``, and the
+    bytes landed; None, with nothing landed, when the directory cannot serve every key or a page
+    changed meanwhile (``confirm`` then fails with reason "stale"). Other errors raise."""
+    got = view(peer, keys) if keys and peer is not None else None
+    if got is None:
+        return None
+    assert peer is not None
+    try:
+        return land(got[0], StableCheck(None, peer, got[1], keys)), got[0].nbytes
+    except TransferError as exc:
+        if getattr(exc, "reason", "") == "stale":
+            return None
+        raise
 
 
 def usable() -> bool:
