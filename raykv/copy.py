@@ -28,14 +28,13 @@ last host -> GPU hop is not). GPU <-> unpinned host falls back to synchronous co
 from __future__ import annotations
 
 import collections
-import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from raykv.tiers.base import PagePool
+from raykv.tiers.base import PagePool, is_run
 from raykv.tiers.cuda_util import SlotEvents
 from raykv.tiers.disk import DiskPool
 from raykv.tiers.host import HostPool
@@ -43,10 +42,6 @@ from raykv.types import PageId, TierKind
 
 if TYPE_CHECKING:
     from raykv.tiers.gpu import GpuPool
-
-
-def _consecutive(slots: Sequence[int]) -> bool:
-    return all(b == a + 1 for a, b in itertools.pairwise(slots))
 
 
 class CopyEngine:
@@ -121,7 +116,7 @@ class CopyEngine:
             src.read_rows(src_list, [dst.array[d] for d in dst_list])
         elif isinstance(src, HostPool):
             dst.write_pages(dst_list, src.array[src_list])
-        elif isinstance(dst, HostPool) and _consecutive(dst_list):
+        elif isinstance(dst, HostPool) and is_run(dst_list):
             first = dst_list[0]
             src.read_pages(src_list, dst.array[first : first + len(dst_list)])
         else:

@@ -7,6 +7,7 @@ LIFO over a free list (recently freed slots are warm in caches) and all-or-nothi
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,6 +19,16 @@ from raykv.types import PageId, TierKind
 
 if TYPE_CHECKING:
     from raykv.tiers.shm_directory import ShmDirectory
+
+
+def is_run(slots: Sequence[int]) -> bool:
+    """Whether ``slots`` is a non-empty run ``s, s + 1, s + 2, ...``: one page range, so one copy.
+    Two C-level passes (a range list, one comparison), no per-slot Python step."""
+    n = len(slots)
+    if not n:
+        return False
+    first = int(slots[0])
+    return bool(int(slots[-1]) - first == n - 1 and list(slots) == list(range(first, first + n)))
 
 
 class PagePool(abc.ABC):

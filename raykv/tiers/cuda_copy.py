@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.errors import CudaError
+from raykv.tiers.base import is_run
 from raykv.tiers.cuda_util import SlotList, check, driver, ensure_context, torch_errors
 
 log = logging.getLogger(__name__)
@@ -73,13 +74,10 @@ def _run_starts(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> npt.N
 
 
 def one_run(slots: SlotList) -> bool:
-    """Whether ``slots``, a non-empty list, is ``s, s + 1, s + 2, ...`` (C-level passes, no numpy:
-    the usual batch, a run of slots allocated or committed together, is checked in about a
-    microsecond). False for anything else, including arrays (then :func:`runs` finds the runs)."""
-    if type(slots) is not list or not slots:
-        return False
-    first = slots[0]
-    return bool(slots[-1] - first == len(slots) - 1 and slots == list(range(first, first + len(slots))))
+    """Whether ``slots`` is a list forming one run (:func:`raykv.tiers.base.is_run`): the usual
+    batch, slots allocated or committed together, is checked without numpy. False for anything
+    else, including arrays (then :func:`runs` finds the runs)."""
+    return type(slots) is list and is_run(slots)
 
 
 def runs(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> list[tuple[int, int, int]]:

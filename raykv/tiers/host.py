@@ -8,7 +8,6 @@ a full /dev/shm later) and unlinked on close; a process killed with SIGKILL leav
 
 from __future__ import annotations
 
-import itertools
 import logging
 import mmap
 import os
@@ -20,7 +19,7 @@ import numpy.typing as npt
 
 from raykv.config import DTYPES, KVLayout, TierConfig
 from raykv.errors import OutOfMemoryError
-from raykv.tiers.base import PagePool
+from raykv.tiers.base import PagePool, is_run
 from raykv.tiers.shm_directory import ShmDirectory
 from raykv.types import PageId, TierKind
 
@@ -28,11 +27,6 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "raykv-host-"
-
-
-def _consecutive(slots: list[PageId]) -> bool:
-    """True for a non-empty run ``s, s+1, s+2, ...``."""
-    return bool(slots) and all(b == a + 1 for a, b in itertools.pairwise(slots))
 
 
 class HostPool(PagePool):
@@ -120,14 +114,14 @@ class HostPool(PagePool):
     def read_pages(self, slots: list[PageId], out: npt.NDArray[np.uint8]) -> None:
         """One memcpy for a run of consecutive slots, else a gather (``mode="clip"``:
         ``take(out=)`` with the default mode buffers the whole output first)."""
-        if _consecutive(slots):
+        if is_run(slots):
             np.copyto(out, self.array[slots[0] : slots[0] + len(slots)])
         elif slots:
             np.take(self.array, np.asarray(slots, dtype=np.intp), axis=0, out=out, mode="clip")
 
     def write_pages(self, slots: list[PageId], data: npt.NDArray[np.uint8]) -> None:
         """One memcpy for a run of consecutive slots (a scatter is much slower), else a scatter."""
-        if _consecutive(slots):
+        if is_run(slots):
             np.copyto(self.array[slots[0] : slots[0] + len(slots)], data)
         elif slots:
             self.array[np.asarray(slots, dtype=np.intp)] = data

@@ -460,15 +460,7 @@ def _land_local(
     def confirm(event: Any, first: int, end: int) -> None:
         if event is not None:
             event.synchronize()
-        at = located
-        part = shm_directory.Located(
-            at.slots[first:end],
-            at.gens[first:end],
-            at.parents[first:end],
-            at.roots[first:end],
-            at.tokens[first:end],
-        )
-        if not reader.unchanged(part, keys[first:end]):
+        if not reader.unchanged(located.part(first, end), keys[first:end]):
             raise TransferError("a page changed while it was copied; not imported", reason="stale")
 
     done = import_pipelined(manager, records.head(n), chunk_starts(n), write, confirm, priority)

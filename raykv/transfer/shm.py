@@ -8,7 +8,6 @@ lease for the duration, so the pages neither move nor change while they are copi
 
 from __future__ import annotations
 
-import itertools
 import mmap
 import os
 import stat
@@ -18,12 +17,13 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.errors import TransferError
+from raykv.tiers.base import is_run
 from raykv.tiers.host import SHM_PREFIX
 
 
 def consecutive(slots: Sequence[int]) -> bool:
     """True when ``slots`` is one run ``s, s+1, s+2, ...`` (empty and single lists are)."""
-    return all(b == a + 1 for a, b in itertools.pairwise(slots))
+    return not len(slots) or is_run(slots)
 
 
 def copy_rows(src: npt.NDArray[np.uint8], slots: Sequence[int], out: npt.NDArray[np.uint8]) -> None:
