@@ -43,10 +43,10 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from raykv.errors import InvalidArgumentError, TransferError
+from raykv.errors import TransferError
 from raykv.transfer import shm_read, wire
 from raykv.transfer.auth import AuthToken
-from raykv.transfer.config import PeerAddress, TransferConfig
+from raykv.transfer.config import Peer, TransferConfig, pull_request
 from raykv.transfer.connection import ClientConn as _Conn
 from raykv.transfer.connection import handshake
 from raykv.transfer.landing import Land, LeaseCheck, run_land
@@ -73,11 +73,10 @@ from raykv.transfer.runtime import (
     ucx_endpoint,
 )
 from raykv.transfer.shm import ShmMapping
-from raykv.types import BlockKey, check_block_keys
+from raykv.types import BlockKey
 
 log = logging.getLogger(__name__)
 
-Peer = PeerAddress | tuple[str, int]
 T = TypeVar("T")
 SPARE_BYTES = 256 << 20
 """The most receive-buffer bytes a client keeps for reuse by landings (see SpareBuffers)."""
@@ -149,7 +148,7 @@ class PageClient:
         ``PulledPages.data`` is a view of them. Raises ValueError for malformed or duplicate keys
         or a bad ``out``, TransferError for any failure (``out`` may then hold partial bytes).
         """
-        checked, endpoint = _request(peer, keys)
+        checked, endpoint = pull_request(peer, keys)
         start = time.perf_counter()
         if not checked:
             return merge([], [], 0.0)
@@ -180,7 +179,7 @@ class PageClient:
         returned, as ``CacheManager.import_pages(..., confirm=confirm)`` does. A pull of several
         batches (over the peer's limits) lands once, after the last one.
         """
-        checked, endpoint = _request(peer, keys)
+        checked, endpoint = pull_request(peer, keys)
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
         if not checked:
@@ -252,7 +251,7 @@ class PageClient:
     ) -> PulledPages:
         """:meth:`pull` from any other thread; a one-sided same-node read runs in this thread."""
         if prefer_shm and verify is not True:
-            checked, endpoint = _request(peer, keys)
+            checked, endpoint = pull_request(peer, keys)
             fast = self._read_local(endpoint, checked, out) if checked else None
             if fast is not None:
                 return fast
@@ -341,7 +340,7 @@ class PageClient:
         """``land(pulled, confirm)`` for a one-sided read, in this thread (no loop, no request);
         None, with nothing landed, when that path cannot serve every key or a page changed
         meanwhile (then use :meth:`pull_land`). ``confirm`` fails if any page changed."""
-        checked, endpoint = _request(peer, keys)
+        checked, endpoint = pull_request(peer, keys)
         landed = shm_read.land_on(self._local.get(endpoint), checked, land)
         if landed is None:
             return None
@@ -590,12 +589,3 @@ class PageClient:
     async def _send(self, conn: _Conn, msg: dict[str, Any]) -> None:
         conn.writer.write(wire.encode(msg, self.config.max_header_bytes))
         await conn.writer.drain()
-
-
-def _request(peer: Peer, keys: Sequence[bytes]) -> tuple[list[BlockKey], tuple[str, int]]:
-    """The checked keys (ValueError when malformed or duplicated) and the peer's endpoint."""
-    checked = check_block_keys(keys)
-    if len(checked) > 1 and len(set(checked)) != len(checked):
-        raise InvalidArgumentError("keys", "duplicate keys in one pull")
-    endpoint = (peer.host, peer.port) if isinstance(peer, PeerAddress) else (str(peer[0]), int(peer[1]))
-    return checked, endpoint

@@ -11,9 +11,11 @@ import dataclasses
 import math
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from raykv.errors import ConfigError
+from raykv.errors import ConfigError, InvalidArgumentError
+from raykv.types import BlockKey, check_block_keys
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -155,3 +157,17 @@ class PeerAddress:
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
+
+
+Peer = PeerAddress | tuple[str, int]
+"""A page server's address: a PeerAddress or a (host, port) pair."""
+
+
+def pull_request(peer: Peer, keys: Sequence[bytes]) -> tuple[list[BlockKey], tuple[str, int]]:
+    """The checked keys of a pull (ValueError when malformed, InvalidArgumentError when
+    duplicated) and the peer's (host, port)."""
+    checked = check_block_keys(keys)
+    if len(checked) > 1 and len(set(checked)) != len(checked):
+        raise InvalidArgumentError("keys", "duplicate keys in one pull")
+    endpoint = (peer.host, peer.port) if isinstance(peer, PeerAddress) else (str(peer[0]), int(peer[1]))
+    return checked, endpoint

@@ -49,7 +49,8 @@ from raykv.records import BlockLease, BlockRecords
 from raykv.tiers import shm_directory
 from raykv.tiers.host import SHM_DIR, SHM_PREFIX
 from raykv.transfer import wire
-from raykv.transfer.client import PageClient, Peer, _request
+from raykv.transfer.client import PageClient
+from raykv.transfer.config import Peer, pull_request
 from raykv.transfer.connection import ClientConn
 from raykv.transfer.importer import PullOutcome, importable_prefix, pull_into
 from raykv.transfer.landing import LeaseCheck, run_checked
@@ -263,7 +264,7 @@ async def pull_gpu_peer_into(
     other TransferError for a failed pull (nothing imported; the caller recomputes or falls
     back); OutOfPagesError when this manager cannot make room (nothing imported).
     """
-    checked, endpoint = _request(peer, keys)
+    checked, endpoint = pull_request(peer, keys)
     prio = check_priority(priority)
     start = time.perf_counter()
     if not checked:
@@ -401,7 +402,7 @@ def pull_gpu_local(
     keys (not connected yet, a key not in the owner's directory, the first chunk changed). The
     caller then uses :func:`pull_best` for the keys left. ValueError for malformed or duplicate
     keys; import errors raise as for :func:`pull_gpu_peer_into`."""
-    checked, endpoint = _request(peer, keys)
+    checked, endpoint = pull_request(peer, keys)
     prio = check_priority(priority)
     start = time.perf_counter()
     plan = _local_plan(client, endpoint, checked, manager) if checked else None
