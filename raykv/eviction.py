@@ -21,6 +21,10 @@ class EvictionPolicy(Protocol):
 
     def add(self, page: Page) -> None: ...
 
+    def add_many(self, pages: list[Page]) -> None:
+        """``add`` each page in order (a policy may do it in one step)."""
+        ...
+
     def remove(self, page: Page) -> None: ...
 
     def touch(self, page: Page) -> None: ...
@@ -49,6 +53,28 @@ class PriorityLRU:
         queue[page.uid] = page
         page.queued = True
         self._counts[page.level] += 1
+
+    def add_many(self, pages: list[Page]) -> None:
+        """:meth:`add` each page in order; pages of one level and priority (an imported chain)
+        go into their queue in one step. ValueError, with nothing queued, if one is queued."""
+        if not pages:
+            return
+        queued = next((p for p in pages if p.queued), None)
+        if queued is not None:
+            raise ValueError(f"{queued!r} is already queued")
+        level, priority = pages[0].level, pages[0].priority
+        if any(p.level != level or p.priority != priority for p in pages):
+            for page in pages:
+                self.add(page)
+            return
+        queues = self._levels[level]
+        queue = queues.get(priority)
+        if queue is None:
+            queue = queues[priority] = collections.OrderedDict()
+        queue.update((p.uid, p) for p in pages)
+        for page in pages:
+            page.queued = True
+        self._counts[level] += len(pages)
 
     def remove(self, page: Page) -> None:
         queues = self._levels[page.level]

@@ -29,7 +29,7 @@ from raykv.events import CacheEvent, EventQueue
 from raykv.eviction import EvictionPolicy, PriorityLRU
 from raykv.keys import DEFAULT_SCOPE, MultimodalItem, ReuseScope, TokenSeq, block_keys
 from raykv.kvcache import KvCache, Status
-from raykv.page import Page
+from raykv.page import Page, new_pages
 from raykv.placement import RoomPlanner
 from raykv.radix import Block, BlockRadixTree, Root
 from raykv.records import (
@@ -449,7 +449,7 @@ class CacheManager:
             )
         self.execute(planner)
         slots = self.pools[0].allocate(count)
-        return [Page(TierLevel(0), slot, priority) for slot in slots]
+        return new_pages(TierLevel(0), slots, priority)
 
     def move_pages(self, pages: list[Page], dst: int) -> None:
         """Copy unpinned pages (all on one level) to level ``dst`` and re-point them."""

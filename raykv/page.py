@@ -6,18 +6,25 @@ moved or dropped); ``holders`` counts requests (active or suspended) that refere
 may be demoted but never dropped). ``leases`` counts block leases (a sender reading the page in
 place): a leased page is neither moved nor dropped until released. ``block`` is the committed tree
 block it backs, or None for a page private to one request.
+
+:func:`new_pages` makes many pages at once; with the optional compiled ``raykv._chain`` (built by
+``pip install``; ``RAYKV_PURE_CHAIN=1`` turns it off) it runs no bytecode per page, as
+:meth:`raykv.radix.BlockRadixTree.insert_chain` runs none per block.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
+import logging
+import os
+from typing import TYPE_CHECKING, Any
 
 from raykv.types import PageId, Priority, TierLevel
 
 if TYPE_CHECKING:
     from raykv.radix import Block
 
+log = logging.getLogger(__name__)
 _uids = itertools.count(1)
 
 
@@ -41,3 +48,44 @@ class Page:
             f"Page(uid={self.uid}, level={self.level}, slot={self.slot}, {state}, "
             f"pins={self.pins}, holders={self.holders})"
         )
+
+
+def _load() -> Any:
+    if os.environ.get("RAYKV_PURE_CHAIN", "") == "1":
+        return None
+    try:
+        from raykv import _chain  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _chain
+
+
+_chain: Any = _load()
+
+
+def bind_compiled(block_type: type) -> Any:
+    """Bind ``raykv._chain`` to :class:`Page` and ``block_type`` (:class:`raykv.radix.Block`, which
+    calls this once at import); the module, or None when it is not built, turned off, or the
+    classes' slots are not what it stores (then :func:`new_pages` stays Python too)."""
+    global _chain
+    if _chain is None:
+        return None
+    try:
+        _chain.bind(Page, block_type)
+    except TypeError as exc:
+        log.warning("raykv._chain unusable (%s); building pages and blocks in Python", exc)
+        _chain = None
+    return _chain
+
+
+def new_pages(level: TierLevel, slots: list[PageId], priority: Priority) -> list[Page]:
+    """``[Page(level, slot, priority) for slot in slots]`` (each with the next uid), built by
+    ``raykv._chain`` when it is bound. ``slots`` must be a list."""
+    if _chain is not None:
+        return _chain.make_pages(_uids, level, slots, priority)  # type: ignore[no-any-return]
+    return [Page(level, slot, priority) for slot in slots]
+
+
+def compiled_available() -> bool:
+    """Whether pages and chains of blocks are built by ``raykv._chain``."""
+    return _chain is not None

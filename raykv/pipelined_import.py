@@ -1,9 +1,10 @@
 """Pipelined imports: the pages of a batch copied in chunks whose copies overlap the inserts.
 
 :func:`import_pipelined` is :func:`raykv.transfer_blocks.import_written` in chunks, for writers that
-copy asynchronously (the GPU ``gpu_read`` path, :mod:`raykv.transfer.gpu_peer`): the first chunk's
-copy starts before the records are validated, each later chunk is staged while earlier ones copy,
-and each chunk is confirmed and inserted (as one chain when it is one) while later ones still copy.
+copy asynchronously (the GPU ``gpu_read`` path, :mod:`raykv.transfer.gpu_peer`): the copies of the
+chunks that fit in free slots all start before the records are validated (the rest are staged
+while earlier ones copy), and each chunk is confirmed and inserted (as one chain when it is one)
+while later ones still copy.
 The validation, staging and insert rules are :mod:`raykv.transfer_blocks`'s.
 """
 
@@ -15,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
-from raykv.page import Page
+from raykv.page import Page, new_pages
 from raykv.records import BlockRecords, ImportResult
 from raykv.transfer_blocks import _abort, _commit, _extend_hold, _hold, _release_hold, _Staged, validate
 from raykv.types import BlockKey, PageId, Priority, TierLevel
@@ -24,11 +25,13 @@ if TYPE_CHECKING:
     from raykv.manager import CacheManager
 
 
-ChunkWriter = Callable[[list[PageId], list[int]], object]
-"""``write(slots, new)``: start copying the pages of records ``new`` into top-tier ``slots`` (same
-order); returns a handle, which the chunk's ``confirm`` waits on (the copy may still be running).
-Slots of chunks that are not inserted are given back without waiting: the writer must make their
-next user wait for its copy (a GPU tier's slot events do; a synchronous copy needs nothing)."""
+ChunkWriter = Callable[[list[tuple[list[PageId], list[int]]]], list[object]]
+"""``write(batches)``: for each ``(slots, new)`` in ``batches``, start copying the pages of records
+``new`` into top-tier ``slots`` (same order); returns one handle per batch, which that chunk's
+``confirm`` waits on (the copy may still be running). Several batches come in one call when their
+copies can start together (one stream wait, one launch sequence). Slots of chunks that are not
+inserted are given back without waiting: the writer must make their next user wait for its copy
+(a GPU tier's slot events do; a synchronous copy needs nothing)."""
 
 
 @dataclass(frozen=True)
@@ -51,10 +54,11 @@ def import_pipelined(
 ) -> Pipelined:
     """:func:`import_written` in chunks (records ``starts[k]`` up to ``starts[k + 1]``; ``starts``
     ascending from 0, the last chunk ending with the records) whose copies overlap the
-    inserts: under the lock, the first chunk's copy is started into free slots (when enough are
-    free), all records are validated meanwhile (a problem raises and changes nothing: those
-    slots are given back), each later chunk's pages are allocated and its ``write`` started in
-    turn (while the earlier chunks copy); then each chunk in order is confirmed
+    inserts: under the lock, the copies of the leading chunks that fit in free top-tier slots
+    (all of them, usually) start first, in one ``write``; all records are validated meanwhile (a
+    problem raises and changes nothing: those slots are given back), then the pages of those
+    chunks are adopted and each other chunk's pages are allocated (evicting as needed) and its
+    ``write`` started in turn (while the earlier chunks copy); then each chunk in order is confirmed
     (``confirm(handle, first, end)`` without the lock: waits for its copy, raises if the source
     changed meanwhile) and inserted while later chunks still copy. The
     new pages and the cached parents stay leased until the last chunk settles, so no chunk loses
@@ -70,20 +74,20 @@ def import_pipelined(
         raise ValueError(f"chunk start {starts[-1]} is past the {len(records)} records")
     with mgr.locked():
         mgr._check_open()
-        head = _start_head(mgr, records, starts[1] if len(starts) > 1 else len(records), write)
+        ahead = _start_ahead(mgr, records, starts, write)
         try:
             new = validate(mgr, records, None)
         except BaseException:
-            _drop_head(mgr, head)
+            _drop_ahead(mgr, ahead)
             raise
         if not new:
-            _drop_head(mgr, head)
+            _drop_ahead(mgr, ahead)
             present = tuple(BlockKey(k) for k in records.keys)
             return Pipelined(ImportResult((), present), len(records), None)
         cached = _cached_parents(mgr, records, new)
         outer = _hold(mgr, list(cached.values()))
         try:
-            staged = _stage_chunks(mgr, records, new, starts, priority, write, outer, head)
+            staged = _stage_chunks(mgr, records, new, starts, priority, write, outer, ahead)
         except BaseException:
             _release_hold(mgr, outer)
             raise
@@ -115,82 +119,84 @@ def _stage_chunks(
     priority: Priority,
     write: ChunkWriter,
     outer: int,
-    head: _Head | None,
+    ahead: list[_Ahead],
 ) -> list[_Chunk]:
     """Chunk by chunk: allocate the new blocks' pages (held by lease ``outer``) and start their
-    copy, so the first chunk copies while the later ones are being allocated (the first chunk
-    takes ``head``'s pages when its records are all new; else they are given back). On an error
-    every chunk staged so far is given back (copies still running are the writer's to fence)."""
+    copy, so the first chunk copies while the later ones are being allocated. A chunk started
+    ``ahead`` takes those pages when its records are all new (else they are given back and it is
+    staged like the others). On an error every chunk staged so far, and every chunk started ahead
+    and not adopted, is given back (copies still running are the writer's to fence)."""
     held = {p.uid for p in mgr._leases[outer]}
     ends = [*firsts[1:], len(records)]
     staged: list[_Chunk] = []
+    top = TierLevel(0)
     try:
-        for first, end in zip(firsts, ends):
+        for k, (first, end) in enumerate(zip(firsts, ends)):
             mine = new[bisect.bisect_left(new, first) : bisect.bisect_left(new, end)]
-            if head is not None:
-                adopted, head = _adopt_head(mgr, head, mine, priority), None
-                if adopted is not None:
-                    _extend_hold(mgr, outer, adopted[0])
-                    staged.append((_Staged(mine, adopted[0], None), adopted[1], first, end))
+            if k < len(ahead):
+                early = ahead[k]
+                ahead[k] = _Ahead([], None)  # adopted or given back: not the caller's to drop
+                if mine == list(range(first, end)):
+                    pages = new_pages(top, early.slots, priority)
+                    _extend_hold(mgr, outer, pages)
+                    staged.append((_Staged(mine, pages, None), early.handle, first, end))
                     continue
+                mgr.pools[0].release(early.slots)
             pages = mgr.allocate_pages(len(mine), priority, held)
             _extend_hold(mgr, outer, pages)
             part = _Staged(mine, pages, None)
             staged.append((part, None, first, end))
-            staged[-1] = (part, write([p.slot for p in pages], mine), first, end)
+            staged[-1] = (part, write([([p.slot for p in pages], mine)])[0], first, end)
     except BaseException:
-        _drop_head(mgr, head)
+        _drop_ahead(mgr, ahead)
         _abort_from(mgr, staged, 0, outer)
         raise
     return staged
 
 
 @dataclass
-class _Head:
-    """Free top-tier slots taken before validation, the first chunk's copy already started."""
+class _Ahead:
+    """A chunk's free top-tier slots, taken before validation, its copy already started."""
 
     slots: list[PageId]
     handle: object
 
 
-def _start_head(mgr: CacheManager, records: BlockRecords, count: int, write: ChunkWriter) -> _Head | None:
-    """Start copying records ``0 .. count - 1`` (the first chunk) into ``count`` free top-tier
-    slots before the records are validated, so the copy runs meanwhile; None when fewer slots are
-    free (no eviction before validation: then the chunk is staged as the others are) or one of
-    those blocks is cached already. Nothing else changes: the slots are given back if the chunk
-    is not imported after all."""
+def _start_ahead(
+    mgr: CacheManager, records: BlockRecords, firsts: Sequence[int], write: ChunkWriter
+) -> list[_Ahead]:
+    """Start copying the leading chunks that fit in the free top-tier slots (records ``firsts[k]``
+    up to the next start) before the records are validated, so the copies run meanwhile: one
+    ``write`` for all of them. None are started (``[]``) when not even the first fits (no
+    eviction before validation: then every chunk is staged after it) or one of their blocks is
+    cached already. Nothing else changes: the slots are given back if a chunk is not imported
+    after all."""
     pool = mgr.pools[0]
-    if count <= 0 or pool.num_free < count:
-        return None
+    ends = [*firsts[1:], len(records)]
+    fit = bisect.bisect_right(ends, pool.num_free)
+    if fit == 0 or len(records) == 0:
+        return []
     try:
-        if not mgr.tree.blocks.keys().isdisjoint(records.keys[:count]):
-            return None
+        if not mgr.tree.blocks.keys().isdisjoint(records.keys[: ends[fit - 1]]):
+            return []
     except TypeError:  # an unhashable key: validation rejects it
-        return None
-    slots = pool.allocate(count)
+        return []
+    slots = pool.allocate(ends[fit - 1])
+    batches = [(slots[a:b], list(range(a, b))) for a, b in zip(firsts[:fit], ends[:fit])]
     try:
-        handle = write(slots, list(range(count)))
+        handles = write(batches)
     except BaseException:
         pool.release(slots)
         raise
-    return _Head(slots, handle)
+    return [_Ahead(part, handle) for (part, _), handle in zip(batches, handles)]
 
 
-def _adopt_head(
-    mgr: CacheManager, head: _Head, mine: list[int], priority: Priority
-) -> tuple[list[Page], object] | None:
-    """Pages on ``head``'s slots for the first chunk's new records ``mine`` and the copy's handle,
-    when they are exactly the records it copied; else None, its slots given back."""
-    if mine != list(range(len(head.slots))):
-        _drop_head(mgr, head)
-        return None
-    return [Page(TierLevel(0), slot, priority) for slot in head.slots], head.handle
-
-
-def _drop_head(mgr: CacheManager, head: _Head | None) -> None:
-    """Give ``head``'s slots back (a copy still running is fenced by the slots' events)."""
-    if head is not None:
-        mgr.pools[0].release(head.slots)
+def _drop_ahead(mgr: CacheManager, ahead: list[_Ahead]) -> None:
+    """Give back the slots of the chunks started ``ahead`` (a copy still running is fenced by the
+    slots' events)."""
+    slots = [slot for early in ahead for slot in early.slots]
+    if slots:
+        mgr.pools[0].release(slots)
 
 
 _Chunk = tuple[_Staged, object, int, int]  # stage, copy handle, first record, end record

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from raykv.errors import StateError
-from raykv.page import Page
+from raykv.page import Page, bind_compiled
 from raykv.types import BlockKey
 
 
@@ -108,13 +108,17 @@ class BlockRadixTree:
             raise StateError("page already backs a block")
         if isinstance(parent, Root) and parent.key not in self.roots:
             self.roots[parent.key] = parent
-        node, made = parent, []
-        for key, page, num_tokens in zip(keys, pages, tokens):
-            block = Block(key, node, page, num_tokens)
-            node.children[key] = block
-            page.block = block
-            made.append(block)
-            node = block
+        if _chain is not None and all(type(x) in (list, tuple) for x in (keys, pages, tokens)):
+            ordinal = parent.ordinal + 1 if isinstance(parent, Block) else 0
+            made = _chain.link_chain(parent, keys, pages, tokens, ordinal)
+        else:
+            node, made = parent, []
+            for key, page, num_tokens in zip(keys, pages, tokens):
+                block = Block(key, node, page, num_tokens)
+                node.children[key] = block
+                page.block = block
+                made.append(block)
+                node = block
         blocks.update(zip(keys, made))
 
     def remove(self, block: Block) -> None:
@@ -180,3 +184,6 @@ class BlockRadixTree:
                     assert child.parent is block, "child's parent link is wrong"
                     stack.append(child)
         assert seen == len(self.blocks), f"{len(self.blocks) - seen} blocks unreachable from roots"
+
+
+_chain = bind_compiled(Block)  # raykv._chain, bound to Page and Block (None: build them in Python)

@@ -307,9 +307,7 @@ def _commit_chain(mgr: CacheManager, records: BlockRecords, staged: _Staged) -> 
     parent = tree.parent_node(cast(BlockKey, parents[0]), create_root=bool(records.parent_is_root[0]))
     assert parent is not None, "a held parent vanished"
     tree.insert_chain(parent, cast(Sequence[BlockKey], keys), staged.pages, tokens)
-    add = mgr.policy.add
-    for page in staged.pages:
-        add(page)
+    mgr.policy.add_many(staged.pages)
     none = itertools.repeat(None)
     mgr.events.stored_many(list(zip(keys, parents, itertools.repeat(tier), tokens, none)))  # type: ignore[arg-type]
     mgr.counters.imported_blocks += n

@@ -162,26 +162,52 @@ class CudaCopier:
         Page ``i`` lives at ``base + slot * nbytes``. Returns None (and does nothing) for an empty
         batch or zero bytes. The copy starts after the current stream's work and ``waits``.
         """
-        if len(src_slots) != len(dst_slots):
+        return self.copy_many(stream_name, src_base, dst_base, nbytes, [(src_slots, dst_slots)], waits)[0]
+
+    def copy_many(
+        self,
+        stream_name: str,
+        src_base: int,
+        dst_base: int,
+        nbytes: int,
+        batches: Sequence[tuple[SlotList, SlotList]],
+        waits: Sequence[Any] = (),
+    ) -> list[Any]:
+        """:meth:`copy` of each ``(source slots, destination slots)`` batch in turn on one stream,
+        one event per batch (None for an empty one): the stream waits once (for the current
+        stream and ``waits``), so batch ``k``'s event completes when batches ``0..k`` have.
+        ValueError, with nothing enqueued, when a batch's two sides differ in length."""
+        if any(len(src) != len(dst) for src, dst in batches):
             raise ValueError("source and destination batches differ in length")
-        if not len(src_slots) or nbytes == 0:
-            return None
+        if nbytes == 0 or not any(len(src) for src, _ in batches):
+            return [None] * len(batches)
         torch = self._torch
         ensure_context(self.device)
         stream = self.streams[stream_name]
+        events: list[Any] = []
         with torch_errors(f"{stream_name} page copy"):
             stream.wait_stream(torch.cuda.current_stream(self.torch_device))
             for event in waits:
                 stream.wait_event(event)
-            if self.method != "kernel" and one_run(src_slots) and one_run(dst_slots):
-                spans = [(int(src_slots[0]), int(dst_slots[0]), len(src_slots))]  # one DMA copy
-                self._memcpy(stream, src_base, dst_base, nbytes, spans)
-            else:
-                src = np.asarray(src_slots, dtype=np.int64)
-                dst = np.asarray(dst_slots, dtype=np.int64)
-                self._enqueue(stream, src_base, src, dst_base, dst, nbytes)
-            event = torch.cuda.Event()
-            event.record(stream)
+            for src_slots, dst_slots in batches:
+                events.append(self._one(stream, src_base, src_slots, dst_base, dst_slots, nbytes))
+        return events
+
+    def _one(
+        self, stream: Any, src_base: int, src_slots: SlotList, dst_base: int, dst_slots: SlotList, nbytes: int
+    ) -> Any:
+        """Enqueue one batch on ``stream`` (already ordered) and record its event (None if empty)."""
+        if not len(src_slots):
+            return None
+        if self.method != "kernel" and one_run(src_slots) and one_run(dst_slots):
+            spans = [(int(src_slots[0]), int(dst_slots[0]), len(src_slots))]  # one DMA copy
+            self._memcpy(stream, src_base, dst_base, nbytes, spans)
+        else:
+            src = np.asarray(src_slots, dtype=np.int64)
+            dst = np.asarray(dst_slots, dtype=np.int64)
+            self._enqueue(stream, src_base, src, dst_base, dst, nbytes)
+        event = self._torch.cuda.Event()
+        event.record(stream)
         return event
 
     def _enqueue(

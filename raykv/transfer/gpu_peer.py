@@ -455,8 +455,9 @@ def _land_local(
     n = importable_prefix(manager, records)
     pool: Any = manager.top_pool
 
-    def write(dst: list[PageId], new: list[int]) -> Any:
-        return start_copy(source, [located.slots[i] for i in new], pool, dst)
+    def write(batches: list[tuple[list[PageId], list[int]]]) -> list[Any]:
+        slots = located.slots
+        return start_copies(source, [([slots[i] for i in new], dst) for dst, new in batches], pool)
 
     def confirm(event: Any, first: int, end: int) -> None:
         if event is not None:
@@ -509,10 +510,17 @@ def start_copy(source: AttachedPool, src: list[int], pool: Any, dst: list[PageId
     ``dst`` must come from ``pool.allocate`` (directly or through the manager), which ordered the
     current stream after the slots' earlier copies; the copy waits for the current stream, so it
     needs no wait of its own for them."""
-    event = pool.copier.copy("d2d", source.base_address, src, pool.base_address, dst, pool.page_bytes)
-    if event is not None:
-        pool.events.set(dst, event)
-    return event
+    return start_copies(source, [(src, dst)], pool)[0]
+
+
+def start_copies(source: AttachedPool, batches: list[tuple[list[int], list[PageId]]], pool: Any) -> list[Any]:
+    """:func:`start_copy` for each ``(src, dst)`` batch, queued in order on one stream after one
+    wait (:meth:`raykv.tiers.cuda_copy.CudaCopier.copy_many`): one event per batch."""
+    events = pool.copier.copy_many("d2d", source.base_address, pool.base_address, pool.page_bytes, batches)
+    for (_, dst), event in zip(batches, events):
+        if event is not None:
+            pool.events.set(dst, event)
+    return events
 
 
 def copy_from(source: AttachedPool, src: list[int], pool: Any, dst: list[PageId]) -> None:

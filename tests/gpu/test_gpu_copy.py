@@ -138,6 +138,16 @@ def test_empty_and_zero_byte_batches_are_noops() -> None:
     engine.write(0, [], np.empty((0, layout.page_bytes), dtype=np.uint8))
     assert gpu.copier.copy("d2h", gpu.base_address, [], 0, [], layout.page_bytes) is None
     assert gpu.copier.copy("h2d", 0, [0], gpu.base_address, [0], 0) is None  # zero bytes
+    assert gpu.copier.copy_many(
+        "d2d", gpu.base_address, gpu.base_address, layout.page_bytes, [([], [])] * 2
+    ) == [
+        None,
+        None,
+    ]
+    with pytest.raises(ValueError):  # checked before anything is enqueued
+        gpu.copier.copy_many(
+            "d2d", gpu.base_address, gpu.base_address, layout.page_bytes, [([0], [1]), ([2], [])]
+        )
     gpu.copy_slots([], [])
     assert len(gpu.events) == 0 and sum(engine.bytes_moved.values()) == 0
     with pytest.raises(ValueError):
@@ -160,10 +170,12 @@ def test_device_oracle_matches_the_host_oracle_byte_for_byte() -> None:
         assert np.array_equal(got[i], host.expected(key, ntok[i]))
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["copy", "copy_many"])
 @pytest.mark.parametrize("method", ["kernel", "memcpy"])
-def test_consecutive_copies_complete_in_order(method: str) -> None:
-    """Copies on one stream (a pipelined import's chunks): each one's bytes are right once its own
-    event completed, earlier ones are done by then, and an empty chunk gets no event."""
+def test_consecutive_copies_complete_in_order(method: str, batched: bool) -> None:
+    """Copies on one stream (a pipelined import's chunks), one call each or one ``copy_many``:
+    each one's bytes are right once its own event completed, earlier ones are done by then, and
+    an empty chunk gets no event."""
     layout = raykv.KVLayout.uniform(2, 2, 64, tokens_per_block=16)
     gpu, host, engine = _pools(layout, 64)
     gpu.copier.method = method
@@ -174,10 +186,11 @@ def test_consecutive_copies_complete_in_order(method: str) -> None:
     dev.fill(gpu, [PageId(s) for s in src], keys)
     torch.cuda.synchronize(gpu.device)
     base, page = gpu.base_address, layout.page_bytes
-    events = [
-        gpu.copier.copy("d2d", base, src[lo:hi], base, dst[lo:hi], page)
-        for lo, hi in ((0, 5), (5, 5), (5, 17), (17, 24))
-    ]
+    spans = ((0, 5), (5, 5), (5, 17), (17, 24))
+    if batched:
+        events = gpu.copier.copy_many("d2d", base, base, page, [(src[lo:hi], dst[lo:hi]) for lo, hi in spans])
+    else:
+        events = [gpu.copier.copy("d2d", base, src[lo:hi], base, dst[lo:hi], page) for lo, hi in spans]
     assert events[1] is None
     assert all(e is not None for e in (events[0], events[2], events[3]))
     events[2].synchronize()

@@ -103,3 +103,25 @@ def test_an_import_with_compensating_key_sizes_is_rejected(make_manager, run_req
     with pytest.raises(ImportRejectedError, match="record 1"):
         dst.import_pages(bad, data, None, verify=False)
     assert state_of(dst) == before
+
+
+def test_policy_add_many_queues_as_add_one_by_one() -> None:
+    from raykv.eviction import PriorityLRU
+
+    one, many = PriorityLRU(2), PriorityLRU(2)
+    first, second = _pages(6), _pages(6)
+    for a, b in zip(first[:2], second[:2]):
+        one.add(a)
+        many.add(b)
+    for page in first[2:]:
+        one.add(page)
+    many.add_many(second[2:])
+    assert [p.slot for p in one.candidates(0)] == [p.slot for p in many.candidates(0)]
+    assert one.count(0) == many.count(0) == 6 and all(p.queued for p in second)
+    mixed = [Page(TierLevel(1), PageId(i), Priority(90 - 40 * (i % 2))) for i in range(4)]
+    many.add_many(mixed)  # two priorities: queued one by one
+    assert [p.slot for p in many.candidates(1)] == [1, 3, 0, 2] and many.count(1) == 4
+    fresh = _pages(2)
+    with pytest.raises(ValueError):
+        many.add_many([*fresh, second[0]])  # one already queued: nothing queued
+    assert not any(p.queued for p in fresh) and many.count(0) == 6

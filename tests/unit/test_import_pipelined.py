@@ -32,10 +32,13 @@ class Copier:
         self.started: list[list[int]] = []
         self.confirmed: list[tuple[int, int]] = []
 
-    def write(self, slots, new):
-        self.mgr.copy.write(0, slots, self.data[new] if new else self.data[:0])
-        self.started.append(list(new))
-        return len(self.started) - 1  # the handle: the chunk's number
+    def write(self, batches):
+        handles = []
+        for slots, new in batches:
+            self.mgr.copy.write(0, slots, self.data[new] if new else self.data[:0])
+            self.started.append(list(new))
+            handles.append(len(self.started) - 1)  # the handle: the chunk's number
+        return handles
 
     def confirm(self, handle, first, end):
         assert len(self.started) > handle  # every chunk was started before any confirm
@@ -95,16 +98,16 @@ def test_invalid_records_change_nothing(make_manager, run_request, state_of):
     cp = Copier(dst, data)
     with pytest.raises(ImportRejectedError):
         import_pipelined(dst, records.slice(1, 4), [0, 2], cp.write, cp.confirm, 50)  # no parent
-    # The first chunk's copy starts into free slots before validation; they are given back.
-    assert cp.started == [[0, 1]] and state_of(dst) == before
+    # Every chunk's copy starts into free slots before validation; they are given back.
+    assert cp.started == [[0, 1], [2]] and state_of(dst) == before
     partial = dataclasses.replace(records, num_tokens=(*records.num_tokens[:3], 1))
     with pytest.raises(ImportRejectedError, match="record 3"):
         import_pipelined(dst, partial, [0, 2], cp.write, cp.confirm, 50)  # a partial block
-    assert cp.started == [[0, 1], [0, 1]] and state_of(dst) == before
+    assert cp.started == [[0, 1], [2], [0, 1], [2, 3]] and state_of(dst) == before
     for bad in ([], [1], [0, 2, 2], [0, 4]):
         with pytest.raises(ValueError):
             import_pipelined(dst, records, bad, cp.write, cp.confirm, 50)
-    assert len(cp.started) == 2 and state_of(dst) == before
+    assert len(cp.started) == 4 and state_of(dst) == before
     dst.check_invariants()
 
 
@@ -116,23 +119,38 @@ def _logged(cp: Copier, order: list[str], monkeypatch) -> object:
         order.append("validate")
         return real(*args)
 
-    def write(slots, new):
-        order.append("write")
-        return cp.write(slots, new)
+    def write(batches):
+        order.append(f"write {len(batches)}")
+        return cp.write(batches)
 
     monkeypatch.setattr(tb, "validate", validate)
     return write
 
 
-def test_first_copy_starts_before_validation_when_slots_are_free(
-    make_manager, oracle, run_request, monkeypatch
-):
+def test_copies_start_before_validation_when_slots_are_free(make_manager, oracle, run_request, monkeypatch):
+    """Every chunk fits in free slots: all copies start in one write, before validation."""
     src, dst = make_manager(16), make_manager(16)
     records, data, _ = chain(src, run_request, toks(1, 24))  # 6 blocks
     cp, order = Copier(dst, data), []
     done = import_pipelined(dst, records, starts(6, 3), _logged(cp, order, monkeypatch), cp.confirm, 50)
-    assert order == ["write", "validate", "write"] and done.result.imported == tuple(records.keys)
+    assert order == ["write 2", "validate"] and done.result.imported == tuple(records.keys)
+    assert cp.confirmed == [(0, 3), (3, 6)]
     assert oracle.verify_manager(dst) == 6
+    dst.check_invariants()
+
+
+def test_chunks_that_fit_start_early_the_rest_after_validation(
+    make_manager, oracle, run_request, monkeypatch
+):
+    """Free slots for the first chunk only: it starts before validation, the second is staged
+    after it (evicting an unrelated block)."""
+    src, dst = make_manager(16), make_manager(8)
+    records, data, _ = chain(src, run_request, toks(1, 24))
+    run_request(dst, toks(2, 16))  # 4 of 8 slots hold unrelated cached blocks: 4 free
+    cp, order = Copier(dst, data), []
+    done = import_pipelined(dst, records, starts(6, 3), _logged(cp, order, monkeypatch), cp.confirm, 50)
+    assert order == ["write 1", "validate", "write 1"] and done.result.imported == tuple(records.keys)
+    assert oracle.verify_manager(dst) == 8  # 6 imported, 2 of the unrelated blocks left
     dst.check_invariants()
 
 
@@ -146,8 +164,33 @@ def test_first_chunk_waits_for_validation_when_slots_must_be_freed(
     run_request(dst, toks(2, 24))  # 6 of 8 slots hold unrelated cached blocks
     cp, order = Copier(dst, data), []
     done = import_pipelined(dst, records, starts(6, 3), _logged(cp, order, monkeypatch), cp.confirm, 50)
-    assert order == ["validate", "write", "write"] and done.result.imported == tuple(records.keys)
+    assert order == ["validate", "write 1", "write 1"] and done.result.imported == tuple(records.keys)
     assert oracle.verify_manager(dst) == 8  # 6 imported, 2 of the unrelated blocks left
+    dst.check_invariants()
+
+
+def test_chunks_started_ahead_but_partly_cached_are_given_back(
+    make_manager, oracle, run_request, monkeypatch
+):
+    """A chunk started ahead whose blocks turn out (at validation) not all new gives its slots back
+    and is staged for its new blocks only; nothing leaks."""
+    src, dst = make_manager(16), make_manager(16)
+    records, data, _ = chain(src, run_request, toks(1, 24))
+    cp = Copier(dst, data)
+    real = tb.validate
+
+    def validate(mgr, recs, hold):
+        new = real(mgr, recs, hold)
+        dst.import_pages(records.head(5), data[:5], None, verify=False)  # a racing import
+        return [i for i in new if i == 5]
+
+    monkeypatch.setattr(tb, "validate", validate)
+    done = import_pipelined(dst, records, starts(6, 3), cp.write, cp.confirm, 50)
+    assert cp.started == [[0, 1, 2], [3, 4, 5], [], [5]]
+    assert done.result.imported == (records.keys[5],)
+    assert done.result.already_present == tuple(records.keys[:5])
+    assert dst.top_pool.num_used == 6 and not dst._leases
+    assert oracle.verify_manager(dst) == 6
     dst.check_invariants()
 
 
