@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, cast
 
 from raykv.page import Page, new_pages
 from raykv.records import BlockRecords, ImportResult
-from raykv.transfer_blocks import _abort, _commit, _extend_hold, _hold, _release_hold, _Staged, validate
+from raykv.transfer_blocks import _abort, _commit, _hold, _release_hold, _Staged, _unhold, validate
 from raykv.types import BlockKey, PageId, Priority, TierLevel
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ def import_pipelined(
             _release_hold(mgr, outer)
             raise
     try:
-        return _settle(mgr, records, staged, confirm, outer)
+        return _settle(mgr, records, staged, confirm)
     finally:
         with mgr.locked():
             _release_hold(mgr, outer)
@@ -121,8 +121,9 @@ def _stage_chunks(
     outer: int,
     ahead: list[_Ahead],
 ) -> list[_Chunk]:
-    """Chunk by chunk: allocate the new blocks' pages (held by lease ``outer``) and start their
-    copy, so the first chunk copies while the later ones are being allocated. A chunk started
+    """Chunk by chunk: allocate the new blocks' pages (held by a lease of the chunk's own, in its
+    stage's ``lease_id``) and start their copy, so the first chunk copies while the later ones are
+    being allocated (none evicts what lease ``outer`` holds). A chunk started
     ``ahead`` takes those pages when its records are all new (else they are given back and it is
     staged like the others). On an error every chunk staged so far, and every chunk started ahead
     and not adopted, is given back (copies still running are the writer's to fence)."""
@@ -138,18 +139,16 @@ def _stage_chunks(
                 ahead[k] = _Ahead([], None)  # adopted or given back: not the caller's to drop
                 if mine == list(range(first, end)):
                     pages = new_pages(top, early.slots, priority)
-                    _extend_hold(mgr, outer, pages)
-                    staged.append((_Staged(mine, pages, None), early.handle, first, end))
+                    staged.append((_Staged(mine, pages, _hold(mgr, pages)), early.handle, first, end))
                     continue
                 mgr.pools[0].release(early.slots)
             pages = mgr.allocate_pages(len(mine), priority, held)
-            _extend_hold(mgr, outer, pages)
-            part = _Staged(mine, pages, None)
+            part = _Staged(mine, pages, _hold(mgr, pages))
             staged.append((part, None, first, end))
             staged[-1] = (part, write([([p.slot for p in pages], mine)])[0], first, end)
     except BaseException:
         _drop_ahead(mgr, ahead)
-        _abort_from(mgr, staged, 0, outer)
+        _abort_from(mgr, staged, 0)
         raise
     return staged
 
@@ -202,10 +201,9 @@ def _drop_ahead(mgr: CacheManager, ahead: list[_Ahead]) -> None:
 _Chunk = tuple[_Staged, object, int, int]  # stage, copy handle, first record, end record
 
 
-def _abort_from(mgr: CacheManager, staged: list[_Chunk], k: int, outer: int) -> None:
-    """Give back the pages of chunks ``k..`` (under the lock)."""
+def _abort_from(mgr: CacheManager, staged: list[_Chunk], k: int) -> None:
+    """Give back the pages of chunks ``k..`` and end their leases (under the lock)."""
     for part, *_ in staged[k:]:
-        _release_hold(mgr, outer, part.pages)
         _abort(mgr, part)
 
 
@@ -214,21 +212,30 @@ def _settle(
     records: BlockRecords,
     staged: list[tuple[_Staged, object, int, int]],
     confirm: Callable[[object, int, int], object],
-    outer: int,
 ) -> Pipelined:
+    """Confirm and insert each chunk in order. A chunk's lease ends once the next chunk is
+    inserted (its last block has a child then, so it is no leaf to drop) or, for the last one
+    inserted, once the loop ends; a chunk that is not inserted is given back."""
     imported: list[BlockKey] = []
     present: list[BlockKey] = []
-    settled, stopped = 0, None
+    settled, stopped, previous = 0, None, None
     for k, (part, handle, first, end) in enumerate(staged):
         try:
             confirm(handle, first, end)
         except BaseException as exc:
             stopped = exc
             with mgr.locked():
-                _abort_from(mgr, staged, k, outer)
+                _abort_from(mgr, staged, k)
+                if previous is not None:
+                    _unhold(mgr, previous)
             break
         with mgr.locked():
             done = _commit(mgr, records.slice(first, end), _shifted(part, first))
+            if previous is not None:
+                _unhold(mgr, previous)
+            if k == len(staged) - 1:
+                _unhold(mgr, part)
+        previous = part
         imported += done.imported
         present += done.already_present
         settled = end
@@ -236,5 +243,6 @@ def _settle(
 
 
 def _shifted(part: _Staged, first: int) -> _Staged:
-    """``part`` with record indices relative to ``first`` (for a chunk's records slice)."""
-    return _Staged([i - first for i in part.new], part.pages, part.lease_id)
+    """``part`` with record indices relative to ``first`` (for a chunk's records slice), without
+    its lease (which :func:`_settle` ends itself)."""
+    return _Staged([i - first for i in part.new], part.pages, None)

@@ -200,6 +200,12 @@ class SlotEvents:
         if len(self._events) > 256:
             self._prune()
 
+    def completed(self, event: Any) -> None:
+        """``event`` is known to have completed (its caller synchronized it): forget it, so that
+        later waits on its slots (e.g. handing them out again) skip it without a query."""
+        for token in [t for t, e in self._events.items() if e is event]:
+            del self._events[token]
+
     def _prune(self) -> None:
         for token in [t for t, e in self._events.items() if e.query()]:
             del self._events[token]

@@ -462,6 +462,7 @@ def _land_local(
     def confirm(event: Any, first: int, end: int) -> None:
         if event is not None:
             event.synchronize()
+            pool.events.completed(event)
         if not reader.unchanged(located.part(first, end), keys[first:end]):
             raise TransferError("a page changed while it was copied; not imported", reason="stale")
 

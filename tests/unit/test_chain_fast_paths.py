@@ -125,3 +125,25 @@ def test_policy_add_many_queues_as_add_one_by_one() -> None:
     with pytest.raises(ValueError):
         many.add_many([*fresh, second[0]])  # one already queued: nothing queued
     assert not any(p.queued for p in fresh) and many.count(0) == 6
+
+
+def test_slot_events_forget_an_event_known_complete() -> None:
+    """``completed(event)`` drops that event (its slots count as ready, no query), others stay."""
+    from raykv.tiers.cuda_util import SlotEvents
+
+    class Event:
+        def __init__(self) -> None:
+            self.queries = 0
+
+        def query(self) -> bool:
+            self.queries += 1
+            return False
+
+    events, a, b = SlotEvents(), Event(), Event()
+    events.set([0, 1, 2], a)
+    events.set([3], b)
+    events.completed(a)
+    assert len(events) == 1 and events.pending([0, 1, 2]) == [] and a.queries == 0
+    assert events.pending([2, 3]) == [b]
+    events.completed(Event())  # not one of its events: nothing changes
+    assert len(events) == 1

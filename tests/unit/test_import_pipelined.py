@@ -288,3 +288,27 @@ def test_gpu_read_chunks_cover_the_records_with_a_short_last_chunk(count: int) -
     assert (len(starts) == 1) == (count < 4 * PIPELINE_MIN_CHUNK)
     if count == 256:
         assert sizes == [64, 64, 64, 56, 8]
+
+
+def test_each_chunk_is_held_until_the_next_one_is_inserted(make_manager, oracle, run_request):
+    """While chunk k is confirmed, chunks k.. (staged) and k - 1 (its last block has no child yet)
+    are leased, the earlier inserted ones are not (their blocks all have children); no lease is
+    left at the end."""
+    src, dst = make_manager(16), make_manager(16)
+    records, data, _ = chain(src, run_request, toks(1, 40))  # 10 blocks, chunks of 3
+    seen: list[list[int]] = []
+
+    def leases(k: int) -> None:
+        blocks = [dst.tree.blocks.get(key) for key in records.keys]
+        seen.append([b.page.leases if b is not None else -1 for b in blocks])
+
+    cp = Copier(dst, data, during=leases)
+    done = import_pipelined(dst, records, starts(len(records), 3), cp.write, cp.confirm, 50)
+    assert done.result.imported == tuple(records.keys)
+    assert seen[0] == [-1] * 10  # nothing inserted yet
+    assert seen[1] == [1, 1, 1] + [-1] * 7  # chunk 0 inserted, held until chunk 1 is
+    assert seen[2] == [0, 0, 0, 1, 1, 1] + [-1] * 4
+    assert seen[3] == [0] * 6 + [1, 1, 1, -1]
+    assert all(dst.tree.blocks[k].page.leases == 0 for k in records.keys) and not dst._leases
+    oracle.verify_manager(dst)
+    dst.check_invariants()
