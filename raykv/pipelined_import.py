@@ -60,9 +60,9 @@ def import_pipelined(
     chunks are adopted and each other chunk's pages are allocated (evicting as needed) and its
     ``write`` started in turn (while the earlier chunks copy); then each chunk in order is confirmed
     (``confirm(handle, first, end)`` without the lock: waits for its copy, raises if the source
-    changed meanwhile) and inserted while later chunks still copy. The
-    new pages and the cached parents stay leased until the last chunk settles, so no chunk loses
-    its parent.
+    changed meanwhile) and inserted while later chunks still copy. The cached parents stay leased
+    until the last chunk settles, and each chunk's pages until the next chunk is inserted, so no
+    chunk loses its parent.
 
     A chunk whose confirm raises is not inserted, nor is any later one (their pages are given
     back); earlier chunks stay imported, each block complete and confirmed (a prefix of the
