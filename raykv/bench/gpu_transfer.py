@@ -391,6 +391,18 @@ def measure(options: argparse.Namespace, scenarios: tuple[Scenario, ...] = SCENA
     return out
 
 
+def host_speed_ms() -> float:
+    """Milliseconds for a fixed pure-Python loop (the best of 3): the pulls' bookkeeping is
+    Python, so their ratio to the raw copy follows this number, which varies between hosts."""
+    best = float("inf")
+    for _ in range(3):
+        start, total = time.perf_counter(), 0
+        for i in range(1_000_000):
+            total += i
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] == "serve":
@@ -405,8 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repeats", type=int, help="timed samples per row (default 5 quick, 15 full)")
     opts = parser.parse_args(args)
+    before = host_speed_ms()
     result = measure(opts)
     print(f"UCX transports: server {result['server_transports']}, client {result['client_transports']}")
+    print(f"host speed: 10^6 Python additions took {before:.1f} ms before, {host_speed_ms():.1f} ms after")
     print(f"{'scenario':<11} {'what':<32} {'ms':>9} {'GB/s':>8} {'x raw':>7}")
     for row in result["rows"]:
         print(
