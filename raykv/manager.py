@@ -284,11 +284,7 @@ class CacheManager:
         with self.locked():
             self._check_open()
             found = [b for b in (self.tree.get(k) for k in checked) if b is not None]
-            pages = [b.page for b in found]
-            for page in pages:
-                page.leases += 1
-            lease_id = next(self._lease_ids)
-            self._leases[lease_id] = pages
+            lease_id = self.hold_pages([b.page for b in found])
             blocks = tuple(
                 LeasedBlock(
                     b.key,
@@ -323,6 +319,17 @@ class CacheManager:
             self.copy.settle(block.level, [PageId(block.slot)])  # a copy into it may be in flight
             return pool.page(PageId(block.slot))
         return self.copy.read(block.level, [PageId(block.slot)])[0]
+
+    def hold_pages(self, pages: list[Page]) -> int:
+        """Lease ``pages`` (the list is kept as given): they neither move nor go until
+        :meth:`release_lease` of the returned id; ``clear_reusable``/``shutdown`` refuse
+        meanwhile. Imports hold the pages they stage this way."""
+        with self.locked():
+            for page in pages:
+                page.leases += 1
+            lease_id = next(self._lease_ids)
+            self._leases[lease_id] = pages
+            return lease_id
 
     def release_lease(self, lease_id: int) -> None:
         """Release a lease (idempotent); its pages become movable again."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, cast
 
 from raykv.page import Page, new_pages
 from raykv.records import BlockRecords, ImportResult
-from raykv.transfer_blocks import _abort, _commit, _hold, _release_hold, _Staged, _unhold, validate
+from raykv.transfer_blocks import _abort, _commit, _Staged, _unhold, validate
 from raykv.types import BlockKey, PageId, Priority, TierLevel
 
 if TYPE_CHECKING:
@@ -85,17 +85,16 @@ def import_pipelined(
             present = tuple(BlockKey(k) for k in records.keys)
             return Pipelined(ImportResult((), present), len(records), None)
         cached = _cached_parents(mgr, records, new)
-        outer = _hold(mgr, list(cached.values()))
+        outer = mgr.hold_pages(list(cached.values()))
         try:
             staged = _stage_chunks(mgr, records, new, starts, priority, write, outer, ahead)
         except BaseException:
-            _release_hold(mgr, outer)
+            mgr.release_lease(outer)
             raise
     try:
         return _settle(mgr, records, staged, confirm)
     finally:
-        with mgr.locked():
-            _release_hold(mgr, outer)
+        mgr.release_lease(outer)
 
 
 def _cached_parents(mgr: CacheManager, records: BlockRecords, new: list[int]) -> dict[int, Page]:
@@ -139,11 +138,11 @@ def _stage_chunks(
                 ahead[k] = _Ahead([], None)  # adopted or given back: not the caller's to drop
                 if mine == list(range(first, end)):
                     pages = new_pages(top, early.slots, priority)
-                    staged.append((_Staged(mine, pages, _hold(mgr, pages)), early.handle, first, end))
+                    staged.append((_Staged(mine, pages, mgr.hold_pages(pages)), early.handle, first, end))
                     continue
                 mgr.pools[0].release(early.slots)
             pages = mgr.allocate_pages(len(mine), priority, held)
-            part = _Staged(mine, pages, _hold(mgr, pages))
+            part = _Staged(mine, pages, mgr.hold_pages(pages))
             staged.append((part, None, first, end))
             staged[-1] = (part, write([([p.slot for p in pages], mine)])[0], first, end)
     except BaseException:

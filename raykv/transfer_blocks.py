@@ -220,41 +220,14 @@ def _stage(
     except BaseException:
         mgr.pools[0].release([p.slot for p in pages])
         raise
-    lease_id = _hold(mgr, [*held, *pages]) if hold else None
+    lease_id = mgr.hold_pages([*held, *pages]) if hold else None
     return _Staged(new, pages, lease_id)
 
 
-def _hold(mgr: CacheManager, pages: list[Page]) -> int:
-    """Lease ``pages`` (they neither move nor go until released); the lease id."""
-    lease_id = next(mgr._lease_ids)
-    mgr._leases[lease_id] = []
-    _extend_hold(mgr, lease_id, pages)
-    return lease_id
-
-
-def _extend_hold(mgr: CacheManager, lease_id: int, pages: list[Page]) -> None:
-    mgr._leases[lease_id].extend(pages)
-    for page in pages:
-        page.leases += 1
-
-
-def _release_hold(mgr: CacheManager, lease_id: int, pages: list[Page] | None = None) -> None:
-    """End lease ``lease_id`` (or only its hold on ``pages``)."""
-    held = mgr._leases.get(lease_id, [])
-    drop = held if pages is None else pages
-    for page in drop:
-        page.leases -= 1
-    if pages is None:
-        mgr._leases.pop(lease_id, None)
-    else:
-        gone = {id(p) for p in pages}
-        held[:] = [p for p in held if id(p) not in gone]
-
-
 def _unhold(mgr: CacheManager, staged: _Staged) -> None:
+    """End the stage's lease, if it has one (idempotent)."""
     if staged.lease_id is not None:
-        for page in mgr._leases.pop(staged.lease_id, []):
-            page.leases -= 1
+        mgr.release_lease(staged.lease_id)
 
 
 def _abort(mgr: CacheManager, staged: _Staged) -> None:
