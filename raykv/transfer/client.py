@@ -71,6 +71,7 @@ from raykv.transfer.runtime import (
     ucx_address,
     ucx_context,
     ucx_endpoint,
+    within,
 )
 from raykv.transfer.shm import ShmMapping
 from raykv.types import BlockKey
@@ -209,10 +210,7 @@ class PageClient:
         """``coro`` under the pull timeout; every failure counted and raised as a TransferError."""
         timeout = self.config.timeout_s if timeout_s is None else timeout_s
         try:
-            if hasattr(asyncio, "timeout"):  # 3.11+: no extra task per pull, as wait_for makes
-                async with asyncio.timeout(timeout):
-                    return await coro
-            return await asyncio.wait_for(coro, timeout)
+            return await within(coro, timeout)
         except asyncio.TimeoutError:
             self.stats.failures["timeout"] += 1
             raise TransferError(
@@ -427,10 +425,7 @@ class PageClient:
                 got = await self._receive(conn, header, tag, mapping, opts.verify, dest, first)
         finally:
             self._budget.release(held)
-        self.stats.pulls[header.path] += 1
-        self.stats.pages[header.path] += n
-        self.stats.bytes[header.path] += n * header.page_bytes
-        self.stats.last_path[f"{conn.peer[0]}:{conn.peer[1]}"] = header.path
+        self._count(header.path, conn.peer, n, n * header.page_bytes)
         return got
 
     async def _post_first(

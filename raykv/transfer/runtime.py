@@ -90,6 +90,15 @@ INLINE_BYTES = 1 << 20
 more than they do); larger ones run in the default executor (zlib and numpy release the GIL)."""
 
 
+async def within(coro: Coroutine[Any, Any, T], seconds: float) -> T:
+    """``await coro``, cancelled after ``seconds`` (asyncio.TimeoutError); on 3.11+ without the
+    extra task ``asyncio.wait_for`` makes (one per pull)."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(seconds):
+            return await coro
+    return await asyncio.wait_for(coro, seconds)
+
+
 async def offload(nbytes: int, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)``: inline when ``nbytes`` is small, else in the loop's default executor."""
     if nbytes <= INLINE_BYTES:

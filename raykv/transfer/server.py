@@ -34,7 +34,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,7 @@ from raykv.transfer.runtime import (
     ucx_address,
     ucx_context,
     ucx_endpoint,
+    within,
 )
 from raykv.types import TierKind
 
@@ -311,7 +312,7 @@ class PageServer:
                     "direct": self._send_direct,
                     "gpu_peer": self._send_gpu_peer,
                 }[path]
-                await _within(send(conn, rid, lease, tag), self.config.timeout_s)
+                await within(send(conn, rid, lease, tag), self.config.timeout_s)
             finally:
                 self._budget.release(nbytes)
         finally:
@@ -484,16 +485,6 @@ class PageServer:
 
 
 assert LeasedBlock._fields[:4] == ("key", "parent_key", "parent_is_root", "num_tokens")  # _header's columns
-
-
-async def _within(coro: Coroutine[Any, Any, None], seconds: float) -> None:
-    """``await coro``, cancelled after ``seconds`` (asyncio.TimeoutError); on 3.11+ without the
-    extra task ``asyncio.wait_for`` makes."""
-    if hasattr(asyncio, "timeout"):
-        async with asyncio.timeout(seconds):
-            await coro
-        return
-    await asyncio.wait_for(coro, seconds)
 
 
 async def _chunk_buf(payload: LeasedPayload, index: int) -> Any:
