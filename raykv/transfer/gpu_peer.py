@@ -504,20 +504,16 @@ def chunk_starts(count: int) -> list[int]:
     return starts
 
 
-def start_copy(source: AttachedPool, src: list[int], pool: Any, dst: list[PageId]) -> Any:
-    """Start copying pages ``src`` of a mapped peer pool onto pages ``dst`` of ``pool`` (a GpuPool)
-    with the pool's copy engine; the event (None for nothing to copy) becomes the pending event
-    of ``dst``, so the slots are not reused or read before the copy ends.
-
-    ``dst`` must come from ``pool.allocate`` (directly or through the manager), which ordered the
-    current stream after the slots' earlier copies; the copy waits for the current stream, so it
-    needs no wait of its own for them."""
-    return start_copies(source, [(src, dst)], pool)[0]
-
-
 def start_copies(source: AttachedPool, batches: list[tuple[list[int], list[PageId]]], pool: Any) -> list[Any]:
-    """:func:`start_copy` for each ``(src, dst)`` batch, queued in order on one stream after one
-    wait (:meth:`raykv.tiers.cuda_copy.CudaCopier.copy_many`): one event per batch."""
+    """Start copying, for each ``(src, dst)`` batch, pages ``src`` of a mapped peer pool onto
+    pages ``dst`` of ``pool`` (a GpuPool), queued in order on the pool's copy stream after one
+    wait (:meth:`raykv.tiers.cuda_copy.CudaCopier.copy_many`): one event per batch (None for an
+    empty one), which becomes the pending event of that batch's ``dst``, so those slots are not
+    reused or read before their copy ends.
+
+    Each ``dst`` must come from ``pool.allocate`` (directly or through the manager), which ordered
+    the current stream after the slots' earlier copies; the copies wait for the current stream, so
+    they need no wait of their own for them."""
     events = pool.copier.copy_many("d2d", source.base_address, pool.base_address, pool.page_bytes, batches)
     for (_, dst), event in zip(batches, events):
         if event is not None:
@@ -526,8 +522,9 @@ def start_copies(source: AttachedPool, batches: list[tuple[list[int], list[PageI
 
 
 def copy_from(source: AttachedPool, src: list[int], pool: Any, dst: list[PageId]) -> None:
-    """:func:`start_copy` that returns once the copy completed (the caller's lease may end then)."""
-    event = start_copy(source, src, pool, dst)
+    """:func:`start_copies` of one batch that returns once the copy completed (the caller's lease
+    may end then)."""
+    (event,) = start_copies(source, [(src, dst)], pool)
     if event is not None:
         event.synchronize()
 
