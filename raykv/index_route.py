@@ -99,9 +99,8 @@ def route_held(
 
     ``entries`` holds the first positions (at least one). Without ``get_many`` it holds all ``n``;
     with it, the positions beyond are ``get_many(keys[len(entries):n])``, fetched only when the walk
-    gets there
-    (all at once), so a prefix that ends within the first lookups costs few of them. ``memo`` goes
-    to :func:`_collect`.
+    gets there (all at once), so a prefix that ends within the first lookups costs few of them.
+    ``memo`` goes to :func:`_collect`.
     """
     got = len(entries) if get_many is not None else n
     e = entries[0]
@@ -197,8 +196,10 @@ def _expand(
 ) -> dict[WorkerId, RouteMatch]:
     """:func:`_collect` without the memo; ``blocks`` holds every lane's prefix length."""
     lanes = (blocks.bit_length() + LANE_BITS - 1) // LANE_BITS
-    if lanes > DENSE_LANES or sum(m.bit_count() for _, m in ends) <= SPARSE_MATCHES:
+    if sum(m.bit_count() for _, m in ends) <= SPARSE_MATCHES:
         return _collect_sparse(ends, counters, lane_names)  # few matches: visit only their bits
+    if lanes > DENSE_LANES:
+        return _collect_many(ends, counters, lane_names)
     # Only lanes that ended were counted, so no counter reaches above ``lanes`` lanes: struct
     # reads every lane's counts at once.
     unpack, size, zeros = _UNPACK_LANES[lanes], 2 * lanes, _ZERO_LANES[lanes]
@@ -224,9 +225,7 @@ def _expand(
 def _collect_sparse(
     ends: list[tuple[int, int]], counters: tuple[int, int, int, int], lane_names: Mapping[int, WorkerId]
 ) -> dict[WorkerId, RouteMatch]:
-    """:func:`_collect` beyond DENSE_LANES lanes: bit by bit for a few matches, else numpy."""
-    if sum(m.bit_count() for _, m in ends) > SPARSE_MATCHES:
-        return _collect_many(ends, counters, lane_names)
+    """:func:`_collect` for at most SPARSE_MATCHES matching lanes: bit by bit."""
     cg, ch, cd, cp = counters
     out: dict[WorkerId, RouteMatch] = {}
     for blocks, mask in ends:
