@@ -139,32 +139,26 @@ def test_copies_start_before_validation_when_slots_are_free(make_manager, oracle
     dst.check_invariants()
 
 
-def test_chunks_that_fit_start_early_the_rest_after_validation(
-    make_manager, oracle, run_request, monkeypatch
+@pytest.mark.parametrize(
+    ("unrelated_tokens", "order"),
+    [
+        (16, ["write 1", "validate", "write 1"]),  # 4 of 8 slots taken: the first chunk fits
+        (24, ["validate", "write 1", "write 1"]),  # 6 of 8 taken: none fits
+    ],
+    ids=["first-fits", "none-fits"],
+)
+def test_chunks_that_do_not_fit_wait_for_validation(
+    make_manager, oracle, run_request, monkeypatch, unrelated_tokens, order
 ):
-    """Free slots for the first chunk only: it starts before validation, the second is staged
-    after it (evicting an unrelated block)."""
+    """Chunks that fit in the free slots start before validation; the others are staged after it,
+    evicting unrelated blocks as needed (starting them early would evict before the records are
+    known good)."""
     src, dst = make_manager(16), make_manager(8)
     records, data, _ = chain(src, run_request, toks(1, 24))
-    run_request(dst, toks(2, 16))  # 4 of 8 slots hold unrelated cached blocks: 4 free
-    cp, order = Copier(dst, data), []
-    done = import_pipelined(dst, records, starts(6, 3), _logged(cp, order, monkeypatch), cp.confirm, 50)
-    assert order == ["write 1", "validate", "write 1"] and done.result.imported == tuple(records.keys)
-    assert oracle.verify_manager(dst) == 8  # 6 imported, 2 of the unrelated blocks left
-    dst.check_invariants()
-
-
-def test_first_chunk_waits_for_validation_when_slots_must_be_freed(
-    make_manager, oracle, run_request, monkeypatch
-):
-    """Too few free slots: starting early would evict before the records are known good, so the
-    first chunk is staged after validation like the others, evicting as needed."""
-    src, dst = make_manager(16), make_manager(8)
-    records, data, _ = chain(src, run_request, toks(1, 24))
-    run_request(dst, toks(2, 24))  # 6 of 8 slots hold unrelated cached blocks
-    cp, order = Copier(dst, data), []
-    done = import_pipelined(dst, records, starts(6, 3), _logged(cp, order, monkeypatch), cp.confirm, 50)
-    assert order == ["validate", "write 1", "write 1"] and done.result.imported == tuple(records.keys)
+    run_request(dst, toks(2, unrelated_tokens))  # unrelated cached blocks in 4 or 6 of the 8 slots
+    cp, seen = Copier(dst, data), []
+    done = import_pipelined(dst, records, starts(6, 3), _logged(cp, seen, monkeypatch), cp.confirm, 50)
+    assert seen == order and done.result.imported == tuple(records.keys)
     assert oracle.verify_manager(dst) == 8  # 6 imported, 2 of the unrelated blocks left
     dst.check_invariants()
 
