@@ -410,9 +410,12 @@ class PageClient:
         held = len(keys) * conn.page_bytes
         await self._budget.acquire(held)
         try:
-            first = await self._post_first(conn, len(keys), tag, dest, land is not None) if early else None
+            endpoint = await self._endpoint(conn) if early else None
             request["posted"] = early
-            await self._send(conn, request)
+            await self._send(conn, request)  # first: UCX keeps chunk 0 if it comes before its receive
+            first = None
+            if early:
+                first = self._post_first(endpoint, conn, len(keys), tag, dest, land is not None)
             limits = (min(conn.max_payload, self.config.max_payload_bytes), self.config.max_header_bytes)
             header = await read_header(conn, rid, keys, conn.page_bytes, limits, mapping is not None, first)
             n = len(header.keys)
@@ -428,17 +431,23 @@ class PageClient:
         self._count(header.path, conn.peer, n, n * header.page_bytes)
         return got
 
-    async def _post_first(
-        self, conn: _Conn, count: int, tag: int, dest: npt.NDArray[np.uint8] | None, landing: bool
+    def _post_first(
+        self,
+        endpoint: Any,
+        conn: _Conn,
+        count: int,
+        tag: int,
+        dest: npt.NDArray[np.uint8] | None,
+        landing: bool,
     ) -> FirstChunk:
-        """Post the receive of a ucx pull's chunk 0 (up to ``count`` pages, tag ``tag``) before the
-        request goes out: into ``dest`` (else a new array; a spare buffer for a landing)."""
+        """Post the receive of a ucx pull's chunk 0 (up to ``count`` pages, tag ``tag``) right
+        after the request went out: into ``dest`` (else a new array; a spare buffer for a landing)."""
         flat = None
         if landing:
             flat, data = self._spare.take(count, conn.page_bytes)
         else:
             data = dest[:count] if dest is not None else np.empty((count, conn.page_bytes), dtype=np.uint8)
-        return await post_first(await self._endpoint(conn), data, flat, tag)
+        return post_first(endpoint, data, flat, tag)
 
     def _verify(self, path: str, verify: bool | None) -> bool:
         """Whether this process checks the pages of ``path`` against the sender's checksums."""

@@ -77,9 +77,10 @@ class TransferConfig:
     ``use_gpu_peer``: allow the same-node ``gpu_peer`` path (:mod:`raykv.transfer.gpu_peer`): a
     server exports its GPU tier to authenticated same-node peers, who copy leased pages device to
     device (NVLink / PCIe peer access), no checksums, the lease acknowledged as on ``shm``.
-    ``post_receives``: over ``ucx``, post the receive of a pull's first chunk before sending the
-    request; the server then sends that chunk (a payload of at most ``chunk_bytes`` whole) before
-    its header, so the pages are on the wire while the header is built, sent and read.
+    ``post_receives``: over ``ucx``, post the receive of a pull's first chunk with the request,
+    without waiting for the header; the server then sends that chunk (a payload of at most
+    ``chunk_bytes`` whole) before its header, so the pages are on the wire while the header is
+    built, sent and read.
     """
 
     host: str = "127.0.0.1"

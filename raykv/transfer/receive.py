@@ -55,7 +55,7 @@ class SpareBuffers:
 
 @dataclass(frozen=True)
 class FirstChunk:
-    """A ucx pull's chunk-0 receive, posted before the request (``TransferConfig.post_receives``):
+    """A ucx pull's chunk-0 receive, posted with the request (``TransferConfig.post_receives``):
     its rows (room for every requested page), the spare buffer they belong to (landings, else
     None), and the receive."""
 
@@ -64,13 +64,12 @@ class FirstChunk:
     recv: asyncio.Future[Any]
 
 
-async def post_first(
+def post_first(
     endpoint: Any, data: npt.NDArray[np.uint8], flat: npt.NDArray[np.uint8] | None, tag: int
 ) -> FirstChunk:
-    """Post the receive of chunk 0 into ``data`` at ``tag`` (before the request goes out)."""
-    recv = asyncio.ensure_future(tag_recv(endpoint, data, tag))
-    await asyncio.sleep(0)  # let it post before the request goes out (UCX would queue it anyway)
-    return FirstChunk(data, flat, recv)
+    """Post the receive of chunk 0 into ``data`` at ``tag`` (it posts at the loop's next turn;
+    UCX holds a message that arrives first until then)."""
+    return FirstChunk(data, flat, asyncio.ensure_future(tag_recv(endpoint, data, tag)))
 
 
 async def read_header(
@@ -152,7 +151,7 @@ async def receive_ucx(
 ) -> tuple[list[int] | None, list[int]]:
     """Post one receive per chunk into ``data`` (tags ``tag + i``) and checksum each chunk as it
     lands (``verify``); returns (our checksums or None, the server's). ``posted``: chunk 0's
-    receive, posted before the request into rows starting at ``data``'s first (the server sends
+    receive, posted with the request into rows starting at ``data``'s first (the server sends
     an empty message there when it found nothing). On any failure the endpoint is aborted
     first, which cancels the posted receives: nothing lands in ``data`` afterwards."""
     if header.sums is not None:

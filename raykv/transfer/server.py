@@ -114,7 +114,7 @@ class _Conn:
     endpoint: Any = None
     sums: bool = True  # the current pull asked for checksums on the shm path
     ack: bool = False  # the current pull asked for an ``ack`` of its ``done`` on the shm path
-    posted: bool = False  # the current pull's client has its ucx receive for chunk 0 posted
+    posted: bool = False  # the current pull's client posts its ucx receive for chunk 0 unasked
 
 
 class PageServer:
@@ -396,7 +396,7 @@ class PageServer:
         overlap with the transfer; they are remembered for the next sends
         (``CacheManager.remember_checksums``).
 
-        When the client posted its receive before asking (``posted``), chunk 0 goes first, before
+        When the client posts its receive with the request (``posted``), chunk 0 goes first, before
         the header (an empty message when nothing was found, so that receive always completes), and a
         payload of at most ``chunk_bytes`` is one chunk: it is on the wire while the header is
         built, sent and read."""

@@ -57,7 +57,7 @@ import msgpack
 
 from raykv.errors import TransferError
 
-VERSION = 3  # 3: ucx pulls may post their first receive before asking (``posted``)
+VERSION = 3  # 3: ucx pulls may post their first receive with the request (``posted``)
 PATHS = ("shm", "ucx", "direct", "gpu_peer")
 _LEN = struct.Struct(">I")
 

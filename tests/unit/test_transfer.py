@@ -20,7 +20,16 @@ from transfer_support import commit, seq
 
 from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError
 from raykv.records import page_checksum
-from raykv.transfer import AuthToken, PageClient, PageServer, TransferConfig, get_runtime, pull_into, wire
+from raykv.transfer import (
+    AuthToken,
+    PageClient,
+    PageServer,
+    TransferConfig,
+    get_runtime,
+    pull_into,
+    receive,
+    wire,
+)
 from raykv.transfer.importer import import_pulled
 
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
@@ -504,14 +513,28 @@ def test_a_recommitted_block_does_not_inherit_the_old_checksum(
     pair.wait_no_leases()
 
 
-@pytest.mark.parametrize("posted", [True, False])
+@pytest.mark.parametrize("posted,late", [(True, False), (True, True), (False, False)])
 def test_ucx_pages_land_in_the_right_rows_whatever_the_server_finds(
-    make_pair: Callable[..., Pair], oracle: ContentOracle, layout: KVLayout, posted: bool
+    make_pair: Callable[..., Pair],
+    oracle: ContentOracle,
+    layout: KVLayout,
+    posted: bool,
+    late: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With ``post_receives`` the client posts chunk 0's receive before asking and the server
+    """With ``post_receives`` the client posts chunk 0's receive with its request and the server
     sends that chunk before its header (an empty message when it found nothing). All of the
     keys, some, none, or more than one chunk's worth must land in the right rows, and the
-    connection must stay clean for the next pull (nothing stray arrives later)."""
+    connection must stay clean for the next pull (nothing stray arrives later). ``late``: every
+    receive posts 20 ms late, so the chunks arrive before their receives (UCX holds them)."""
+    if late:
+        post = receive.tag_recv
+
+        async def late_post(endpoint: Any, buf: Any, tag: int) -> Any:
+            await asyncio.sleep(0.02)
+            return await post(endpoint, buf, tag)
+
+        monkeypatch.setattr(receive, "tag_recv", late_post)
     config = CFG.replace(chunk_bytes=4 * layout.page_bytes, post_receives=posted)
     pair = make_pair(config, host_pages=32, disk_pages=0)
     keys = commit(pair.src, oracle, seq(31, 12))
