@@ -21,7 +21,8 @@
  * release() meanwhile waits for them.
  *
  * Reader(directory, tier, num_slots, page_bytes, cells, gen_off, key_off, parent_off, meta_off,
- *        tags_off, cells_off, vector_min, array_type):
+ *        tags_off, cells_off, vector_min, array_type): tier None makes a locate-only reader (a GPU
+ *        tier's directory: locate and unchanged work, read raises ValueError).
  *   read(keys, out, hook=None, whole=False) -> None, (keys, parents, roots, tokens) tuples, or
  *       after set_result(type, ((name, value), ...)) a new `type` whose attributes are set as
  *       object.__setattr__ would; a value that is one of the markers KEYS, PARENTS, ROOTS, TOKENS,
@@ -48,7 +49,8 @@
 typedef struct {
     PyObject_HEAD
     Py_buffer dir, tier;
-    int has_buffers; /* both buffers held */
+    int has_buffers; /* the buffers held (the directory; the tier too when has_tier) */
+    int has_tier;    /* 0: a locate-only reader (tier=None): read() refuses */
     int busy;        /* calls copying without the GIL */
     int closing;     /* release() was asked while busy */
     Py_ssize_t num_slots, page_bytes, cells, vector_min;
@@ -249,7 +251,7 @@ static void drop_buffers(Reader *r) {
     if (!r->has_buffers) return;
     r->has_buffers = 0;
     PyBuffer_Release(&r->dir);
-    PyBuffer_Release(&r->tier);
+    if (r->has_tier) PyBuffer_Release(&r->tier);
 }
 
 /* A call that copied without the GIL is done: a release() asked meanwhile happens now. */
@@ -308,6 +310,7 @@ static PyObject *Reader_read(Reader *r, PyObject *const *args, Py_ssize_t nargs)
     PyObject *hook = nargs >= 3 ? args[2] : Py_None;
     int whole = nargs == 4 ? PyObject_IsTrue(args[3]) : 0;
     if (whole < 0 || check_open(r) < 0) return NULL;
+    if (!r->has_tier) return PyErr_Format(PyExc_ValueError, "read(): this reader has no tier (tier=None)");
     PyObject *keys = key_tuple(args[0]);
     if (!keys) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(keys);
@@ -476,6 +479,7 @@ static int set_layout(Reader *r, Py_ssize_t *offs) {
     r->tags = r->meta ? region(d, offs[4], r->cells, 8, 8, "tags") : NULL;
     r->cell = r->tags ? region(d, offs[5], r->cells, 8, 8, "cells") : NULL;
     if (!r->cell) return -1;
+    if (!r->has_tier) return 0; /* locate-only: no pages */
     if (n > 0 && r->page_bytes > r->tier.len / n)
         return PyErr_Format(PyExc_ValueError, "the tier buffer is smaller than num_slots x page_bytes"), -1;
     r->pages = (const unsigned char *)r->tier.buf;
@@ -503,8 +507,9 @@ static PyObject *Reader_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     r->cells = cells;
     r->vector_min = vector_min;
     r->array_type = Py_NewRef(array_type);
+    r->has_tier = tier != Py_None;
     if (PyObject_GetBuffer(dir, &r->dir, PyBUF_SIMPLE) == 0) {
-        if (PyObject_GetBuffer(tier, &r->tier, PyBUF_SIMPLE) == 0)
+        if (!r->has_tier || PyObject_GetBuffer(tier, &r->tier, PyBUF_SIMPLE) == 0)
             r->has_buffers = 1;
         else
             PyBuffer_Release(&r->dir);

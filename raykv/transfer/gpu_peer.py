@@ -48,7 +48,7 @@ from raykv.radix import Block
 from raykv.records import BlockLease, BlockRecords
 from raykv.tiers import shm_directory
 from raykv.tiers.host import SHM_DIR, SHM_PREFIX
-from raykv.transfer import wire
+from raykv.transfer import shm_read, wire
 from raykv.transfer.client import PageClient
 from raykv.transfer.config import Peer, pull_request
 from raykv.transfer.connection import ClientConn
@@ -418,7 +418,7 @@ def pull_gpu_local(
 
 def _local_plan(
     client: PageClient, peer: tuple[str, int], keys: list[BlockKey], manager: CacheManager
-) -> tuple[shm_directory.Located, shm_directory.DirectoryView, AttachedPool] | None:
+) -> tuple[shm_directory.Located, shm_read.DirectoryLookup, AttachedPool] | None:
     """Where the owner's directory has every key, with the mapped pool to copy from; None when
     the one-sided path cannot be used for these keys."""
     info = client.gpu_pools.known.get(peer)
@@ -434,7 +434,7 @@ def _local_plan(
     reader = client.gpu_pools.reader(info, manager.layout.page_bytes)
     if source is None or reader is None:
         return None
-    located = reader.locate(keys)
+    located = shm_read.locate(reader, keys)
     if located is None or max(located.slots) >= source.num_slots:
         return None
     return located, reader, source
@@ -444,7 +444,7 @@ def _land_local(
     manager: CacheManager,
     keys: list[BlockKey],
     located: shm_directory.Located,
-    reader: shm_directory.DirectoryView,
+    reader: shm_read.DirectoryLookup,
     source: AttachedPool,
     priority: Priority,
 ) -> tuple[PullOutcome, list[BlockKey]] | None:
@@ -464,7 +464,7 @@ def _land_local(
         if event is not None:
             event.synchronize()
             pool.events.completed(event)
-        if not reader.unchanged(located.part(first, end), keys[first:end]):
+        if not shm_read.unchanged(reader, located.part(first, end), keys[first:end]):
             raise TransferError("a page changed while it was copied; not imported", reason="stale")
 
     done = import_pipelined(manager, records.head(n), chunk_starts(n), write, confirm, priority)

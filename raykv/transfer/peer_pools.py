@@ -12,7 +12,7 @@ from raykv.transfer import wire
 
 if TYPE_CHECKING:
     from raykv.ipc import AttachedPool
-    from raykv.tiers.shm_directory import DirectoryReader
+    from raykv.transfer.shm_read import DirectoryLookup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,19 +61,19 @@ class PeerPools:
         """Peers (control endpoints) whose GPU tier could not be mapped here: not asked again."""
         self.known: dict[tuple[str, int], PoolInfo] = {}
         """The last ``gpu_pool`` message of each peer (control endpoint) on this node."""
-        self._readers: dict[str, DirectoryReader | None] = {}
+        self._readers: dict[str, DirectoryLookup | None] = {}
 
-    def reader(self, info: PoolInfo, page_bytes: int) -> DirectoryReader | None:
-        """The owner's slot directory mapped read-only (None when it keeps none or it cannot be
-        mapped; never blocks beyond opening a file)."""
+    def reader(self, info: PoolInfo, page_bytes: int) -> DirectoryLookup | None:
+        """The owner's slot directory mapped read-only, for :func:`raykv.transfer.shm_read.locate`
+        (None when it keeps none or it cannot be mapped; never blocks beyond opening a file)."""
         if info.directory is None:
             return None
         if info.directory not in self._readers:
-            from raykv.tiers.shm_directory import DirectoryReader
+            from raykv.transfer.shm_read import DirectoryLookup
 
             tier_path = info.directory.removesuffix(".dir")
             try:
-                reader: DirectoryReader | None = DirectoryReader(tier_path, info.directory_slots, page_bytes)
+                reader: DirectoryLookup | None = DirectoryLookup(tier_path, info.directory_slots, page_bytes)
             except (OSError, StateError):
                 reader = None
             with self._lock:

@@ -60,7 +60,8 @@ def compiled_available() -> bool:
 def compiled_reader(directory: Any, tier: Any, num_slots: int, page_bytes: int, force: bool = False) -> Any:
     """A ``raykv._shmread.Reader`` over a directory buffer (:mod:`raykv.tiers.shm_directory`'s
     layout for ``num_slots``) and a tier buffer of ``num_slots`` pages of ``page_bytes``, whose
-    ``read`` returns what :func:`read` does; None when :func:`compiled_available` is False
+    ``read`` returns what :func:`read` does (``tier`` None: a reader that only locates and
+    re-checks, whose ``read`` raises ValueError); None when :func:`compiled_available` is False
     (``force``: whenever the extension was built, for tests comparing both readers). ValueError
     when a buffer is too small for that."""
     if _shmread is None or not (force or compiled_available()):
@@ -220,7 +221,23 @@ def copy_located(
         copy_rows(src, located.slots, out)
 
 
-def locate(peer: LocalPeer, keys: Sequence[BlockKey]) -> shm_directory.Located | None:
+class DirectoryLookup:
+    """A peer's slot directory mapped read-only (``directory``) and, when built, a locate-only
+    compiled reader over it (``compiled``, None: the Python view answers): what :func:`locate`
+    and :func:`unchanged` need for a tier this process does not map (a GPU tier's directory).
+    Raises OSError or StateError as :class:`raykv.tiers.shm_directory.DirectoryReader`."""
+
+    def __init__(self, tier_path: str, num_slots: int, page_bytes: int) -> None:
+        self.directory = shm_directory.DirectoryReader(tier_path, num_slots, page_bytes)
+        self.compiled = compiled_reader(self.directory._mmap, None, num_slots, page_bytes)
+
+    def close(self) -> None:
+        if self.compiled is not None:
+            self.compiled.release()
+        self.directory.close()
+
+
+def locate(peer: LocalPeer | DirectoryLookup, keys: Sequence[BlockKey]) -> shm_directory.Located | None:
     """Where ``keys`` are bound in ``peer``'s directory (:meth:`DirectoryView.locate`), by the
     compiled reader when there is one; None when any key is not bound."""
     fast = peer.compiled
@@ -230,7 +247,9 @@ def locate(peer: LocalPeer, keys: Sequence[BlockKey]) -> shm_directory.Located |
     return peer.directory.locate(keys)
 
 
-def unchanged(peer: LocalPeer, located: shm_directory.Located, keys: Sequence[bytes]) -> bool:
+def unchanged(
+    peer: LocalPeer | DirectoryLookup, located: shm_directory.Located, keys: Sequence[bytes]
+) -> bool:
     """Whether every located slot still holds its key at the generation seen (as
     :meth:`DirectoryView.unchanged`), by the compiled reader when there is one."""
     fast = peer.compiled

@@ -199,6 +199,34 @@ def test_compiled_reader_answers_as_the_python_one(
                 assert changed is None  # a located slot changed mid-read: never returned
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, len(POOL)), ops, queries)
+def test_a_locate_only_reader_answers_as_the_full_one(
+    tmp_path_factory: pytest.TempPathFactory, fill: int, program: list[Any], asked: list[Any]
+) -> None:
+    """``tier=None`` (a GPU tier's directory, :class:`shm_read.DirectoryLookup`): the same
+    locate and unchanged answers without any tier buffer; ``read`` refuses."""
+    with _readers(str(tmp_path_factory.getbasetemp())) as (directory, _pure, compiled):
+        only = shm_read.compiled_reader(directory._mmap, None, SLOTS, PAGE, force=True)
+        try:
+            for op in [("fill", 0, fill), *program]:
+                _apply(directory, op)
+            for query in asked:
+                keys = _query(directory, query)
+                got = only.locate(keys)
+                assert got == compiled.compiled.locate(keys)
+                if got is not None and got[0]:
+                    assert only.unchanged(got[0], got[1], keys)
+                    directory._gen[got[0][0]] += 2  # the owner rebound the first slot meanwhile
+                    assert not only.unchanged(got[0], got[1], keys)
+            with pytest.raises(ValueError, match="no tier"):
+                only.read(POOL[:1], np.zeros((1, PAGE), dtype=np.uint8))
+        finally:
+            only.release()
+        with pytest.raises(ValueError, match="released"):
+            only.locate(POOL[:1])
+
+
 def test_runs_scattered_missing_and_unindexed_keys(tmp_path: Any) -> None:
     with _readers(str(tmp_path)) as (directory, pure, compiled):
         _apply(directory, ("fill", 0, 0))  # slot s holds POOL[s]

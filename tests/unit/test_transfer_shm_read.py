@@ -189,6 +189,38 @@ def test_directory_binds_unbinds_and_rebuilds(tmp_path: object) -> None:
     assert not os.path.exists(path + ".dir")
 
 
+@pytest.mark.parametrize("pure", [False, True])
+def test_a_directory_lookup_locates_without_the_tier(
+    tmp_path: object, pure: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What gpu_read uses for an owner's GPU tier: its directory file alone (no tier file to
+    map), located and re-checked by the compiled reader, or the Python view when pure."""
+    if pure:
+        monkeypatch.setenv("RAYKV_PURE_SHM_READ", "1")
+    path = os.path.join(str(tmp_path), "raykv-test-gpu-tier")
+    directory = ShmDirectory(path, 64, 1 << 20)  # a 64 MiB tier that is never created
+    lookup = shm_read.DirectoryLookup(path, 64, 1 << 20)
+    try:
+        assert (lookup.compiled is None) == (pure or not shm_read.compiled_available())
+        keys = [_key(i) for i in range(40)]
+        for slot, key in enumerate(keys):
+            directory.bind(slot + 7, key, bytes(32) if slot == 0 else keys[slot - 1], slot == 0, 16)
+        for wanted in (keys, keys[5:9], [keys[30], keys[2]], [keys[1], _key(99)]):
+            got = shm_read.locate(lookup, wanted)
+            assert got == lookup.directory.locate(wanted)
+            if got is not None:
+                assert got.slots == [keys.index(k) + 7 for k in wanted]
+                assert shm_read.unchanged(lookup, got, wanted)
+        located = shm_read.locate(lookup, keys)
+        assert located is not None and located.first == 7
+        directory.unbind([20])
+        assert not shm_read.unchanged(lookup, located, keys) and shm_read.locate(lookup, keys) is None
+        assert shm_read.unchanged(lookup, located.part(0, 13), keys[:13])  # the slots before it
+    finally:
+        lookup.close()
+        directory.close()
+
+
 def test_keys_whose_tag_reads_empty_are_bound_but_not_indexed(tmp_path: object) -> None:
     path = os.path.join(str(tmp_path), "raykv-test-tier")
     directory = ShmDirectory(path, 8, 4096)
