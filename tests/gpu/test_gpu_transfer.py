@@ -215,7 +215,7 @@ def test_gpu_read_needs_no_request_after_the_first(remote: Remote, monkeypatch: 
     """After one gpu_peer request the owner's slot directory is mapped: later pulls of bound keys
     copy one-sided (path "gpu_read"), the owner serves nothing, every byte matches; a page that
     changes during the copy (simulated) makes the pull ask the owner instead."""
-    from raykv.tiers.shm_directory import DirectoryView
+    from raykv.transfer import shm_read
 
     peer = remote.peers["staged"]
     remote.mgr.clear_reusable()
@@ -228,7 +228,7 @@ def test_gpu_read_needs_no_request_after_the_first(remote: Remote, monkeypatch: 
     assert remote.stats("staged")["pulls"].get("gpu_peer", 0) == served  # the owner was not asked
     assert remote.client.stats.pulls["gpu_read"] >= 1
     remote.mgr.clear_reusable()
-    monkeypatch.setattr(DirectoryView, "unchanged", lambda self, located, keys: False)
+    monkeypatch.setattr(shm_read, "unchanged", lambda lookup, located, keys: False)
     outcome = get_runtime().run(pull_gpu_peer_into(remote.client, peer, remote.mgr, remote.keys), 60)
     assert outcome.path == "gpu_peer" and outcome.complete  # stale: asked the owner instead
     _verify(remote.mgr, remote.keys)
@@ -240,21 +240,21 @@ def test_gpu_read_stale_later_chunk_keeps_the_earlier_ones(
     """A local import runs in chunks whose copies overlap the inserts; when a later chunk's pages
     changed during its copy (simulated), the chunks before it stay imported and the owner is asked
     for the rest: every key arrives, every byte matches, no lease or page is left over."""
-    from raykv.tiers.shm_directory import DirectoryView
+    from raykv.transfer import shm_read
     from raykv.transfer.gpu_peer import chunk_starts
 
     peer = remote.peers["staged"]
     remote.mgr.clear_reusable()
     get_runtime().run(pull_gpu_peer_into(remote.client, peer, remote.mgr, remote.keys[:1]), 60)
     remote.mgr.clear_reusable()
-    real = DirectoryView.unchanged
+    real = shm_read.unchanged
     calls: list[int] = []
 
-    def second_chunk_stale(self: DirectoryView, located: Any, keys: Any) -> bool:
+    def second_chunk_stale(lookup: Any, located: Any, keys: Any) -> bool:
         calls.append(len(keys))
-        return len(calls) != 2 and real(self, located, keys)
+        return len(calls) != 2 and real(lookup, located, keys)
 
-    monkeypatch.setattr(DirectoryView, "unchanged", second_chunk_stale)
+    monkeypatch.setattr(shm_read, "unchanged", second_chunk_stale)
     starts = [*chunk_starts(len(remote.keys)), len(remote.keys)]
     assert len(starts) > 2
     sizes = [b - a for a, b in itertools.pairwise(starts)]
