@@ -269,9 +269,9 @@ async def pull_gpu_peer_into(
     start = time.perf_counter()
     if not checked:
         return PullOutcome((), (), (), (), PATH, 0, 0.0)
-    local = await _pull_local(client, endpoint, checked, manager, prio)
+    local = await _pull_local(client, endpoint, checked, manager, prio, start)
     if local is not None and not local[1]:
-        return dataclasses.replace(local[0], seconds=time.perf_counter() - start)
+        return local[0]
     rest = checked if local is None else local[1]
     outcome = await client._guarded(endpoint, timeout_s, _pull_all(client, endpoint, rest, manager, prio))
     if local is not None:
@@ -374,7 +374,12 @@ PIPELINE_MIN_CHUNK = 8
 
 
 async def _pull_local(
-    client: PageClient, peer: tuple[str, int], keys: list[BlockKey], manager: CacheManager, priority: Priority
+    client: PageClient,
+    peer: tuple[str, int],
+    keys: list[BlockKey],
+    manager: CacheManager,
+    priority: Priority,
+    start: float,
 ) -> tuple[PullOutcome, list[BlockKey]] | None:
     """Import ``keys`` straight from a same-node owner's mapped GPU tier when its slot directory
     lists every one (after a first ``gpu_peer`` request to it): the outcome and the keys still to
@@ -384,7 +389,7 @@ async def _pull_local(
     if plan is None:
         return None
     loop = asyncio.get_running_loop()
-    landed = await loop.run_in_executor(None, _land_local, manager, keys, *plan, priority)
+    landed = await loop.run_in_executor(None, _land_local, manager, keys, *plan, priority, start)
     if landed is not None:
         client._count(LOCAL_PATH, peer, len(landed[0].imported), landed[0].nbytes)
     return landed
@@ -409,11 +414,10 @@ def pull_gpu_local(
     plan = _local_plan(client, endpoint, checked, manager) if checked else None
     if plan is None:
         return None
-    landed = _land_local(manager, checked, *plan, prio)
-    if landed is None:
-        return None
-    client._count(LOCAL_PATH, endpoint, len(landed[0].imported), landed[0].nbytes)
-    return dataclasses.replace(landed[0], seconds=time.perf_counter() - start), landed[1]
+    landed = _land_local(manager, checked, *plan, prio, start)
+    if landed is not None:
+        client._count(LOCAL_PATH, endpoint, len(landed[0].imported), landed[0].nbytes)
+    return landed
 
 
 def _local_plan(
@@ -447,11 +451,12 @@ def _land_local(
     reader: shm_read.DirectoryLookup,
     source: AttachedPool,
     priority: Priority,
+    start: float,
 ) -> tuple[PullOutcome, list[BlockKey]] | None:
     """Copy and import the located pages in overlapping chunks (:func:`chunk_starts`); the
-    outcome and the keys left for the owner to serve (a chunk's slot changed while it was
-    copied: that chunk and the later ones were not imported). None when nothing was imported
-    because the first chunk changed."""
+    outcome (``seconds`` since ``start``) and the keys left for the owner to serve (a chunk's
+    slot changed while it was copied: that chunk and the later ones were not imported). None
+    when nothing was imported because the first chunk changed."""
     records = BlockRecords(keys, located.parents, located.roots, located.tokens)  # parents: keys' bytes
     n = importable_prefix(manager, records)
     pool: Any = manager.top_pool
@@ -481,7 +486,7 @@ def _land_local(
         dropped=tuple(keys[n:]) if done.stopped is None else (),
         path=LOCAL_PATH,
         nbytes=len(done.result.imported) * manager.layout.page_bytes,
-        seconds=0.0,
+        seconds=time.perf_counter() - start,
     )
     return outcome, keys[done.settled :] if done.stopped is not None else []
 
