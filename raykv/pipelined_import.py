@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+from raykv.gc_pause import collect_if_due, paused
 from raykv.page import Page, new_pages
 from raykv.records import BlockRecords, ImportResult
 from raykv.transfer_blocks import _abort, _commit, _Staged, _unhold, validate
@@ -67,11 +68,25 @@ def import_pipelined(
     A chunk whose confirm raises is not inserted, nor is any later one (their pages are given
     back); earlier chunks stay imported, each block complete and confirmed (a prefix of the
     records: parents always come first). The exception is returned in ``stopped``, not raised.
+    The garbage collector is paused meanwhile (:func:`raykv.gc_pause.paused`).
     """
     if not starts or starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)):
         raise ValueError(f"chunk starts must ascend from 0, got {list(starts)}")
     if starts[-1] >= max(1, len(records)):
         raise ValueError(f"chunk start {starts[-1]} is past the {len(records)} records")
+    with paused():  # no collector passes between the copies (raykv.gc_pause)
+        return _import(mgr, records, starts, write, confirm, priority)
+
+
+def _import(
+    mgr: CacheManager,
+    records: BlockRecords,
+    starts: Sequence[int],
+    write: ChunkWriter,
+    confirm: Callable[[object, int, int], object],
+    priority: Priority,
+) -> Pipelined:
+    """:func:`import_pipelined` once its arguments are checked."""
     with mgr.locked():
         mgr._check_open()
         ahead = _start_ahead(mgr, records, starts, write)
@@ -219,6 +234,7 @@ def _settle(
     present: list[BlockKey] = []
     settled, stopped, previous = 0, None, None
     for k, (part, handle, first, end) in enumerate(staged):
+        collect_if_due()  # while the chunk's copy may still run, not amid the inserts
         try:
             confirm(handle, first, end)
         except BaseException as exc:
