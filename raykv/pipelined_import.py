@@ -45,6 +45,7 @@ class Pipelined:
     stopped: BaseException | None
 
 
+@paused()  # no collector passes between the copies (raykv.gc_pause)
 def import_pipelined(
     mgr: CacheManager,
     records: BlockRecords,
@@ -74,19 +75,6 @@ def import_pipelined(
         raise ValueError(f"chunk starts must ascend from 0, got {list(starts)}")
     if starts[-1] >= max(1, len(records)):
         raise ValueError(f"chunk start {starts[-1]} is past the {len(records)} records")
-    with paused():  # no collector passes between the copies (raykv.gc_pause)
-        return _import(mgr, records, starts, write, confirm, priority)
-
-
-def _import(
-    mgr: CacheManager,
-    records: BlockRecords,
-    starts: Sequence[int],
-    write: ChunkWriter,
-    confirm: Callable[[object, int, int], object],
-    priority: Priority,
-) -> Pipelined:
-    """:func:`import_pipelined` once its arguments are checked."""
     with mgr.locked():
         mgr._check_open()
         ahead = _start_ahead(mgr, records, starts, write)
