@@ -50,6 +50,7 @@ from raykv.transfer.config import Peer, TransferConfig, pull_request
 from raykv.transfer.connection import ClientConn as _Conn
 from raykv.transfer.connection import handshake
 from raykv.transfer.landing import Land, LeaseCheck, run_land
+from raykv.transfer.payload import early_split
 from raykv.transfer.peer_pools import PeerPools
 from raykv.transfer.receive import (
     FirstChunk,
@@ -411,11 +412,14 @@ class PageClient:
         await self._budget.acquire(held)
         try:
             endpoint = await self._endpoint(conn) if early else None
-            request["posted"] = early
+            config, split = self.config, 0
+            if early:
+                split = early_split(len(keys), conn.page_bytes, config.early_split_bytes, config.chunk_bytes)
+            request.update(posted=early, **({"split": split} if split else {}))
             await self._send(conn, request)  # first: UCX keeps chunk 0 if it comes before its receive
             first = None
             if early:
-                first = self._post_first(endpoint, conn, len(keys), tag, dest, land is not None)
+                first = self._post_first(endpoint, conn, len(keys), tag, dest, land is not None, split)
             limits = (min(conn.max_payload, self.config.max_payload_bytes), self.config.max_header_bytes)
             header = await read_header(conn, rid, keys, conn.page_bytes, limits, mapping is not None, first)
             n = len(header.keys)
@@ -439,15 +443,17 @@ class PageClient:
         tag: int,
         dest: npt.NDArray[np.uint8] | None,
         landing: bool,
+        split: int,
     ) -> FirstChunk:
-        """Post the receive of a ucx pull's chunk 0 (up to ``count`` pages, tag ``tag``) right
-        after the request went out: into ``dest`` (else a new array; a spare buffer for a landing)."""
+        """Post the receive of a ucx pull's chunk 0 (up to ``count`` pages, tag ``tag``; with a
+        ``split``, chunk 1's too) right after the request went out: into ``dest`` (else a new
+        array; a spare buffer for a landing)."""
         flat = None
         if landing:
             flat, data = self._spare.take(count, conn.page_bytes)
         else:
             data = dest[:count] if dest is not None else np.empty((count, conn.page_bytes), dtype=np.uint8)
-        return post_first(endpoint, data, flat, tag)
+        return post_first(endpoint, data, flat, tag, split)
 
     def _verify(self, path: str, verify: bool | None) -> bool:
         """Whether this process checks the pages of ``path`` against the sender's checksums."""
@@ -577,7 +583,7 @@ class PageClient:
         through ``first``'s receive when posted early), say ``done``; the server's checksums
         (compared with ours when ``verify``)."""
         limit = self.config.max_header_bytes
-        posted = first.recv if first is not None else None
+        posted = first.recvs if first is not None else ()
         endpoint = lambda: self._endpoint(conn)  # noqa: E731
         mine, theirs = await receive_ucx(conn, endpoint, header, tag, data, verify, limit, posted)
         await self._send(conn, {"t": "done", "id": header.request_id})

@@ -10,6 +10,8 @@ chunk by chunk right before each chunk is sent, so gathering overlaps with the t
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +36,49 @@ def chunk_counts(num_pages: int, page_bytes: int, chunk_bytes: int) -> list[int]
     target = min(chunk_bytes, max(MIN_CHUNK_BYTES, num_pages * page_bytes // 4))
     per = max(1, target // page_bytes)
     return [min(per, num_pages - first) for first in range(0, num_pages, per)]
+
+
+AUTO_SPLIT_BYTES = 512 << 10
+AUTO_SPLIT_CORES = 8
+
+
+@functools.cache
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask; read once)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def early_split(num_pages: int, page_bytes: int, split_bytes: int | None, chunk_bytes: int) -> int:
+    """Where a ucx client that posts its receives with the request splits the payload: chunk 0
+    gets up to the first ``returned`` pages, chunk 1 the rest, both receives posted at once, so
+    the receiver checksums the first while the second arrives; 0: no split (one receive).
+
+    Payloads of 4 pages or more, of at least ``split_bytes`` and at most ``chunk_bytes``, are split
+    three quarters, then a quarter. ``split_bytes`` None: :data:`AUTO_SPLIT_BYTES` when this
+    process may use :data:`AUTO_SPLIT_CORES` cores or more, else never (on a 2-core host both
+    sides' kernel copies keep every core busy, and the extra message costs more than the overlap
+    saves); 0: never."""
+    if split_bytes is None:
+        split_bytes = AUTO_SPLIT_BYTES if usable_cores() >= AUTO_SPLIT_CORES else 0
+    nbytes = num_pages * page_bytes
+    if split_bytes <= 0 or num_pages < 4 or not split_bytes <= nbytes <= chunk_bytes:
+        return 0
+    return num_pages - num_pages // 4
+
+
+def payload_counts(num_pages: int, page_bytes: int, chunk_bytes: int, posted: bool, split: int) -> list[int]:
+    """Pages per chunk of a ucx payload of ``num_pages``: with a ``split`` (the client posted two
+    receives, see :func:`early_split`) up to ``split`` pages then the rest, empty chunks left out
+    (their messages still go, empty); ``posted`` (one receive posted) and at most ``chunk_bytes``:
+    one chunk; else :func:`chunk_counts`."""
+    if split:
+        return [c for c in (min(num_pages, split), num_pages - split) if c > 0]
+    if posted and 0 < num_pages * page_bytes <= chunk_bytes:
+        return [num_pages]
+    return chunk_counts(num_pages, page_bytes, chunk_bytes)
 
 
 def settle_pages(manager: CacheManager, blocks: tuple[LeasedBlock, ...]) -> None:
@@ -66,8 +111,8 @@ def host_array(buf: Any) -> npt.NDArray[np.uint8]:
 
 
 class LeasedPayload:
-    """Chunks of the pages of ``blocks`` (held by a lease: they do not move while this lives);
-    ``whole``: one chunk when the payload fits in ``chunk_bytes``.
+    """Chunks of the pages of ``blocks`` (held by a lease: they do not move while this lives):
+    ``counts`` pages each (default: :func:`chunk_counts`).
 
     ``corrupt`` is a test hook: each chunk is copied and one byte flipped in the copy (the tier is
     never touched); checksums still describe the true pages, so the receiver must notice.
@@ -79,16 +124,14 @@ class LeasedPayload:
         blocks: tuple[LeasedBlock, ...],
         chunk_bytes: int,
         corrupt: bool = False,
-        whole: bool = False,
+        counts: list[int] | None = None,
     ) -> None:
         self.manager = manager
         self.blocks = blocks
         self.page_bytes = manager.layout.page_bytes
         n, page = len(blocks), self.page_bytes
-        if whole and 0 < n * page <= chunk_bytes:  # one message (see PageServer._send_ucx)
-            self.counts = [n]
-        else:
-            self.counts = chunk_counts(n, page, chunk_bytes)
+        self.counts = chunk_counts(n, page, chunk_bytes) if counts is None else counts
+        assert sum(self.counts) == n, "chunk sizes must cover the pages"
         self.starts = [sum(self.counts[:i]) for i in range(len(self.counts))]
         self.corrupt = corrupt
         settle_pages(manager, blocks)

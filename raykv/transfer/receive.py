@@ -55,21 +55,28 @@ class SpareBuffers:
 
 @dataclass(frozen=True)
 class FirstChunk:
-    """A ucx pull's chunk-0 receive, posted with the request (``TransferConfig.post_receives``):
-    its rows (room for every requested page), the spare buffer they belong to (landings, else
-    None), and the receive."""
+    """A ucx pull's receives posted with the request (``TransferConfig.post_receives``): its rows
+    (room for every requested page), the spare buffer they belong to (landings, else None), the
+    receives (chunk 0's into all rows; with a ``split``, chunk 0's into the first ``split`` rows
+    and chunk 1's into the rest) and the split (0: none)."""
 
     data: npt.NDArray[np.uint8]
     flat: npt.NDArray[np.uint8] | None
-    recv: asyncio.Future[Any]
+    recvs: tuple[asyncio.Future[Any], ...]
+    split: int = 0
 
 
 def post_first(
-    endpoint: Any, data: npt.NDArray[np.uint8], flat: npt.NDArray[np.uint8] | None, tag: int
+    endpoint: Any, data: npt.NDArray[np.uint8], flat: npt.NDArray[np.uint8] | None, tag: int, split: int = 0
 ) -> FirstChunk:
-    """Post the receive of chunk 0 into ``data`` at ``tag`` (it posts at the loop's next turn;
-    UCX holds a message that arrives first until then)."""
-    return FirstChunk(data, flat, asyncio.ensure_future(tag_recv(endpoint, data, tag)))
+    """Post the receive of chunk 0 into ``data`` at ``tag``, or with a ``split`` (0 < split <
+    rows) chunk 0's into ``data[:split]`` and chunk 1's into the rest at ``tag + 1``. They post
+    at the loop's next turn; UCX holds a message that arrives first until then."""
+    if not split:
+        return FirstChunk(data, flat, (asyncio.ensure_future(tag_recv(endpoint, data, tag)),))
+    parts = (data[:split], data[split:])
+    recvs = tuple(asyncio.ensure_future(tag_recv(endpoint, rows, tag + i)) for i, rows in enumerate(parts))
+    return FirstChunk(data, flat, recvs, split)
 
 
 async def read_header(
@@ -92,6 +99,10 @@ async def read_header(
         raise wire.protocol_error(f"server chose the {header.path} path without being asked")
     if first is not None and header.path != "ucx":
         raise wire.protocol_error("the server did not answer a posted receive over ucx")
+    if first is not None and first.split:
+        n = len(header.keys)
+        if list(header.layout) != [c for c in (min(n, first.split), n - first.split) if c > 0]:
+            raise wire.protocol_error("the server did not split the payload as asked")
     return header
 
 
@@ -147,35 +158,34 @@ async def receive_ucx(
     data: npt.NDArray[np.uint8],
     verify: bool,
     max_bytes: int,
-    posted: asyncio.Future[Any] | None = None,
+    posted: Sequence[asyncio.Future[Any]] = (),
 ) -> tuple[list[int] | None, list[int]]:
     """Post one receive per chunk into ``data`` (tags ``tag + i``) and checksum each chunk as it
-    lands (``verify``); returns (our checksums or None, the server's). ``posted``: chunk 0's
-    receive, posted with the request into rows starting at ``data``'s first (the server sends
-    an empty message there when it found nothing). On any failure the endpoint is aborted
-    first, which cancels the posted receives: nothing lands in ``data`` afterwards."""
+    lands (``verify``); returns (our checksums or None, the server's). ``posted``: the receives
+    of the first chunks, posted with the request (:func:`post_first`; a chunk with no pages
+    comes as an empty message, awaited too). On any failure the endpoint is aborted first,
+    which cancels the posted receives: nothing lands in ``data`` afterwards."""
     if header.sums is not None:
         sums_task: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
         sums_task.set_result(list(header.sums))
     else:
         sums_task = asyncio.ensure_future(read_sums(conn, header, max_bytes))
-    recvs: list[asyncio.Future[Any]] = [posted] if posted is not None else []
+    recvs = list(posted[: len(header.layout)])
+    empty = posted[len(recvs) :]  # chunks with no pages: their empty messages
     try:
-        if posted is not None and not header.keys:
-            await posted  # the empty message: nothing more comes
-            recvs.clear()
-        elif header.keys:
+        if header.keys and len(recvs) < len(header.layout):
             ep = await endpoint()
-            first = header.layout[0] if recvs else 0
+            first = sum(header.layout[: len(recvs)])
             for i, count in enumerate(header.layout[len(recvs) :], start=len(recvs)):
                 rows = data[first : first + count]
                 recvs.append(asyncio.ensure_future(tag_recv(ep, rows, tag + i)))
                 first += count
-        return await _checksum_as_received(conn, data, header, recvs, sums_task, verify)
+        counts = [*header.layout, *[0] * len(empty)]
+        return await _checksum_as_received(conn, data, header, [*recvs, *empty], counts, sums_task, verify)
     except BaseException:
         abort_endpoint(conn.endpoint)
         conn.endpoint = None
-        for fut in (*recvs, sums_task):
+        for fut in (*recvs, *empty, sums_task):
             fut.cancel()
         raise
 
@@ -185,10 +195,12 @@ async def _checksum_as_received(
     data: npt.NDArray[np.uint8],
     header: wire.Header,
     recvs: list[asyncio.Future[Any]],
+    counts: list[int],
     sums_task: asyncio.Future[list[int]],
     verify: bool,
 ) -> tuple[list[int] | None, list[int]]:
-    """Await each chunk and checksum it; returns (our checksums or None, the server's).
+    """Await each chunk (``counts`` pages each, in order from ``data``'s first row; 0: an empty
+    message) and checksum it; returns (our checksums or None, the server's).
 
     The control stream is watched meanwhile: first for the server's checksums (or its error),
     then for EOF (the server sends nothing else until our ``done``), so a peer that dies
@@ -199,7 +211,7 @@ async def _checksum_as_received(
     watch: asyncio.Future[Any] = sums_task
     first = 0
     try:
-        for recv, count in zip(recvs, header.layout):
+        for recv, count in zip(recvs, counts):
             while not recv.done():
                 await asyncio.wait({recv, watch}, return_when=asyncio.FIRST_COMPLETED)
                 if watch.done() and not recv.done():

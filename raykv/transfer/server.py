@@ -48,7 +48,7 @@ from raykv.transfer import wire
 from raykv.transfer.auth import CLIENT_LABEL, NONCE_BYTES, SERVER_LABEL, AuthToken, new_nonce
 from raykv.transfer.config import PeerAddress, TransferConfig
 from raykv.transfer.gpu_peer import GpuPeerExport
-from raykv.transfer.payload import LeasedPayload, settle_pages
+from raykv.transfer.payload import LeasedPayload, payload_counts, settle_pages
 from raykv.transfer.runtime import (
     INLINE_BYTES,
     ByteBudget,
@@ -70,6 +70,7 @@ from raykv.types import TierKind
 log = logging.getLogger(__name__)
 
 MAX_UCX_ADDRESS = 1 << 16
+_EMPTY = np.zeros(0, dtype=np.uint8)  # the message a posted receive gets when no page is for it
 
 
 @dataclass
@@ -115,6 +116,7 @@ class _Conn:
     sums: bool = True  # the current pull asked for checksums on the shm path
     ack: bool = False  # the current pull asked for an ``ack`` of its ``done`` on the shm path
     posted: bool = False  # the current pull's client posts its ucx receive for chunk 0 unasked
+    split: int = 0  # ... and chunk 1's, chunk 0 taking up to this many pages (0: no split)
 
 
 class PageServer:
@@ -292,6 +294,7 @@ class PageServer:
         conn.sums = _flag(msg, "sums", True)
         conn.ack = _flag(msg, "ack", False)
         conn.posted = _flag(msg, "posted", False)
+        conn.split = _split(msg, len(keys), conn.posted)
         try:
             lease = self.manager.lease_blocks(keys)
         except RayKVError as exc:
@@ -399,15 +402,18 @@ class PageServer:
         When the client posts its receive with the request (``posted``), chunk 0 goes first, before
         the header (an empty message when nothing was found, so that receive always completes), and a
         payload of at most ``chunk_bytes`` is one chunk: it is on the wire while the header is
-        built, sent and read."""
-        corrupt, early = self.faults.corrupt_payload, conn.posted
-        payload = LeasedPayload(self.manager, lease.blocks, self.config.chunk_bytes, corrupt, early)
+        built, sent and read. With a ``split`` the client posted chunk 1's receive too: chunk 0
+        holds up to ``split`` pages, chunk 1 the rest (an empty message when there are none)."""
+        corrupt, early, split = self.faults.corrupt_payload, conn.posted, conn.split
+        page, chunk = self.manager.layout.page_bytes, self.config.chunk_bytes
+        counts = payload_counts(len(lease.blocks), page, chunk, early, split)
+        payload = LeasedPayload(self.manager, lease.blocks, chunk, corrupt, counts)
         endpoint: Any = await self._endpoint(conn) if lease.blocks or early else None
         chunks = range(len(payload.counts))
         sends: list[asyncio.Future[Any]] = []
         try:
             if early:
-                first = await _chunk_buf(payload, 0) if chunks else np.zeros(0, dtype=np.uint8)
+                first = await _chunk_buf(payload, 0) if chunks else _EMPTY
                 sends.append(asyncio.ensure_future(tag_send(endpoint, first, tag)))
             sums = known_sums(lease)
             small = sums is None and payload.nbytes <= INLINE_BYTES
@@ -423,6 +429,8 @@ class PageServer:
             for k, i in enumerate(chunks[1 if early else 0 :]):
                 buf = ready[k] if small else await _chunk_buf(payload, i)
                 sends.append(asyncio.ensure_future(tag_send(endpoint, buf, tag + i)))
+            if split and len(chunks) < 2:  # nothing past the split: chunk 1's receive gets nothing
+                sends.append(asyncio.ensure_future(tag_send(endpoint, _EMPTY, tag + 1)))
             if sums is None:
                 await self._send_trailer(conn, rid, lease, payload)
             await self._await_done(conn, rid, asyncio.gather(*sends) if sends else None)
@@ -512,6 +520,16 @@ def _peer_gone(conn: _Conn) -> bool:
     """The peer closed the connection (EOF), or it broke (a reset while we wrote marks the
     transport closing and leaves the reader an exception, not EOF)."""
     return conn.reader.at_eof() or conn.writer.is_closing() or conn.reader.exception() is not None
+
+
+def _split(msg: dict[str, Any], num_keys: int, posted: bool) -> int:
+    """A pull's optional ``split`` (0 when absent): 0 < split < keys, only with ``posted``."""
+    if msg.get("split") is None:
+        return 0
+    split = wire.field(msg, "split", int)
+    if not (posted and 0 < split < num_keys):
+        raise wire.protocol_error("field 'split' out of range")
+    return split
 
 
 def _flag(msg: dict[str, Any], name: str, default: bool) -> bool:

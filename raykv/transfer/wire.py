@@ -16,7 +16,9 @@ pull       c -> s     request id, keys (<= max_keys), wanted path ("shm"/"ucx"/"
                       "gpu_peer"), tag base, shm only: ``sums`` (send checksums), ``ack``
                       (acknowledge ``done``; gpu_peer always acknowledges); ucx: ``posted``
                       (chunk 0's receive is posted: send that chunk first, before the header;
-                      an empty message when nothing was found)
+                      an empty message when nothing was found), ``split`` (posted only, 0 <
+                      split < keys: chunk 1's receive is posted too; chunk 0 holds the first
+                      ``split`` pages found, chunk 1 the rest, sent empty when there are none)
 gpu_pool   s -> c     gpu_peer path, right before its header: the GPU tier's export socket,
                       device UUID and slot count (:mod:`raykv.transfer.gpu_peer`)
 header     s -> c     keys found (request order), parent keys, parent_is_root, num_tokens,
@@ -57,7 +59,7 @@ import msgpack
 
 from raykv.errors import TransferError
 
-VERSION = 3  # 3: ucx pulls may post their first receive with the request (``posted``)
+VERSION = 4  # 3: ucx pulls may post their first receive with the request (``posted``); 4: ``split``
 PATHS = ("shm", "ucx", "direct", "gpu_peer")
 _LEN = struct.Struct(">I")
 

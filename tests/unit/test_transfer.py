@@ -30,6 +30,7 @@ from raykv.transfer import (
     receive,
     wire,
 )
+from raykv.transfer import client as client_module
 from raykv.transfer.importer import import_pulled
 
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
@@ -513,20 +514,32 @@ def test_a_recommitted_block_does_not_inherit_the_old_checksum(
     pair.wait_no_leases()
 
 
-@pytest.mark.parametrize("posted,late", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize(
+    "posted,late,split",
+    [
+        (True, False, False),
+        (True, True, False),
+        (False, False, False),
+        (True, False, True),
+        (True, True, True),
+    ],
+)
 def test_ucx_pages_land_in_the_right_rows_whatever_the_server_finds(
     make_pair: Callable[..., Pair],
     oracle: ContentOracle,
     layout: KVLayout,
     posted: bool,
     late: bool,
+    split: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With ``post_receives`` the client posts chunk 0's receive with its request and the server
-    sends that chunk before its header (an empty message when it found nothing). All of the
-    keys, some, none, or more than one chunk's worth must land in the right rows, and the
-    connection must stay clean for the next pull (nothing stray arrives later). ``late``: every
-    receive posts 20 ms late, so the chunks arrive before their receives (UCX holds them)."""
+    sends that chunk before its header (an empty message when it found nothing); with ``split``
+    (``early_split_bytes``) it posts chunk 1's too, chunk 0 taking the first three quarters of the
+    requested pages (an empty message for a chunk that gets no page). All of the keys, some,
+    none, or more than one chunk's worth must land in the right rows, and the connection must
+    stay clean for the next pull (nothing stray arrives later). ``late``: every receive posts
+    20 ms late, so the chunks arrive before their receives (UCX holds them)."""
     if late:
         post = receive.tag_recv
 
@@ -535,11 +548,20 @@ def test_ucx_pages_land_in_the_right_rows_whatever_the_server_finds(
             return await post(endpoint, buf, tag)
 
         monkeypatch.setattr(receive, "tag_recv", late_post)
-    config = CFG.replace(chunk_bytes=4 * layout.page_bytes, post_receives=posted)
+    splits: list[int] = []
+    real_post_first = client_module.post_first
+
+    def spy(endpoint: Any, data: Any, flat: Any, tag: int, split_at: int = 0) -> Any:
+        splits.append(split_at)
+        return real_post_first(endpoint, data, flat, tag, split_at)
+
+    monkeypatch.setattr(client_module, "post_first", spy)
+    chunk = (16 if split else 4) * layout.page_bytes
+    config = CFG.replace(chunk_bytes=chunk, post_receives=posted, early_split_bytes=1 if split else 0)
     pair = make_pair(config, host_pages=32, disk_pages=0)
     keys = commit(pair.src, oracle, seq(31, 12))
-    gone = [bytes([9]) * 32, bytes([8]) * 32]
-    cases = [keys, [gone[0], *keys[:7]], [*keys[:3], gone[1]], gone, keys[5:6]]
+    gone = [bytes([9]) * 32, bytes([8]) * 32, bytes([7]) * 32, bytes([6]) * 32]
+    cases = [keys, [gone[0], *keys[:7]], [*keys[:3], gone[1]], [*keys[:2], *gone[:2]], gone, keys[5:6]]
     for want in cases * 2:  # twice over the same idle connection
         out = np.zeros((len(want), layout.page_bytes), dtype=np.uint8)
         pulled = pair.client.pull_sync(pair.server.address, want, prefer_shm=False, out=out)  # type: ignore[arg-type]
@@ -548,6 +570,8 @@ def test_ucx_pages_land_in_the_right_rows_whatever_the_server_finds(
         assert list(pulled.missing) == [k for k in want if k in gone] and pulled.verified
         assert not found or np.shares_memory(pulled.data, out)
     assert pair.client.stats.pulls["ucx"] == 2 * len(cases)
+    # split: 12 keys -> 9 + 3 pages, 8 -> 6 + 1, 4 -> 3 + an empty one, 2 + 2 empty ones, 4 gone
+    assert splits[: len(cases)] == ([9, 6, 3, 3, 3, 0] if split else [0] * len(cases) if posted else [])
     outcome = get_runtime().run(pull_into(pair.client, pair.server.address, pair.dst, cases[1], False), 30)  # type: ignore[arg-type]
     assert outcome.imported == tuple(keys[:7]) and outcome.missing == (gone[0],)
     assert oracle.verify_manager(pair.dst) == 7

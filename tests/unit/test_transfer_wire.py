@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from raykv import CacheConfig, CacheManager, ConfigError, KVLayout, TierConfig, TierKind, TransferError
 from raykv.transfer import AuthToken, TransferConfig, wire
 from raykv.transfer.auth import CLIENT_LABEL, SERVER_LABEL
-from raykv.transfer.payload import chunk_counts
+from raykv.transfer.payload import AUTO_SPLIT_CORES, chunk_counts, early_split, payload_counts, usable_cores
 from raykv.transfer.runtime import ByteBudget, active_transports, transport_warnings
+from raykv.transfer.server import _split as server_split
 from raykv.transfer.shm import ShmMapping, consecutive, copy_rows
 
 KEY = bytes(range(32))
@@ -38,6 +39,9 @@ KEY = bytes(range(32))
         {"connect_timeout_s": "1"},
         {"ucx_tls": ""},
         {"use_shm": 1},
+        {"early_split_bytes": -1},
+        {"early_split_bytes": True},
+        {"early_split_bytes": 1.5},
     ],
 )
 def test_transfer_config_rejects_bad_values(change: dict) -> None:
@@ -286,3 +290,34 @@ def test_copy_rows_memcpy_and_gather() -> None:
     assert np.array_equal(out, src[4:7])
     copy_rows(src, [9, 0, 3], out)
     assert np.array_equal(out, src[[9, 0, 3]])
+
+
+def test_a_pull_split_is_checked_and_the_payload_cut_there() -> None:
+    """``split`` (two receives posted with the request): only with ``posted``, 0 < split < keys;
+    the server's chunks follow it (empty ones left out of the layout); the client splits only
+    payloads it may (4 pages or more, between ``early_split_bytes`` and ``chunk_bytes``)."""
+    assert server_split({}, 8, True) == 0 and server_split({"split": None}, 8, False) == 0
+    assert server_split({"split": 6}, 8, True) == 6
+    for msg, posted in [
+        ({"split": 6}, False),
+        ({"split": 0}, True),
+        ({"split": 8}, True),
+        ({"split": -1}, True),
+        ({"split": True}, True),
+        ({"split": "6"}, True),
+    ]:
+        with pytest.raises(TransferError) as info:
+            server_split(msg, 8, posted)
+        assert info.value.reason == "protocol"
+    assert payload_counts(12, 64, 1 << 20, True, 9) == [9, 3]
+    assert payload_counts(7, 64, 1 << 20, True, 6) == [6, 1]
+    assert payload_counts(3, 64, 1 << 20, True, 3) == [3] and payload_counts(0, 64, 1 << 20, True, 3) == []
+    assert payload_counts(12, 64, 1 << 20, True, 0) == [12]  # posted: whole when it fits
+    assert payload_counts(12, 64, 256, True, 0) == chunk_counts(12, 64, 256)
+    assert early_split(16, 64 << 10, 512 << 10, 8 << 20) == 12
+    assert early_split(16, 64 << 10, 0, 8 << 20) == 0  # never
+    assert early_split(3, 1 << 20, 1, 8 << 20) == 0  # under 4 pages
+    assert early_split(4, 64 << 10, 512 << 10, 8 << 20) == 0  # under early_split_bytes
+    assert early_split(256, 64 << 10, 512 << 10, 8 << 20) == 0  # over chunk_bytes: chunked as usual
+    auto = early_split(16, 64 << 10, None, 8 << 20)
+    assert auto == (12 if usable_cores() >= AUTO_SPLIT_CORES else 0)
