@@ -74,7 +74,10 @@ class PagePool(abc.ABC):
         slots: list[PageId] = free[len(free) - count :]  # type: ignore[assignment]
         del free[len(free) - count :]
         slots.sort()  # ascending: consecutive free slots become one run for batched copies
-        self._used[slots] = True
+        if slots and slots[-1] - slots[0] == count - 1:  # distinct and sorted: one run
+            self._used[slots[0] : slots[-1] + 1] = True  # a slice: no index array to build
+        else:
+            self._used[slots] = True
         return slots
 
     def release(self, slots: list[PageId]) -> None:

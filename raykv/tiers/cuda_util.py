@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.errors import CudaError, OutOfMemoryError
+from raykv.tiers.base import is_run
 
 OOM_NAMES = frozenset({"CUDA_ERROR_OUT_OF_MEMORY", "cudaErrorMemoryAllocation"})
 
@@ -185,10 +186,14 @@ class SlotEvents:
 
     def set(self, slots: SlotList, event: Any) -> None:
         """Slots ``slots`` are busy until ``event`` completes."""
-        idx = _slots(slots)
-        if len(idx) == 0:
-            return
-        top = int(idx.max()) + 1
+        idx: npt.NDArray[np.int64] | slice
+        if type(slots) is list and is_run(slots):  # the usual batch: a slice, no index array
+            idx, top = slice(slots[0], slots[-1] + 1), slots[-1] + 1
+        else:
+            idx = _slots(slots)
+            if len(idx) == 0:
+                return
+            top = int(idx.max()) + 1
         if top > len(self._token):
             grown = np.full(max(top, 2 * len(self._token)), -1, dtype=np.int64)
             grown[: len(self._token)] = self._token

@@ -462,8 +462,7 @@ def _land_local(
     pool: Any = manager.top_pool
 
     def write(batches: list[tuple[list[PageId], list[int]]]) -> list[Any]:
-        slots = located.slots
-        return start_copies(source, [([slots[i] for i in new], dst) for dst, new in batches], pool)
+        return start_copies(source, [(_pick(located.slots, new), dst) for dst, new in batches], pool)
 
     def confirm(event: Any, first: int, end: int) -> None:
         if event is not None:
@@ -489,6 +488,13 @@ def _land_local(
         seconds=time.perf_counter() - start,
     )
     return outcome, keys[done.settled :] if done.stopped is not None else []
+
+
+def _pick(slots: list[int], new: list[int]) -> list[int]:
+    """``[slots[i] for i in new]`` for ascending distinct ``new``: one slice when it is a run."""
+    if new and new[-1] - new[0] == len(new) - 1:
+        return slots[new[0] : new[-1] + 1]
+    return [slots[i] for i in new]
 
 
 def chunk_starts(count: int) -> list[int]:

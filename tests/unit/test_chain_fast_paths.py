@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from import_support import chain, toks
 
 from raykv import ImportRejectedError
@@ -147,3 +150,50 @@ def test_slot_events_forget_an_event_known_complete() -> None:
     assert events.pending([2, 3]) == [b]
     events.completed(Event())  # not one of its events: nothing changes
     assert len(events) == 1
+
+
+slot_batches = st.lists(
+    st.one_of(
+        st.tuples(st.integers(0, 40), st.integers(0, 12)).map(lambda ab: list(range(ab[0], ab[0] + ab[1]))),
+        st.lists(st.integers(0, 60), max_size=8, unique=True),  # scattered, any order
+        st.lists(st.integers(0, 60), max_size=8, unique=True).map(lambda s: np.asarray(s, dtype=np.int64)),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(slot_batches, st.lists(st.integers(0, 11), max_size=4), st.lists(st.integers(0, 60), max_size=10))
+def test_slot_events_follow_the_latest_event_of_each_slot(batches, done, asked) -> None:
+    """``set`` of runs (a slice), scattered lists and arrays (an index array), growing the token
+    array as slots appear: ``pending`` always names the distinct latest events of the slots asked
+    about that are not known complete, in the order they were set (a plain dict model)."""
+    from raykv.tiers.cuda_util import SlotEvents
+
+    class Event:
+        def query(self) -> bool:
+            return False
+
+    events, latest, made = SlotEvents(), {}, []
+    for slots in batches:
+        made.append(Event())
+        events.set(slots, made[-1])
+        latest.update({int(s): len(made) - 1 for s in slots})
+    finished = {i for i in done if i < len(made)}
+    for i in finished:
+        events.completed(made[i])
+    want = sorted({latest[s] for s in asked if s in latest} - finished)
+    assert events.pending(asked) == [made[i] for i in want]
+
+
+@given(st.lists(st.integers(0, 1000), min_size=1, max_size=40), st.data())
+def test_gpu_read_picks_source_slots_as_the_plain_loop(slots, data) -> None:
+    """gpu_read's source slots of a chunk's records: one slice for a run of records, else the loop."""
+    from raykv.transfer.gpu_peer import _pick
+
+    lo = data.draw(st.integers(0, len(slots) - 1))
+    run = list(range(lo, data.draw(st.integers(lo, len(slots)))))
+    some = sorted(data.draw(st.sets(st.integers(0, len(slots) - 1))))
+    for new in (run, some, []):
+        assert _pick(slots, new) == [slots[i] for i in new]
