@@ -6,6 +6,7 @@
  * stored at the offset its member descriptor names, so what comes out is indistinguishable from
  * objects built by __init__. `bind` checks once that every slot these functions store is a plain
  * writable object slot of that class; the functions refuse a class they were not bound to.
+ * all_keys checks a batch of block keys in one loop (raykv.types.check_block_keys).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -185,7 +186,19 @@ fail:
     return NULL;
 }
 
+/* all_keys(keys): True when `keys` (a list or tuple) holds only exact bytes objects of 32 bytes:
+ * types.check_block_keys' fast pass in one C loop (it falls back to its checks otherwise). */
+static PyObject *all_keys(PyObject *Py_UNUSED(module), PyObject *keys) {
+    if (!PyList_CheckExact(keys) && !PyTuple_CheckExact(keys)) Py_RETURN_FALSE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyBytes_CheckExact(items[i]) || PyBytes_GET_SIZE(items[i]) != 32) Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
+    {"all_keys", all_keys, METH_O, "all_keys(keys) -> whether every item is a bytes of exactly 32 bytes."},
     {"bind", bind, METH_VARARGS, "bind(Page, Block): check and remember the classes' slots."},
     {"make_pages", make_pages, METH_VARARGS,
      "make_pages(uids, level, slots, priority) -> [Page(level, slot, priority) for slot in slots]."},

@@ -7,7 +7,8 @@ actor boundaries unchanged; the names exist for readers and for mypy.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+import os
+from collections.abc import Callable, Iterable
 from typing import NewType
 
 BlockKey = NewType("BlockKey", bytes)
@@ -81,11 +82,29 @@ def check_block_key(value: object, name: str = "key") -> BlockKey:
     return BlockKey(value)
 
 
+def _compiled_all_keys() -> Callable[[list[object]], bool] | None:
+    """``raykv._chain.all_keys`` when built (and not switched off by ``RAYKV_PURE_CHAIN=1``)."""
+    if os.environ.get("RAYKV_PURE_CHAIN", "") == "1":
+        return None
+    try:
+        from raykv._chain import all_keys  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return all_keys  # type: ignore[no-any-return]
+
+
+_all_keys = _compiled_all_keys()
+
+
 def check_block_keys(values: Iterable[object], name: str = "key") -> list[BlockKey]:
-    """:func:`check_block_key` of each value (one fast pass when all are 32-byte ``bytes``)."""
+    """:func:`check_block_key` of each value (one fast pass when all are 32-byte ``bytes``: one
+    C loop with the compiled ``raykv._chain``, else two C-level set passes)."""
     keys = list(values)
     if len(keys) > 16:  # C-level passes; a loop for few keys (no set to build)
-        if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {BLOCK_KEY_BYTES}:  # type: ignore[arg-type]
+        if _all_keys is not None:
+            if _all_keys(keys):
+                return keys  # type: ignore[return-value]
+        elif set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {BLOCK_KEY_BYTES}:  # type: ignore[arg-type]
             return keys  # type: ignore[return-value]
         return [check_block_key(k, name) for k in keys]
     for k in keys:

@@ -137,3 +137,41 @@ def test_the_builder_refuses_what_it_cannot_build() -> None:
     with pytest.raises(RuntimeError):
         _chain.make_pages(iter(()), TierLevel(0), [PageId(1)], 5)  # the uids ran out
     assert root.children == {} and all(p.block is None for p in pages)
+
+
+class _Bytes(bytes):
+    pass
+
+
+key_items = st.one_of(
+    st.binary(min_size=32, max_size=32),
+    st.binary(min_size=0, max_size=40),
+    st.binary(min_size=32, max_size=32).map(bytearray),
+    st.binary(min_size=32, max_size=32).map(_Bytes),
+    st.text(min_size=32, max_size=32),
+    st.integers(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(key_items, max_size=40), st.sampled_from([list, tuple, iter]))
+def test_all_keys_checks_keys_as_the_set_passes_and_check_block_keys_agrees(items, kind) -> None:
+    """``all_keys`` (check_block_keys' fast pass) is True exactly for a list or tuple of exact
+    32-byte bytes; check_block_keys gives the same keys or the same ValueError either way."""
+    from raykv import types
+
+    if _chain is None:
+        pytest.skip("raykv._chain was not built")
+    seq = kind(items)
+    plain = kind in (list, tuple) and all(type(k) is bytes and len(k) == 32 for k in items)
+    assert _chain.all_keys(seq) is plain
+    answers = []
+    for fast in (_chain.all_keys, None):
+        old, types._all_keys = types._all_keys, fast
+        try:
+            answers.append(types.check_block_keys(list(items)))
+        except ValueError as exc:
+            answers.append(str(exc))
+        finally:
+            types._all_keys = old
+    assert answers[0] == answers[1]
