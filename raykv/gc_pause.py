@@ -42,13 +42,14 @@ def paused() -> Iterator[None]:
                 gc.enable()
 
 
-def collect_if_due() -> None:
+def collect_if_due(headroom: int = 0) -> None:
     """Inside :func:`paused` (with the collector paused by it, not by the program): run the
-    collection the collector would have run by now, if any: generation 1 when its count is past
-    its threshold too, else generation 0 (a full collection is left to the collector itself).
-    Call it where the section would otherwise wait (e.g. before waiting for a copy)."""
+    collection the collector would have run by now, or within the next ``headroom`` allocations,
+    if any: generation 1 when its count is past its threshold too, else generation 0 (a full
+    collection is left to the collector itself). Call it where the section would otherwise wait
+    (e.g. before waiting for a copy); a ``headroom`` keeps the pass from coming due at the end."""
     if not (_depth and _resume):
         return
     threshold, count = gc.get_threshold(), gc.get_count()
-    if threshold[0] > 0 and count[0] > threshold[0]:
+    if threshold[0] > 0 and count[0] > threshold[0] - headroom:
         gc.collect(1 if count[1] >= threshold[1] else 0)

@@ -35,6 +35,12 @@ inserted are given back without waiting: the writer must make their next user wa
 (a GPU tier's slot events do; a synchronous copy needs nothing)."""
 
 
+GC_HEADROOM = 400
+"""Before confirming a chunk other than the last, a young collection runs when it would come due
+within this many allocations (:func:`raykv.gc_pause.collect_if_due`): the last chunk, confirmed
+right after its short copy, and the bookkeeping after it allocate fewer, so no pass falls there."""
+
+
 @dataclass(frozen=True)
 class Pipelined:
     """What :func:`import_pipelined` did: ``result`` for the records it settled (the first
@@ -222,7 +228,8 @@ def _settle(
     present: list[BlockKey] = []
     settled, stopped, previous = 0, None, None
     for k, (part, handle, first, end) in enumerate(staged):
-        collect_if_due()  # while the chunk's copy may still run, not amid the inserts
+        if k < len(staged) - 1:  # while the chunk's copy may still run, not amid the inserts, and
+            collect_if_due(GC_HEADROOM)  # early enough that none comes due in the last one's
         try:
             confirm(handle, first, end)
         except BaseException as exc:

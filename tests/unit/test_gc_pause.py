@@ -91,12 +91,17 @@ def test_collect_if_due_runs_only_a_due_pass_of_a_paused_section(collections) ->
         assert gc.get_count()[0] < 50
         collect_if_due()  # nothing due now
         assert len(collections) == 1
+        junk += [[] for _ in range(30)]
+        collect_if_due()  # 30 of 50: not due yet
+        assert len(collections) == 1
+        collect_if_due(headroom=40)  # due within the next 40 allocations: run it now
+        assert len(collections) == 2 and gc.get_count()[0] < 30
     gc.disable()
     try:
         with paused():
             junk += [[] for _ in range(200)]
             collect_if_due()  # the program paused the collector: not ours to run
-        assert len(collections) == 1
+        assert len(collections) == 2
     finally:
         gc.enable()
     del junk
@@ -105,19 +110,27 @@ def test_collect_if_due_runs_only_a_due_pass_of_a_paused_section(collections) ->
 @pytest.mark.parametrize("fail_at", [None, 2])
 def test_imports_collect_only_before_confirms(make_manager, oracle, run_request, collections, fail_at):
     """With collections due every 50 allocations, an import of 40 blocks in chunks of 4 sees them
-    only where it would wait for a copy (collect_if_due before each confirm), never amid its
-    inserts; the collector runs again after (also when a confirm raised), and every block is
-    right."""
+    only where it would wait for a copy (collect_if_due before each confirm but the last, whose
+    copy is short), never amid its inserts nor after the last confirm; the collector runs again
+    after (also when a confirm raised), and every block is right."""
     src, dst = make_manager(64), make_manager(64)
     records, data, _ = chain(src, run_request, toks(3, 160))
     enabled: list[bool] = []
-    cp = Copier(dst, data, fail_at, during=lambda k: enabled.append(gc.isenabled()))
+    confirms: list[int] = []  # how many collections had run at each confirm
+
+    def during(k: int) -> None:
+        enabled.append(gc.isenabled())
+        confirms.append(len(collections))
+
+    cp = Copier(dst, data, fail_at, during=during)
     collections.clear()
     done = import_pipelined(dst, records, starts(len(records), 4), cp.write, cp.confirm, 50)
     seen = list(collections)
     dst.check_invariants()
     assert enabled and not any(enabled) and gc.isenabled()
     assert seen and all(inside for _, inside in seen)
+    if fail_at is None:  # none before the last confirm (after the one before it) or after it
+        assert confirms[-1] == confirms[-2] == len(seen)
     assert done.settled == (len(records) if fail_at is None else 4 * fail_at)
     assert isinstance(done.stopped, TransferError) == (fail_at is not None)
     assert oracle.verify_manager(dst) == done.settled
