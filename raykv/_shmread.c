@@ -225,14 +225,19 @@ bad:
 }
 
 /* ---- results -------------------------------------------------------------------------------- */
-/* (parents, roots, tokens) of the slots as new tuples, read from the records. */
-static int records(const Reader *r, const int64_t *slots, Py_ssize_t n, PyObject **parts) {
+/* (parents, roots, tokens) of the slots as new tuples, read from the records. A parent equal to
+ * the key before it (a chain: the usual batch) is that key's object (`keys`: the n keys asked
+ * for), not a new bytes: no allocation, and later comparisons of the two stop at identity. */
+static int records(const Reader *r, const int64_t *slots, Py_ssize_t n, PyObject *const *keys,
+                   PyObject **parts) {
     for (int k = 0; k < 3; k++) parts[k] = PyTuple_New(n);
     if (!parts[0] || !parts[1] || !parts[2]) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t s = slots[i];
         const char *at = (const char *)r->parent + (size_t)s * KEY_BYTES;
-        PyObject *parent = PyBytes_FromStringAndSize(at, KEY_BYTES);
+        PyObject *parent = i > 0 && memcmp(at, PyBytes_AS_STRING(keys[i - 1]), KEY_BYTES) == 0
+                               ? Py_NewRef(keys[i - 1])
+                               : PyBytes_FromStringAndSize(at, KEY_BYTES);
         uint32_t tokens = __atomic_load_n(&r->meta[2 * s], __ATOMIC_RELAXED);
         uint32_t flags = __atomic_load_n(&r->meta[2 * s + 1], __ATOMIC_RELAXED);
         PyObject *count = PyLong_FromUnsignedLong(tokens);
@@ -332,7 +337,7 @@ static PyObject *Reader_read(Reader *r, PyObject *const *args, Py_ssize_t nargs)
         result = Py_NewRef(Py_None);
         goto done;
     }
-    if (records(r, s.slots, n, parts) < 0) goto done;
+    if (records(r, s.slots, n, items, parts) < 0) goto done;
     copy_out(r, s.slots, n, (unsigned char *)out.buf);
     finish_busy(r);
     if (hook != Py_None) {
@@ -395,7 +400,7 @@ static PyObject *Reader_locate(Reader *r, PyObject *arg) {
     }
     lists[0] = int_list(s.slots, NULL, n);
     lists[1] = int_list(NULL, s.gens, n);
-    if (!lists[0] || !lists[1] || records(r, s.slots, n, parts) < 0) goto done;
+    if (!lists[0] || !lists[1] || records(r, s.slots, n, &PyTuple_GET_ITEM(keys, 0), parts) < 0) goto done;
     for (int k = 0; k < 3; k++)
         if (!(lists[2 + k] = PySequence_List(parts[k]))) goto done;
     result = Py_BuildValue("(OOOOOL)", lists[0], lists[1], lists[2], lists[3], lists[4], (long long)first);

@@ -73,8 +73,8 @@ class BlockRecords:
         return len(self.keys)
 
     def head(self, count: int) -> BlockRecords:
-        """The first ``count`` blocks."""
-        return self.slice(0, count)
+        """The first ``count`` blocks (these records themselves when that is all of them)."""
+        return self if count == len(self.keys) else self.slice(0, count)
 
     def is_chain(self) -> bool:
         """Whether each block's parent is the block before it (the usual batch: one request's

@@ -447,3 +447,20 @@ def test_tally_counts_as_counter_increments() -> None:
     counts = collections.Counter({"k": 10**30})
     tally((counts,), "k", (Sneaky(),))
     assert counts == {"k": 10**30 + 1}
+
+
+def test_a_chain_s_parents_are_the_keys_before_them(tmp_path: Any) -> None:
+    """The compiled reader hands back the caller's key object as the parent of the block after it
+    (a chain, the usual batch: no new bytes), a new equal bytes otherwise; same values as Python."""
+    with _readers(str(tmp_path)) as (directory, pure, compiled):
+        chain = [bytes(k) for k in POOL[:6]]  # fresh objects, equal to the bound keys
+        directory.bind(10, chain[0], bytes(32), True, 16)
+        for i in range(1, 6):
+            parent = chain[i - 1] if i != 3 else POOL[20]  # one link broken: block 3 hangs elsewhere
+            directory.bind(10 + i, chain[i], parent, False, 16)
+        for got in (compiled.compiled.locate(chain), shm_read.read(compiled, chain)):
+            assert got is not None
+            parents = got[2] if isinstance(got, tuple) else got.parent_keys
+            assert list(parents) == list(pure.directory.locate(chain).parents)
+            assert [parents[i] is chain[i - 1] for i in range(1, 6)] == [True, True, False, True, True]
+            assert parents[3] == POOL[20] and parents[0] == bytes(32)
