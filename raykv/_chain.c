@@ -6,6 +6,7 @@
  * stored at the offset its member descriptor names, so what comes out is indistinguishable from
  * objects built by __init__. `bind` checks once that every slot these functions store is a plain
  * writable object slot of that class; the functions refuse a class they were not bound to.
+ * queue_chain queues an imported chain's pages for eviction in one call (raykv.eviction);
  * all_keys checks a batch of block keys in one loop (raykv.types.check_block_keys).
  */
 #define PY_SSIZE_T_CLEAN
@@ -186,6 +187,41 @@ fail:
     return NULL;
 }
 
+/* Whether slot value `have` (NULL when unset) equals `want`: 1, 0, or -1 with an exception. */
+static int same_value(PyObject *have, PyObject *want) {
+    if (have == NULL) return 0;
+    return have == want ? 1 : PyObject_RichCompareBool(have, want, Py_EQ);
+}
+
+/* queue_chain(queue, pages, level, priority) -> bool: PriorityLRU.add_many's usual batch (an
+ * imported chain) in one call. When every item of `pages` (a list) is a Page that is not queued
+ * (`queued` is False) and has level `level` and priority `priority`: queue[page.uid] = page for
+ * each in order, each page's `queued` becomes True, True is returned. Otherwise nothing changes
+ * and False is returned (the caller takes its general path). Only running out of memory can
+ * stop it midway. */
+static PyObject *queue_chain(PyObject *self, PyObject *args) {
+    PyObject *queue, *pages, *level, *priority;
+    if (!PyArg_ParseTuple(args, "OO!OO", &queue, &PyList_Type, &pages, &level, &priority)) return NULL;
+    if (page_type == NULL) return PyErr_Format(PyExc_RuntimeError, "raykv._chain is not bound");
+    Py_ssize_t n = PyList_GET_SIZE(pages);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *page = PyList_GET_ITEM(pages, i);
+        if (!Py_IS_TYPE(page, page_type) || SLOT(page, page_off[P_QUEUED]) != Py_False ||
+            SLOT(page, page_off[P_UID]) == NULL)
+            Py_RETURN_FALSE;
+        int same = same_value(SLOT(page, page_off[P_LEVEL]), level);
+        if (same > 0) same = same_value(SLOT(page, page_off[P_PRIORITY]), priority);
+        if (same < 0) return NULL;
+        if (same == 0) Py_RETURN_FALSE;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *page = PyList_GET_ITEM(pages, i);
+        if (PyObject_SetItem(queue, SLOT(page, page_off[P_UID]), page) < 0) return NULL;
+        Py_SETREF(SLOT(page, page_off[P_QUEUED]), Py_NewRef(Py_True));
+    }
+    Py_RETURN_TRUE;
+}
+
 /* all_keys(keys): True when `keys` (a list or tuple) holds only exact bytes objects of 32 bytes:
  * types.check_block_keys' fast pass in one C loop (it falls back to its checks otherwise). */
 static PyObject *all_keys(PyObject *Py_UNUSED(module), PyObject *keys) {
@@ -198,6 +234,8 @@ static PyObject *all_keys(PyObject *Py_UNUSED(module), PyObject *keys) {
 }
 
 static PyMethodDef methods[] = {
+    {"queue_chain", queue_chain, METH_VARARGS,
+     "queue_chain(queue, pages, level, priority) -> whether the pages were queued (see source)."},
     {"all_keys", all_keys, METH_O, "all_keys(keys) -> whether every item is a bytes of exactly 32 bytes."},
     {"bind", bind, METH_VARARGS, "bind(Page, Block): check and remember the classes' slots."},
     {"make_pages", make_pages, METH_VARARGS,

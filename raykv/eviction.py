@@ -11,6 +11,7 @@ import collections
 from collections.abc import Iterator
 from typing import Protocol
 
+from raykv import page as page_module
 from raykv.page import Page
 
 
@@ -56,9 +57,22 @@ class PriorityLRU:
 
     def add_many(self, pages: list[Page]) -> None:
         """:meth:`add` each page in order; pages of one level and priority (an imported chain)
-        go into their queue in one step. ValueError, with nothing queued, if one is queued."""
+        go into their queue in one step (one C call with the compiled ``raykv._chain``).
+        ValueError, with nothing queued, if one is queued."""
         if not pages:
             return
+        fast = page_module._chain
+        if fast is not None and type(pages) is list:
+            level, priority = pages[0].level, pages[0].priority
+            queues = self._levels[level]
+            queue = queues.get(priority)
+            if queue is None:
+                queue = queues[priority] = collections.OrderedDict()
+            if fast.queue_chain(queue, pages, level, priority):
+                self._counts[level] += len(pages)
+                return
+            if not queue:  # made for nothing: the general path below decides
+                del queues[priority]
         queued = next((p for p in pages if p.queued), None)
         if queued is not None:
             raise ValueError(f"{queued!r} is already queued")

@@ -175,3 +175,44 @@ def test_all_keys_checks_keys_as_the_set_passes_and_check_block_keys_agrees(item
         finally:
             types._all_keys = old
     assert answers[0] == answers[1]
+
+
+def _state(policy) -> list:
+    """Every queue of every level, (level, priority, [slots in queue order]), and the counts."""
+    queues = [
+        (level, priority, [p.slot for p in queue.values()])
+        for level, by_priority in enumerate(policy._levels)
+        for priority, queue in sorted(by_priority.items())
+    ]
+    return [queues, list(policy._counts)]
+
+
+def test_a_chain_is_queued_for_eviction_as_page_by_page(builder) -> None:
+    """PriorityLRU.add_many (raykv._chain.queue_chain when compiled): the same queues, order and
+    counts as adding each page; mixed levels or priorities go where each page belongs; a page
+    already queued raises ValueError with nothing queued (no empty queue left either)."""
+    from raykv.eviction import PriorityLRU
+
+    def pages(level: int, first: int, n: int, priority: int = 50) -> list[Page]:
+        return new_pages(TierLevel(level), [PageId(first + i) for i in range(n)], Priority(priority))
+
+    many, one = PriorityLRU(2), PriorityLRU(2)
+    batches = [
+        pages(0, 0, 5),
+        pages(1, 10, 3, 20),
+        pages(0, 20, 2, 80),
+        [*pages(0, 30, 2), *pages(1, 40, 2)],  # two levels
+        [*pages(0, 50, 2, 10), *pages(0, 60, 2, 90)],  # two priorities
+    ]
+    for batch in batches:
+        many.add_many(batch)
+        for page in batch:
+            one.add(Page(page.level, page.slot, page.priority))
+        assert all(p.queued for p in batch)
+        assert _state(many) == _state(one)
+    assert [p.slot for p in many.candidates(0)][:4] == [50, 51, 0, 1]  # priority 10 first, then LRU
+    before = _state(many)
+    fresh = pages(0, 70, 3, 33)  # a priority with no queue yet
+    with pytest.raises(ValueError):
+        many.add_many([*fresh, batches[0][0]])  # the last one is queued already
+    assert _state(many) == before and not any(p.queued for p in fresh)
