@@ -120,8 +120,9 @@ fail:
  * a child of `parent` (any object with a `children` dict), each later one a child of the one
  * before; block i gets page i (whose `block` becomes it), tokens i and ordinal `ordinal + i`.
  * `keys`, `pages` and `tokens` are lists or tuples of one length (TypeError or ValueError,
- * nothing changed, otherwise). The caller checks beforehand that the keys are new, distinct and
- * hashable (bytes) and the pages unused: then only running out of memory can stop it midway. */
+ * nothing changed, otherwise). None, nothing changed, when a page backs a block already. The
+ * caller checks beforehand that the keys are new, distinct and hashable (bytes): then only
+ * running out of memory can stop it midway. */
 static int list_or_tuple(PyObject *obj, const char *name) {
     if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) return 0;
     PyErr_Format(PyExc_TypeError, "%s must be a list or a tuple", name);
@@ -139,8 +140,9 @@ static PyObject *link_chain(PyObject *self, PyObject *args) {
     if (PySequence_Fast_GET_SIZE(pages) != n || PySequence_Fast_GET_SIZE(tokens) != n)
         return PyErr_Format(PyExc_ValueError, "a chain needs one page and one token count per key");
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (!Py_IS_TYPE(PySequence_Fast_GET_ITEM(pages, i), page_type))
-            return PyErr_Format(PyExc_TypeError, "pages[%zd] is not a Page", i);
+        PyObject *page = PySequence_Fast_GET_ITEM(pages, i);
+        if (!Py_IS_TYPE(page, page_type)) return PyErr_Format(PyExc_TypeError, "pages[%zd] is not a Page", i);
+        if (SLOT(page, page_off[P_BLOCK]) != Py_None) Py_RETURN_NONE; /* backs a block already */
     }
     PyObject *children = PyObject_GetAttrString(parent, "children");
     if (children == NULL) return NULL;

@@ -104,14 +104,14 @@ class BlockRadixTree:
             raise StateError("a chain needs one page and one token count per key")
         if len(set(keys)) != len(keys) or not blocks.keys().isdisjoint(keys):
             raise StateError("a chain key is already in the tree")
-        if any(page.block is not None for page in pages):
-            raise StateError("page already backs a block")
-        if isinstance(parent, Root) and parent.key not in self.roots:
-            self.roots[parent.key] = parent
         if _chain is not None and all(type(x) in (list, tuple) for x in (keys, pages, tokens)):
             ordinal = parent.ordinal + 1 if isinstance(parent, Block) else 0
-            made = _chain.link_chain(parent, keys, pages, tokens, ordinal)
+            made = _chain.link_chain(parent, keys, pages, tokens, ordinal)  # checks the pages
+            if made is None:
+                raise StateError("page already backs a block")
         else:
+            if any(page.block is not None for page in pages):
+                raise StateError("page already backs a block")
             node, made = parent, []
             for key, page, num_tokens in zip(keys, pages, tokens):
                 block = Block(key, node, page, num_tokens)
@@ -119,6 +119,8 @@ class BlockRadixTree:
                 page.block = block
                 made.append(block)
                 node = block
+        if isinstance(parent, Root) and parent.key not in self.roots:
+            self.roots[parent.key] = parent
         blocks.update(zip(keys, made))
 
     def remove(self, block: Block) -> None:

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from import_support import chain, toks
 
+import raykv.radix as radix_mod
 from raykv import ImportRejectedError
 from raykv.errors import StateError
 from raykv.page import Page
@@ -47,25 +48,34 @@ def test_insert_chain_builds_what_insert_one_by_one_builds() -> None:
     assert [b.key for b in chained.match(BlockKey(bytes(32)), keys)] == keys
 
 
-@pytest.mark.parametrize("problem", ["present", "twice", "backed", "lengths"])
-def test_insert_chain_refuses_bad_chains_changing_nothing(problem: str) -> None:
+@pytest.mark.parametrize("pure", [False, True])
+@pytest.mark.parametrize("problem", ["present", "twice", "backed", "backed, new root", "lengths"])
+def test_insert_chain_refuses_bad_chains_changing_nothing(
+    problem: str, pure: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused with StateError, the tree (its roots too) and the pages as they were, whichever
+    builder links the chain (the compiled one checks the pages itself)."""
+    if pure:
+        monkeypatch.setattr(radix_mod, "_chain", None)
     tree, keys, pages = BlockRadixTree(), _keys(4), _pages(4)
     root = tree.parent_node(BlockKey(bytes(32)), create_root=True)
     assert root is not None
     tree.insert(root, _keys(1, seed=9)[0], _pages(1)[0], 4)
+    if problem == "backed, new root":
+        root = Root(BlockKey(bytes([7]) * 32))  # not in the tree yet: insert_chain would add it
     tokens = [4] * 4
     if problem == "present":
         keys[2] = _keys(1, seed=9)[0]
     elif problem == "twice":
         keys[3] = keys[1]
-    elif problem == "backed":
+    elif problem.startswith("backed"):
         pages[1].block = tree.blocks[_keys(1, seed=9)[0]]
     else:
         tokens = [4] * 3
-    before = (dict(tree.blocks), dict(root.children), [p.block for p in pages])
+    before = (dict(tree.blocks), dict(tree.roots), dict(root.children), [p.block for p in pages])
     with pytest.raises(StateError):
         tree.insert_chain(root, keys, pages, tokens)
-    assert (dict(tree.blocks), dict(root.children), [p.block for p in pages]) == before
+    assert (dict(tree.blocks), dict(tree.roots), dict(root.children), [p.block for p in pages]) == before
 
 
 @pytest.mark.parametrize(
