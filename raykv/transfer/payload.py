@@ -69,13 +69,19 @@ def early_split(num_pages: int, page_bytes: int, split_bytes: int | None, chunk_
     return num_pages - num_pages // 4
 
 
+def split_counts(num_pages: int, split: int) -> list[int]:
+    """The chunks of a payload of ``num_pages`` split at ``split`` (see :func:`early_split`): up
+    to ``split`` pages, then the rest; empty chunks left out."""
+    return [c for c in (min(num_pages, split), num_pages - split) if c > 0]
+
+
 def payload_counts(num_pages: int, page_bytes: int, chunk_bytes: int, posted: bool, split: int) -> list[int]:
     """Pages per chunk of a ucx payload of ``num_pages``: with a ``split`` (the client posted two
     receives, see :func:`early_split`) up to ``split`` pages then the rest, empty chunks left out
     (their messages still go, empty); ``posted`` (one receive posted) and at most ``chunk_bytes``:
     one chunk; else :func:`chunk_counts`."""
     if split:
-        return [c for c in (min(num_pages, split), num_pages - split) if c > 0]
+        return split_counts(num_pages, split)
     if posted and 0 < num_pages * page_bytes <= chunk_bytes:
         return [num_pages]
     return chunk_counts(num_pages, page_bytes, chunk_bytes)

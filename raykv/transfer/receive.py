@@ -16,6 +16,7 @@ import numpy.typing as npt
 from raykv.errors import TransferError
 from raykv.records import page_checksum
 from raykv.transfer import wire
+from raykv.transfer.payload import split_counts
 from raykv.transfer.runtime import abort_endpoint, map_rows, tag_recv
 from raykv.transfer.shm import ShmMapping
 
@@ -99,10 +100,9 @@ async def read_header(
         raise wire.protocol_error(f"server chose the {header.path} path without being asked")
     if first is not None and header.path != "ucx":
         raise wire.protocol_error("the server did not answer a posted receive over ucx")
-    if first is not None and first.split:
-        n = len(header.keys)
-        if list(header.layout) != [c for c in (min(n, first.split), n - first.split) if c > 0]:
-            raise wire.protocol_error("the server did not split the payload as asked")
+    split = first.split if first is not None else 0
+    if split and list(header.layout) != split_counts(len(header.keys), split):
+        raise wire.protocol_error("the server did not split the payload as asked")
     return header
 
 
