@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
-from raykv.types import PageId, Priority, TierLevel
+from raykv.types import PageId, Priority, TierLevel, load_compiled_chain
 
 if TYPE_CHECKING:
     from raykv.radix import Block
@@ -50,17 +49,7 @@ class Page:
         )
 
 
-def _load() -> Any:
-    if os.environ.get("RAYKV_PURE_CHAIN", "") == "1":
-        return None
-    try:
-        from raykv import _chain  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _chain
-
-
-_chain: Any = _load()
+_chain: Any = load_compiled_chain()
 
 
 def bind_compiled(block_type: type) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Callable, Iterable
-from typing import NewType
+from typing import Any, NewType
 
 BlockKey = NewType("BlockKey", bytes)
 """A 32-byte SHA-256 block digest (see :mod:`raykv.keys`)."""
@@ -82,18 +82,19 @@ def check_block_key(value: object, name: str = "key") -> BlockKey:
     return BlockKey(value)
 
 
-def _compiled_all_keys() -> Callable[[list[object]], bool] | None:
-    """``raykv._chain.all_keys`` when built (and not switched off by ``RAYKV_PURE_CHAIN=1``)."""
+def load_compiled_chain() -> Any:
+    """The compiled ``raykv._chain`` module (:mod:`raykv.page` binds it), or None when it was not
+    built or ``RAYKV_PURE_CHAIN=1`` switches it off."""
     if os.environ.get("RAYKV_PURE_CHAIN", "") == "1":
         return None
     try:
-        from raykv._chain import all_keys  # type: ignore[import-not-found]
+        from raykv import _chain  # type: ignore[attr-defined]
     except ImportError:
         return None
-    return all_keys  # type: ignore[no-any-return]
+    return _chain
 
 
-_all_keys = _compiled_all_keys()
+_all_keys: Callable[[list[object]], bool] | None = getattr(load_compiled_chain(), "all_keys", None)
 
 
 def check_block_keys(values: Iterable[object], name: str = "key") -> list[BlockKey]:
