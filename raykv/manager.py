@@ -11,12 +11,11 @@ rejected call raises a typed error and leaves the manager unchanged.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -89,6 +88,7 @@ class CacheManager:
         self.events = EventQueue(config.max_events)
         self.counters = Counters(len(pools))
         self._lock = threading.RLock()
+        self._locked = _Locked(self)
         self._open: dict[int, weakref.ref[KvCache]] = {}
         self._leases: dict[int, list[Page]] = {}
         self._lease_ids = itertools.count(1)
@@ -104,21 +104,23 @@ class CacheManager:
             self.layout.page_bytes,
         )
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """Hold the manager lock; first release requests that were garbage-collected while open.
+    def locked(self) -> _Locked:
+        """Hold the manager lock (``with mgr.locked():``, re-entrant); first release requests
+        that were garbage-collected while open.
 
         (A KvCache finalizer only queues its pages here: it may run at any point, even inside
         another call on this thread, so it must not touch the tree or queues itself.)
         """
-        with self._lock:
-            while self._graveyard:
-                cache_id, pages, active, pending, request_id = self._graveyard.pop()
-                self.release_cache_pages(pages, active)
-                if pending is not None:
-                    self.counters.fold(pending, request_id)
-                self._open.pop(cache_id, None)
-            yield
+        return self._locked
+
+    def _bury(self) -> None:
+        """Release the requests the finalizers queued (under the lock)."""
+        while self._graveyard:
+            cache_id, pages, active, pending, request_id = self._graveyard.pop()
+            self.release_cache_pages(pages, active)
+            if pending is not None:
+                self.counters.fold(pending, request_id)
+            self._open.pop(cache_id, None)
 
     def defer_release(
         self,
@@ -537,3 +539,26 @@ class CacheManager:
 
 
 __all__ = ["CacheManager", "KvCache", "Status"]
+
+
+class _Locked:
+    """What :meth:`CacheManager.locked` returns (one per manager; all state is in the lock): a
+    class, not a generator context manager, since every manager call enters it."""
+
+    __slots__ = ("_mgr",)
+
+    def __init__(self, mgr: CacheManager) -> None:
+        self._mgr = mgr
+
+    def __enter__(self) -> None:
+        mgr = self._mgr
+        mgr._lock.acquire()
+        if mgr._graveyard:
+            try:
+                mgr._bury()
+            except BaseException:
+                mgr._lock.release()
+                raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._mgr._lock.release()
