@@ -418,8 +418,9 @@ class PageClient:
             request.update(posted=early, **({"split": split} if split else {}))
             await self._send(conn, request)  # first: UCX keeps chunk 0 if it comes before its receive
             first = None
-            if early:
-                first = self._post_first(endpoint, conn, len(keys), tag, dest, land is not None, split)
+            if early:  # into rows for every requested page
+                flat, data = self._rows(len(keys), conn.page_bytes, dest, land is not None)
+                first = post_first(endpoint, data, flat, tag, split)
             limits = (min(conn.max_payload, self.config.max_payload_bytes), self.config.max_header_bytes)
             header = await read_header(conn, rid, keys, conn.page_bytes, limits, mapping is not None, first)
             n = len(header.keys)
@@ -435,25 +436,14 @@ class PageClient:
         self._count(header.path, conn.peer, n, n * header.page_bytes)
         return got
 
-    def _post_first(
-        self,
-        endpoint: Any,
-        conn: _Conn,
-        count: int,
-        tag: int,
-        dest: npt.NDArray[np.uint8] | None,
-        landing: bool,
-        split: int,
-    ) -> FirstChunk:
-        """Post the receive of a ucx pull's chunk 0 (up to ``count`` pages, tag ``tag``; with a
-        ``split``, chunk 1's too) right after the request went out: into ``dest`` (else a new
-        array; a spare buffer for a landing)."""
-        flat = None
+    def _rows(
+        self, count: int, page_bytes: int, dest: npt.NDArray[np.uint8] | None, landing: bool
+    ) -> tuple[npt.NDArray[np.uint8] | None, npt.NDArray[np.uint8]]:
+        """(the spare buffer to give back or None, ``count`` rows to receive into): a spare buffer
+        for a landing, else ``dest``'s leading rows, else a new array."""
         if landing:
-            flat, data = self._spare.take(count, conn.page_bytes)
-        else:
-            data = dest[:count] if dest is not None else np.empty((count, conn.page_bytes), dtype=np.uint8)
-        return post_first(endpoint, data, flat, tag, split)
+            return self._spare.take(count, page_bytes)
+        return None, dest[:count] if dest is not None else np.empty((count, page_bytes), dtype=np.uint8)
 
     def _verify(self, path: str, verify: bool | None) -> bool:
         """Whether this process checks the pages of ``path`` against the sender's checksums."""
@@ -474,10 +464,7 @@ class PageClient:
         """The pages of ``header`` in ``dest`` (or a new array, or ``first``'s rows); see
         :meth:`pull`."""
         n = len(header.keys)
-        if first is not None:
-            data = first.data[:n]
-        else:
-            data = dest[:n] if dest is not None else np.empty((n, header.page_bytes), dtype=np.uint8)
+        data = first.data[:n] if first is not None else self._rows(n, header.page_bytes, dest, False)[1]
         if header.path == "shm":
             assert mapping is not None
             sums = self._verify("shm", verify)
@@ -505,7 +492,7 @@ class PageClient:
             if first is not None:
                 flat, data = first.flat, first.data[: len(header.keys)]
             else:
-                flat, data = self._spare.take(len(header.keys), header.page_bytes)
+                flat, data = self._rows(len(header.keys), header.page_bytes, None, True)
             check = self._verify("ucx", verify)
             theirs = await self._receive_ucx(conn, header, tag, data, check, first)  # failed: `flat` dropped
             pulled = merge([Part(header, data, theirs, check)], keys, time.perf_counter() - start)
