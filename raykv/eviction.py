@@ -47,13 +47,17 @@ class PriorityLRU:
     def add(self, page: Page) -> None:
         if page.queued:
             raise ValueError(f"{page!r} is already queued")
-        queues = self._levels[page.level]
-        queue = queues.get(page.priority)
-        if queue is None:
-            queue = queues[page.priority] = collections.OrderedDict()
-        queue[page.uid] = page
+        self._queue(page.level, page.priority)[page.uid] = page
         page.queued = True
         self._counts[page.level] += 1
+
+    def _queue(self, level: int, priority: int) -> collections.OrderedDict[int, Page]:
+        """The queue of ``priority`` at ``level`` (made empty when there is none)."""
+        queues = self._levels[level]
+        queue = queues.get(priority)
+        if queue is None:
+            queue = queues[priority] = collections.OrderedDict()
+        return queue
 
     def add_many(self, pages: list[Page]) -> None:
         """:meth:`add` each page in order; pages of one level and priority (an imported chain)
@@ -61,31 +65,23 @@ class PriorityLRU:
         ValueError, with nothing queued, if one is queued."""
         if not pages:
             return
+        level, priority = pages[0].level, pages[0].priority
         fast = page_module._chain
         if fast is not None and type(pages) is list:
-            level, priority = pages[0].level, pages[0].priority
-            queues = self._levels[level]
-            queue = queues.get(priority)
-            if queue is None:
-                queue = queues[priority] = collections.OrderedDict()
+            queue = self._queue(level, priority)
             if fast.queue_chain(queue, pages, level, priority):
                 self._counts[level] += len(pages)
                 return
             if not queue:  # made for nothing: the general path below decides
-                del queues[priority]
+                del self._levels[level][priority]
         queued = next((p for p in pages if p.queued), None)
         if queued is not None:
             raise ValueError(f"{queued!r} is already queued")
-        level, priority = pages[0].level, pages[0].priority
         if any(p.level != level or p.priority != priority for p in pages):
             for page in pages:
                 self.add(page)
             return
-        queues = self._levels[level]
-        queue = queues.get(priority)
-        if queue is None:
-            queue = queues[priority] = collections.OrderedDict()
-        queue.update((p.uid, p) for p in pages)
+        self._queue(level, priority).update((p.uid, p) for p in pages)
         for page in pages:
             page.queued = True
         self._counts[level] += len(pages)
