@@ -399,11 +399,14 @@ class PageServer:
         overlap with the transfer; they are remembered for the next sends
         (``CacheManager.remember_checksums``).
 
-        When the client posts its receive with the request (``posted``), chunk 0 goes first, before
-        the header (an empty message when nothing was found, so that receive always completes), and a
-        payload of at most ``chunk_bytes`` is one chunk: it is on the wire while the header is
-        built, sent and read. With a ``split`` the client posted chunk 1's receive too: chunk 0
-        holds up to ``split`` pages, chunk 1 the rest (an empty message when there are none)."""
+        When the client posts its receive with the request (``posted``), the chunks go first,
+        before the header is built: every chunk of an in-place payload (UCX holds those the client
+        has no receive for yet until it posts one), else chunk 0 (the others are gathered one by
+        one after the header); an empty message when nothing was found, so that receive always
+        completes. A payload of at most ``chunk_bytes`` is one chunk then: it is on the wire while
+        the header is built, sent and read. With a ``split`` the client posted chunk 1's receive
+        too: chunk 0 holds up to ``split`` pages, chunk 1 the rest (an empty message when there are
+        none)."""
         corrupt, early, split = self.faults.corrupt_payload, conn.posted, conn.split
         page, chunk = self.manager.layout.page_bytes, self.config.chunk_bytes
         counts = payload_counts(len(lease.blocks), page, chunk, early, split)
@@ -412,12 +415,18 @@ class PageServer:
         chunks = range(len(payload.counts))
         sends: list[asyncio.Future[Any]] = []
         try:
+            ahead = 0  # chunks posted before the header
             if early:
-                first = await _chunk_buf(payload, 0) if chunks else _EMPTY
-                sends.append(asyncio.ensure_future(tag_send(endpoint, first, tag)))
+                ahead = len(chunks) if payload.in_place else min(1, len(chunks))
+                for i in range(ahead):
+                    buf = await _chunk_buf(payload, i)
+                    sends.append(asyncio.ensure_future(tag_send(endpoint, buf, tag + i)))
+                if not chunks:
+                    sends.append(asyncio.ensure_future(tag_send(endpoint, _EMPTY, tag)))
+                await asyncio.sleep(0)  # the sends post now, so the pages move while the header is built
             sums = known_sums(lease)
             small = sums is None and payload.nbytes <= INLINE_BYTES
-            ready = [payload.chunk(i) for i in chunks[1 if early else 0 :]] if small else []
+            ready = [payload.chunk(i) for i in chunks[ahead:]] if small else []
             if small:
                 sums = [s for i in chunks for s in payload.checksums(i)]
                 self.manager.remember_checksums(lease.blocks, sums)
@@ -426,7 +435,7 @@ class PageServer:
             await self._send(conn, self._header(rid, "ucx", lease, payload.counts, sums))
             if not early:
                 await self._after_header(conn)
-            for k, i in enumerate(chunks[1 if early else 0 :]):
+            for k, i in enumerate(chunks[ahead:]):
                 buf = ready[k] if small else await _chunk_buf(payload, i)
                 sends.append(asyncio.ensure_future(tag_send(endpoint, buf, tag + i)))
             if split and len(chunks) < 2:  # nothing past the split: chunk 1's receive gets nothing
