@@ -470,7 +470,7 @@ class PageClient:
             sums = self._verify("shm", verify)
             return Part(header, data, await self._receive_shm(conn, header, mapping, data, sums), True)
         check = self._verify("ucx", verify)
-        return Part(header, data, await self._receive_ucx(conn, header, tag, data, check, first), check)
+        return Part(header, data, await self._receive_ucx(conn, header, tag, data, check, first, True), check)
 
     async def _land(
         self,
@@ -565,15 +565,23 @@ class PageClient:
         data: npt.NDArray[np.uint8],
         verify: bool,
         first: FirstChunk | None = None,
+        defer: bool = False,
     ) -> list[int]:
         """Receive the payload into ``data`` (checksummed as it lands when ``verify``; chunk 0
-        through ``first``'s receive when posted early), say ``done``; the server's checksums
-        (compared with ours when ``verify``)."""
+        through ``first``'s receive when posted early), say ``done`` (``defer``: two loop turns
+        later, so the caller gets the pages first; the server's lease lasts until then); the
+        server's checksums (compared with ours when ``verify``)."""
         limit = self.config.max_header_bytes
         posted = first.recvs if first is not None else ()
         endpoint = lambda: self._endpoint(conn)  # noqa: E731
         mine, theirs = await receive_ucx(conn, endpoint, header, tag, data, verify, limit, posted)
-        await self._send(conn, {"t": "done", "id": header.request_id})
+        done = {"t": "done", "id": header.request_id}
+        if defer:  # written once the caller has the pages, or before the next message on conn
+            conn.pending = wire.encode(done, limit)
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, conn.flush)  # after the pull's result is set
+        else:
+            await self._send(conn, done)
         return compare(header, mine, theirs)
 
     async def _endpoint(self, conn: _Conn) -> Any:
@@ -584,5 +592,5 @@ class PageClient:
         return conn.endpoint
 
     async def _send(self, conn: _Conn, msg: dict[str, Any]) -> None:
-        conn.writer.write(wire.encode(msg, self.config.max_header_bytes))
+        conn.write(wire.encode(msg, self.config.max_header_bytes))  # a pending ``done`` goes first
         await conn.writer.drain()

@@ -29,6 +29,18 @@ class ClientConn:
     server_ucx: bytes | None
     endpoint: Any = None
     gpu: bool = False  # the server offers the gpu_peer path (raykv.transfer.gpu_peer)
+    pending: bytes = b""  # a framed ``done`` not written yet: goes before the next message
+
+    def write(self, data: bytes) -> None:
+        """Write ``data`` to the stream, after a ``done`` still pending (in the same write)."""
+        data, self.pending = self.pending + data, b""
+        self.writer.write(data)
+
+    def flush(self) -> None:
+        """Write the pending ``done`` unless a message already took it along or the stream closed."""
+        if self.pending and not self.writer.is_closing():
+            self.writer.write(self.pending)
+        self.pending = b""
 
     def close(self) -> None:
         """Abort the UCX endpoint (cancelling its receives) and close the stream."""
