@@ -8,7 +8,6 @@ cluster index then asks for a snapshot). Events are frozen, pickle, and compare 
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -59,20 +58,60 @@ class AllCleared:
 CacheEvent = Union[BlockStored, BlockRemoved, BlockTierChanged, AllCleared]  # noqa: UP007
 
 
-_Raw = tuple[type, int, tuple[object, ...]]  # (event class, id, other fields): built on drain
+class _Batch:
+    """Events of one call queued raw (ids ``first_id + start`` up to ``first_id + end``, not yet
+    drained or dropped): built only when drained, off the path of the change they report, and
+    one queue item (no object per event) meanwhile. The sequences it holds are never changed."""
+
+    __slots__ = ("end", "first_id", "start")
+
+    def __init__(self, first_id: int, count: int) -> None:
+        self.first_id, self.start, self.end = first_id, 0, count
+
+    def build(self, a: int, b: int) -> list[CacheEvent]:
+        raise NotImplementedError
+
+
+class _Rows(_Batch):
+    """``make(id, *row)`` for each row."""
+
+    __slots__ = ("make", "rows")
+
+    def __init__(self, make: type, first_id: int, rows: Sequence[tuple[object, ...]]) -> None:
+        super().__init__(first_id, len(rows))
+        self.make, self.rows = make, rows
+
+    def build(self, a: int, b: int) -> list[CacheEvent]:
+        make, rows, first = self.make, self.rows, self.first_id
+        return [make(first + i, *rows[i]) for i in range(a, b)]
+
+
+class _Chain(_Batch):
+    """BlockStored of each block of an imported chain, as columns (no request id)."""
+
+    __slots__ = ("keys", "parents", "tier", "tokens")
+
+    def __init__(self, first_id: int, keys: tuple, parents: tuple, tier: TierKind, tokens: tuple) -> None:  # type: ignore[type-arg]
+        super().__init__(first_id, len(keys))
+        self.keys, self.parents, self.tier, self.tokens = keys, parents, tier, tokens
+
+    def build(self, a: int, b: int) -> list[CacheEvent]:
+        keys, parents, tier, tokens, first = self.keys, self.parents, self.tier, self.tokens, self.first_id
+        return [BlockStored(first + i, keys[i], parents[i], tier, tokens[i], None) for i in range(a, b)]
 
 
 class EventQueue:
     """Bounded FIFO of events with monotonic ids. Thread-safe.
 
     ``emit_*`` methods assign the next id; ``drain`` removes and returns queued events in order.
-    ``dropped`` counts events lost to the bound. :meth:`stored_many` (imports, commits) queues
-    its events as raw fields when there are no listeners; they become objects only when drained,
-    off the path of the change they report.
+    ``dropped`` counts events lost to the bound. :meth:`stored_many` (imports, commits) and
+    :meth:`stored_chain` queue their events raw, as one item per call, when there are no
+    listeners; they become objects only when drained, off the path of the change they report.
     """
 
     def __init__(self, max_events: int) -> None:
-        self._queue: collections.deque[CacheEvent | _Raw] = collections.deque()
+        self._queue: collections.deque[CacheEvent | _Batch] = collections.deque()
+        self._size = 0  # events queued (a batch counts its events not yet drained or dropped)
         self._max = max_events
         self._next_id = 1
         self._lock = threading.Lock()
@@ -87,7 +126,7 @@ class EventQueue:
         return self._next_id - 1
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return self._size
 
     def _push(self, make: type, *fields: object) -> CacheEvent:
         event: CacheEvent = self._push_many(make, [fields], built=True)[0]
@@ -95,8 +134,8 @@ class EventQueue:
 
     def _push_many(self, make: type, rows: Sequence[tuple[object, ...]], built: bool = False) -> list[Any]:
         """Queue one ``make`` event per row of fields, with consecutive ids. The events are built
-        (and returned) when ``built`` or when listeners must see them; else queued raw (and []
-        is returned)."""
+        (and returned) when ``built`` or when listeners must see them; else queued raw as one
+        batch (and [] is returned)."""
         if not rows:
             return []
         listeners = self.listeners
@@ -106,22 +145,30 @@ class EventQueue:
             self._next_id = first + len(rows)
             if built or listeners:
                 made = [make(first + i, *row) for i, row in enumerate(rows)]
-                items: list[Any] = made
-            else:  # (class, id, fields): one tuple per event, built at C speed
-                items = list(zip(itertools.repeat(make), itertools.count(first), rows))
-            queue = self._queue
-            overflow = len(queue) + len(items) - self._max
-            if overflow > 0:
-                self.dropped += overflow
-                for _ in range(min(overflow, len(queue))):
-                    queue.popleft()
-                if len(items) > self._max:
-                    items = items[len(items) - self._max :]
-            queue.extend(items)
+                self._queue.extend(made)
+            else:
+                self._queue.append(_Rows(make, first, rows))
+            self._size += len(rows)
+            self._trim()
         for listener in listeners:
             for event in made:
                 listener(event)
         return made
+
+    def _trim(self) -> None:
+        """Drop the oldest events over the bound (under the lock)."""
+        over, queue = self._size - self._max, self._queue
+        while over > 0:
+            item = queue[0]
+            count = 1
+            if isinstance(item, _Batch):
+                count = min(over, item.end - item.start)
+                item.start += count
+            if not isinstance(item, _Batch) or item.start == item.end:
+                queue.popleft()
+            over -= count
+            self._size -= count
+            self.dropped += count
 
     def stored(
         self, key: BlockKey, parent: BlockKey, tier: TierKind, num_tokens: int, request_id: int | None
@@ -130,8 +177,25 @@ class EventQueue:
 
     def stored_many(self, blocks: Sequence[tuple[BlockKey, BlockKey, TierKind, int, int | None]]) -> None:
         """:meth:`stored` for each ``(key, parent, tier, num_tokens, request_id)``, in order, under
-        one acquisition of the queue's lock (ids stay consecutive)."""
+        one acquisition of the queue's lock (ids stay consecutive). ``blocks`` is kept as given
+        until drained: the caller must not change it."""
         self._push_many(BlockStored, blocks)
+
+    def stored_chain(
+        self, keys: Sequence[BlockKey], parents: Sequence[BlockKey], tier: TierKind, tokens: Sequence[int]
+    ) -> None:
+        """:meth:`stored_many` of ``zip(keys, parents, tier, tokens)`` with no request id (an
+        imported chain): without listeners one queue item holds copies of the three columns."""
+        if self.listeners or not keys:
+            self.stored_many([(k, p, tier, t, None) for k, p, t in zip(keys, parents, tokens)])
+            return
+        batch = _Chain(0, tuple(keys), tuple(parents), tier, tuple(tokens))  # copied outside the lock
+        with self._lock:
+            batch.first_id = self._next_id
+            self._next_id += batch.end
+            self._queue.append(batch)
+            self._size += batch.end
+            self._trim()
 
     def removed(self, key: BlockKey, tier: TierKind) -> CacheEvent:
         return self._push(BlockRemoved, key, tier)
@@ -144,7 +208,28 @@ class EventQueue:
 
     def drain(self, max_events: int | None = None) -> list[CacheEvent]:
         """Remove and return up to ``max_events`` (all when None) of the oldest queued events."""
+        taken: list[CacheEvent | tuple[_Batch, int, int]] = []
         with self._lock:
-            n = len(self._queue) if max_events is None else min(max_events, len(self._queue))
-            items = [self._queue.popleft() for _ in range(n)]
-        return [item[0](item[1], *item[2]) if type(item) is tuple else item for item in items]  # type: ignore[misc]
+            left = self._size if max_events is None else min(max_events, self._size)
+            queue = self._queue
+            while left > 0:
+                item = queue[0]
+                if isinstance(item, _Batch):
+                    count = min(left, item.end - item.start)
+                    taken.append((item, item.start, item.start + count))
+                    item.start += count
+                    if item.start == item.end:
+                        queue.popleft()
+                else:
+                    count = 1
+                    queue.popleft()
+                    taken.append(item)
+                left -= count
+                self._size -= count
+        out: list[CacheEvent] = []
+        for got in taken:
+            if isinstance(got, tuple):
+                out.extend(got[0].build(got[1], got[2]))
+            else:
+                out.append(got)
+        return out

@@ -15,7 +15,6 @@ new blocks are inserted, parents first. Blocks already cached are skipped (and n
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -281,8 +280,7 @@ def _commit_chain(mgr: CacheManager, records: BlockRecords, staged: _Staged) -> 
     assert parent is not None, "a held parent vanished"
     tree.insert_chain(parent, cast(Sequence[BlockKey], keys), staged.pages, tokens)
     mgr.policy.add_many(staged.pages)
-    none = itertools.repeat(None)
-    mgr.events.stored_many(list(zip(keys, parents, itertools.repeat(tier), tokens, none)))  # type: ignore[arg-type]
+    mgr.events.stored_chain(keys, parents, tier, tokens)  # type: ignore[arg-type]
     mgr.counters.imported_blocks += n
     return ImportResult(tuple(keys), ())  # type: ignore[arg-type]  # 32-byte keys
 

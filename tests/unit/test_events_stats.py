@@ -10,6 +10,8 @@ import threading
 import zlib
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from raykv.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged, EventQueue
 from raykv.records import (
@@ -306,3 +308,55 @@ def test_stored_many_matches_one_by_one(listen, bound):
     assert many.drain() == one.drain()
     assert heard[1] == heard[0] and len(heard[0]) == (6 if listen else 0)
     assert all(type(e) is BlockStored for e in heard[1][1:5])
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("one"), st.integers(0, 3)),
+        st.tuples(st.just("many"), st.integers(0, 6)),
+        st.tuples(st.just("chain"), st.integers(0, 6)),
+        st.tuples(st.just("drain"), st.integers(-1, 8)),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=_OPS, bound=st.integers(1, 12), listen=st.booleans())
+def test_batched_stores_drain_and_drop_as_one_by_one(
+    ops: list[tuple[str, int]], bound: int, listen: bool
+) -> None:
+    """Against a queue fed one event at a time: stored_many / stored_chain batches (queued raw,
+    one item each) give the same ids, drains (whole, partial, of batches cut by the bound),
+    drops, lengths and listener calls, in any interleaving with single events and drains."""
+    ref, q = EventQueue(max_events=bound), EventQueue(max_events=bound)
+    heard: tuple[list, list] = ([], [])
+    if listen:
+        ref.listeners.append(heard[0].append)
+        q.listeners.append(heard[1].append)
+    n = 0
+    for op, arg in ops:
+        if op == "drain":
+            limit = None if arg < 0 else arg
+            assert q.drain(limit) == ref.drain(limit)
+        elif op == "one":
+            ref.removed(key(n), TierKind.DISK)
+            q.removed(key(n), TierKind.DISK)
+            n += 1
+        else:
+            keys, parents, tokens = (
+                [key(n + i) for i in range(arg)],
+                [key(n + i - 1) for i in range(arg)],
+                list(range(arg)),
+            )
+            tier, rid = TierKind.HOST, (None if op == "chain" else 7)
+            for k, p, t in zip(keys, parents, tokens):
+                ref.stored(k, p, tier, t, rid)
+            if op == "chain":
+                q.stored_chain(keys, parents, tier, tokens)
+                keys.clear()  # the queue kept its own copy
+            else:
+                q.stored_many([(k, p, tier, t, rid) for k, p, t in zip(keys, parents, tokens)])
+            n += arg
+        assert (len(q), q.dropped, q.last_event_id) == (len(ref), ref.dropped, ref.last_event_id)
+    assert q.drain() == ref.drain() and heard[1] == heard[0]
