@@ -157,18 +157,31 @@ class EventQueue:
 
     def _trim(self) -> None:
         """Drop the oldest events over the bound (under the lock)."""
-        over, queue = self._size - self._max, self._queue
-        while over > 0:
+        over = self._size - self._max
+        if over > 0:
+            self._pop_oldest(over)
+            self.dropped += over
+
+    def _pop_oldest(self, count: int) -> list[CacheEvent | tuple[_Batch, int, int]]:
+        """Remove the ``count`` oldest events (at most all; under the lock): whole events, and
+        ``(batch, a, b)`` for events ``a .. b`` of a batch (the rest of it stays queued)."""
+        taken: list[CacheEvent | tuple[_Batch, int, int]] = []
+        queue = self._queue
+        while count > 0 and queue:
             item = queue[0]
-            count = 1
             if isinstance(item, _Batch):
-                count = min(over, item.end - item.start)
-                item.start += count
-            if not isinstance(item, _Batch) or item.start == item.end:
+                part = min(count, item.end - item.start)
+                taken.append((item, item.start, item.start + part))
+                item.start += part
+                if item.start == item.end:
+                    queue.popleft()
+            else:
+                part = 1
                 queue.popleft()
-            over -= count
-            self._size -= count
-            self.dropped += count
+                taken.append(item)
+            count -= part
+            self._size -= part
+        return taken
 
     def stored(
         self, key: BlockKey, parent: BlockKey, tier: TierKind, num_tokens: int, request_id: int | None
@@ -208,24 +221,8 @@ class EventQueue:
 
     def drain(self, max_events: int | None = None) -> list[CacheEvent]:
         """Remove and return up to ``max_events`` (all when None) of the oldest queued events."""
-        taken: list[CacheEvent | tuple[_Batch, int, int]] = []
         with self._lock:
-            left = self._size if max_events is None else min(max_events, self._size)
-            queue = self._queue
-            while left > 0:
-                item = queue[0]
-                if isinstance(item, _Batch):
-                    count = min(left, item.end - item.start)
-                    taken.append((item, item.start, item.start + count))
-                    item.start += count
-                    if item.start == item.end:
-                        queue.popleft()
-                else:
-                    count = 1
-                    queue.popleft()
-                    taken.append(item)
-                left -= count
-                self._size -= count
+            taken = self._pop_oldest(self._size if max_events is None else max_events)
         out: list[CacheEvent] = []
         for got in taken:
             if isinstance(got, tuple):

@@ -470,7 +470,8 @@ class PageClient:
             sums = self._verify("shm", verify)
             return Part(header, data, await self._receive_shm(conn, header, mapping, data, sums), True)
         check = self._verify("ucx", verify)
-        return Part(header, data, await self._receive_ucx(conn, header, tag, data, check, first, True), check)
+        theirs = await self._receive_ucx(conn, header, tag, data, check, first, defer=True)
+        return Part(header, data, theirs, check)
 
     async def _land(
         self,
