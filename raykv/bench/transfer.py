@@ -359,7 +359,7 @@ def run_process_rows(settings: TransferSettings) -> list[Row]:
 def describe(settings: TransferSettings, quick: bool) -> str:
     """The table's description line (starts UCX here, with the benchmark's settings)."""
     config = bench_config()
-    configure_ucx(config.ucx_net_devices, config.ucx_tls)
+    configure_ucx(config.ucx_net_devices, config.ucx_tls, config.ucx_progress)
     try:
         ctx_info = ", ".join(get_runtime().run(_transports(), 30))
     except Exception:

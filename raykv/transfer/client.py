@@ -285,7 +285,7 @@ class PageClient:
     async def _connect(self, peer: tuple[str, int]) -> _Conn:
         """Open and authenticate a connection (mutual challenge-response, module auth)."""
         if self._ucx_ctx is None:
-            configure_ucx(self.config.ucx_net_devices, self.config.ucx_tls)
+            configure_ucx(self.config.ucx_net_devices, self.config.ucx_tls, self.config.ucx_progress)
             with contextlib.suppress(TransferError):
                 self._ucx_ctx = ucx_context()
         try:

@@ -145,18 +145,22 @@ async def map_rows(row_bytes: int, count: int, fn: Callable[[int, int], list[T]]
 _ucx_settings: dict[str, str] = {}
 
 
-def configure_ucx(net_devices: str | None = None, tls: str | None = None) -> None:
-    """Put UCX settings in the environment before UCX starts (an existing env var wins).
+def configure_ucx(
+    net_devices: str | None = None, tls: str | None = None, progress: str | None = None
+) -> None:
+    """Put UCX settings in the environment before UCX starts (an existing env var wins):
+    UCX_NET_DEVICES, UCX_TLS and ucxx's UCXPY_PROGRESS_MODE (``TransferConfig.ucx_progress``).
 
-    Also silences UCX's warning about unused UCX_* variables, and has ucxx complete requests
-    through its notifier thread (``UCXPY_ENABLE_PYTHON_FUTURE=1``): without it every awaited UCX
-    request polls the event loop until it completes, which costs about half a core per pending
-    receive and delays everything else on the loop (control messages, copies). Settings asked for
-    after UCX has started cannot apply any more; that is logged, not raised.
+    Also silences UCX's warning about unused UCX_* variables and, in ucxx's thread progress mode,
+    has it complete requests through its notifier thread (``UCXPY_ENABLE_PYTHON_FUTURE=1``):
+    without it every awaited UCX request polls the event loop until it completes, which costs
+    about half a core per pending receive and delays everything else on the loop (control
+    messages, copies). Settings asked for after UCX has started cannot apply any more; that is
+    logged, not raised.
     """
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
-    for name, value in (("UCX_NET_DEVICES", net_devices), ("UCX_TLS", tls)):
+    settings = (("UCX_NET_DEVICES", net_devices), ("UCX_TLS", tls), ("UCXPY_PROGRESS_MODE", progress))
+    for name, value in settings:
         if value is None:
             continue
         if _ucx_started():
@@ -165,6 +169,15 @@ def configure_ucx(net_devices: str | None = None, tls: str | None = None) -> Non
             continue
         os.environ.setdefault(name, value)
         _ucx_settings[name] = os.environ[name]
+    if _ucx_started():
+        return
+    future = "UCXPY_ENABLE_PYTHON_FUTURE"
+    if os.environ.get("UCXPY_PROGRESS_MODE", "thread").startswith("thread"):
+        if future not in os.environ:
+            os.environ[future] = _ucx_settings[future] = "1"
+    elif _ucx_settings.get(future) == os.environ.get(future):  # ours, for the thread mode: drop it
+        os.environ.pop(future, None)
+        _ucx_settings.pop(future, None)
 
 
 def _ucx_started() -> bool:
@@ -221,9 +234,10 @@ def ucx_context(device_memory: bool = False) -> Any:
             _futures_worker = ctx.worker
             refill_futures()
         log.info(
-            "UCX %s started: transports %s (UCX_TLS=%s, UCX_NET_DEVICES=%s)",
+            "UCX %s started: transports %s, %s progress (UCX_TLS=%s, UCX_NET_DEVICES=%s)",
             ucxx.__ucx_version__,
             ", ".join(transports),
+            getattr(ctx, "progress_mode", "?"),
             os.environ.get("UCX_TLS", "all"),
             os.environ.get("UCX_NET_DEVICES", "all"),
         )

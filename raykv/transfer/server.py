@@ -160,7 +160,7 @@ class PageServer:
         if self.address is not None:
             return self.address
         self._budget = ByteBudget(self.config.server_inflight_bytes)
-        configure_ucx(self.config.ucx_net_devices, self.config.ucx_tls)
+        configure_ucx(self.config.ucx_net_devices, self.config.ucx_tls, self.config.ucx_progress)
         try:
             device = TierKind.GPU in self.manager.tier_kinds
             self._ucx_ctx = ucx_context(device_memory=device)

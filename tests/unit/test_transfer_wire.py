@@ -42,6 +42,8 @@ KEY = bytes(range(32))
         {"early_split_bytes": -1},
         {"early_split_bytes": True},
         {"early_split_bytes": 1.5},
+        {"ucx_progress": "fast"},
+        {"ucx_progress": 1},
     ],
 )
 def test_transfer_config_rejects_bad_values(change: dict) -> None:
