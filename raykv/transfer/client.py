@@ -266,6 +266,7 @@ class PageClient:
         """Drop idle connections and shared-memory mappings (pulls in flight keep theirs)."""
         for conns in self._idle.values():
             for conn in conns:
+                conn.flush()  # a pending done: the server counts the pull as served
                 conn.close()
         self._idle.clear()
         for mapping in self._maps.values():
