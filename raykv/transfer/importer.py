@@ -120,15 +120,19 @@ def _import_pulled(
     )
 
 
-def _lander(manager: CacheManager) -> Callable[[PulledPages, Callable[[], None]], PullOutcome]:
+class _Lander:
     """The ``land`` of a pull into ``manager``: :func:`import_pulled`, its ``seconds`` counted
-    from now (the pull and the import)."""
-    start = time.perf_counter()
+    from its creation (the pull and the import). ``quick``: it never blocks for long, so a small
+    landing may run on the loop (:data:`raykv.transfer.landing.INLINE_LAND_BYTES`)."""
 
-    def land(pulled: PulledPages, confirm: Callable[[], None]) -> PullOutcome:
-        return _import_pulled(manager, pulled, confirm, start)
+    quick = True
 
-    return land
+    def __init__(self, manager: CacheManager) -> None:
+        self.manager = manager
+        self.start = time.perf_counter()
+
+    def __call__(self, pulled: PulledPages, confirm: Callable[[], None]) -> PullOutcome:
+        return _import_pulled(self.manager, pulled, confirm, self.start)
 
 
 async def pull_into(
@@ -147,7 +151,7 @@ async def pull_into(
     A pull cancelled (or timed out) while its import is underway waits for the import to stop;
     only an import already past the peer's confirmation stands.
     """
-    return await client.pull_land(peer, keys, _lander(manager), prefer_shm, verify=verify)
+    return await client.pull_land(peer, keys, _Lander(manager), prefer_shm, verify=verify)
 
 
 def pull_into_local(
@@ -157,4 +161,4 @@ def pull_into_local(
     no request: :mod:`raykv.transfer.shm_read`). None, with nothing imported, when that path
     cannot serve every key or a page changed meanwhile; the caller then uses :func:`pull_into`.
     Import errors raise as for :func:`pull_into`."""
-    return client.land_local(peer, keys, _lander(manager))
+    return client.land_local(peer, keys, _Lander(manager))

@@ -68,13 +68,23 @@ class LeaseCheck:
             self._future.cancel()
 
 
+INLINE_LAND_BYTES = 1 << 20
+"""A landing of at most this many bytes runs on the loop itself when its ``land`` says it is
+quick (a true ``quick`` attribute: ``pull_into``'s import, a copy of at most 1 MiB and the
+inserts) and its check waits for nothing (the ucx path): that costs less than the two thread hops
+of the executor. Other lands may block (they run where blocking is allowed)."""
+
+
 async def run_land(land: Land[T], pulled: PulledPages, check: LeaseCheck) -> T:
-    """``land(pulled, check)`` in the default executor; its result or its exception.
+    """``land(pulled, check)`` in the default executor (on the loop when small, quick and
+    waiting for nothing, see :data:`INLINE_LAND_BYTES`); its result or its exception.
 
     Cancelling the caller does not abandon the worker thread (it may be reading the peer's shared
     tier, which must stay leased until it stops): the check is cancelled, the thread is waited
     for, then CancelledError is raised.
     """
+    if check.finish is None and pulled.nbytes <= INLINE_LAND_BYTES and getattr(land, "quick", False):
+        return land(pulled, check)
     return await run_checked(lambda confirm: land(pulled, confirm), check)
 
 

@@ -17,8 +17,8 @@ import pytest
 from transfer_support import Pair, commit, host_pair, run, seq
 
 from raykv import KVLayout, TransferError
-from raykv.transfer import PageClient, TransferConfig, pull_into
-from raykv.transfer.importer import import_pulled
+from raykv.transfer import PageClient, TransferConfig, landing, pull_into
+from raykv.transfer.importer import _Lander, import_pulled
 
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
 
@@ -163,3 +163,31 @@ def test_spare_buffers_are_reused_within_their_limit() -> None:
     spare.give(again)
     spare.give(big)  # over the limit: the largest goes
     assert spare.take(1, 1 << 20)[0] is again
+
+
+def test_small_quick_ucx_landings_run_on_the_loop_the_rest_in_a_worker(
+    make_pair, oracle, monkeypatch
+) -> None:
+    """pull_into's import (``quick``) of at most INLINE_LAND_BYTES lands on the loop over ucx; a
+    land that may block, and a larger landing, run in a worker thread; every one imports."""
+    pair = make_pair()
+    where: list[str] = []
+
+    class Recorded(_Lander):
+        def __call__(self, pulled, confirm):
+            where.append(threading.current_thread().name)
+            return super().__call__(pulled, confirm)
+
+    def blocking(pulled, confirm):  # no ``quick``: may block
+        where.append(threading.current_thread().name)
+        return import_pulled(pair.dst, pulled, confirm)
+
+    for i, land in enumerate([Recorded(pair.dst), blocking, Recorded(pair.dst)]):
+        if i == 2:
+            monkeypatch.setattr(landing, "INLINE_LAND_BYTES", 0)
+        keys = commit(pair.src, oracle, seq(20 + i, 3))
+        outcome = run(pair.client.pull_land(pair.server.address, keys, land, prefer_shm=False))
+        assert outcome.imported == tuple(keys) and outcome.path == "ucx"
+    assert where[0] == "raykv-transfer" and "raykv-transfer" not in where[1:]
+    assert oracle.verify_manager(pair.dst) == 9
+    pair.settled()
