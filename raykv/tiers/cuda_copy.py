@@ -34,8 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.errors import CudaError
-from raykv.tiers.base import is_run
-from raykv.tiers.cuda_util import SlotList, check, driver, ensure_context, torch_errors
+from raykv.tiers.cuda_util import SlotList, check, driver, ensure_context, one_run, torch_errors
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +70,6 @@ def _run_starts(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> npt.N
     """Indices where a run consecutive on both sides starts (always includes 0)."""
     breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     return np.concatenate((np.zeros(1, dtype=np.intp), breaks))
-
-
-def one_run(slots: SlotList) -> bool:
-    """Whether ``slots`` is a list forming one run (:func:`raykv.tiers.base.is_run`): the usual
-    batch, slots allocated or committed together, is checked without numpy. False for anything
-    else, including arrays (then :func:`runs` finds the runs)."""
-    return type(slots) is list and is_run(slots)
 
 
 def runs(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> list[tuple[int, int, int]]:

@@ -187,7 +187,7 @@ class SlotEvents:
     def set(self, slots: SlotList, event: Any) -> None:
         """Slots ``slots`` are busy until ``event`` completes."""
         idx: npt.NDArray[np.int64] | slice
-        if type(slots) is list and is_run(slots):  # the usual batch: a slice, no index array
+        if one_run(slots):  # the usual batch: a slice, no index array
             idx, top = slice(slots[0], slots[-1] + 1), slots[-1] + 1
         else:
             idx = _slots(slots)
@@ -270,3 +270,10 @@ SlotList = Sequence[int] | range | npt.NDArray[np.int64]
 
 def _slots(slots: SlotList) -> npt.NDArray[np.int64]:
     return np.asarray(slots, dtype=np.int64).reshape(-1)
+
+
+def one_run(slots: SlotList) -> bool:
+    """Whether ``slots`` is a list forming one run (:func:`raykv.tiers.base.is_run`): the usual
+    batch, slots allocated or committed together, is checked without numpy. False for anything
+    else, including arrays (then :func:`raykv.tiers.cuda_copy.runs` finds the runs)."""
+    return type(slots) is list and is_run(slots)
