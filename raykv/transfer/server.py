@@ -402,11 +402,10 @@ class PageServer:
         When the client posts its receive with the request (``posted``), the chunks go first,
         before the header is built: every chunk of an in-place payload (UCX holds those the client
         has no receive for yet until it posts one), else chunk 0 (the others are gathered one by
-        one after the header); an empty message when nothing was found, so that receive always
-        completes. A payload of at most ``chunk_bytes`` is one chunk then: it is on the wire while
-        the header is built, sent and read. With a ``split`` the client posted chunk 1's receive
-        too: chunk 0 holds up to ``split`` pages, chunk 1 the rest (an empty message when there are
-        none)."""
+        one after the header), and an empty message for each posted receive no page is for, so
+        every one completes. A payload of at most ``chunk_bytes`` is one chunk then: it is on the
+        wire while the header is built, sent and read. With a ``split`` the client posted chunk
+        1's receive too: chunk 0 holds up to ``split`` pages, chunk 1 the rest."""
         corrupt, early, split = self.faults.corrupt_payload, conn.posted, conn.split
         page, chunk = self.manager.layout.page_bytes, self.config.chunk_bytes
         counts = payload_counts(len(lease.blocks), page, chunk, early, split)
@@ -421,8 +420,8 @@ class PageServer:
                 for i in range(ahead):
                     buf = await _chunk_buf(payload, i)
                     sends.append(asyncio.ensure_future(tag_send(endpoint, buf, tag + i)))
-                if not chunks:
-                    sends.append(asyncio.ensure_future(tag_send(endpoint, _EMPTY, tag)))
+                for i in range(len(chunks), 2 if split else 1):  # a posted receive no page is for
+                    sends.append(asyncio.ensure_future(tag_send(endpoint, _EMPTY, tag + i)))
                 await asyncio.sleep(0)  # the sends post now, so the pages move while the header is built
             sums = known_sums(lease)
             small = sums is None and payload.nbytes <= INLINE_BYTES
@@ -438,8 +437,6 @@ class PageServer:
             for k, i in enumerate(chunks[ahead:]):
                 buf = ready[k] if small else await _chunk_buf(payload, i)
                 sends.append(asyncio.ensure_future(tag_send(endpoint, buf, tag + i)))
-            if split and len(chunks) < 2:  # nothing past the split: chunk 1's receive gets nothing
-                sends.append(asyncio.ensure_future(tag_send(endpoint, _EMPTY, tag + 1)))
             if sums is None:
                 await self._send_trailer(conn, rid, lease, payload)
             await self._await_done(conn, rid, asyncio.gather(*sends) if sends else None)
