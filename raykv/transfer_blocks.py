@@ -186,7 +186,7 @@ class _Staged:
     lease_id: int | None
 
 
-def _rows(data: npt.NDArray[np.uint8], new: list[int]) -> npt.NDArray[np.uint8]:
+def rows_of(data: npt.NDArray[np.uint8], new: list[int]) -> npt.NDArray[np.uint8]:
     """The rows ``new`` of ``data``: a view when they are one run (no copy), else a gather."""
     if len(new) == len(data):
         return data
@@ -303,7 +303,7 @@ def import_pages(
     bad = first_mismatch(data, checksums) if verify and checksums is not None else None
 
     def write(slots: list[PageId], new: list[int]) -> None:
-        mgr.copy.write(0, slots, _rows(data, new))
+        mgr.copy.write(0, slots, rows_of(data, new))
 
     return _import(mgr, records, bad, write, priority, confirm)
 

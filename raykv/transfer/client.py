@@ -15,15 +15,16 @@ Paths: ``shm_read`` once this client has connected to a same-node server whose s
 and slot directory it could map, when the directory lists every key (a one-sided read in the
 calling task's thread, no request: :mod:`raykv.transfer.shm_read`); ``shm`` when the server runs
 on this node (same node id), has a shared host tier that this process can map, and every page is
-on it; ``ucx`` otherwise. ``ClientStats`` counts pulls, pages
-and bytes per path; each result says which path it used. Checksums: always on ``ucx`` (the
-receiver's pass overlaps with the transfer); on ``shm`` only with ``verify`` (default
-``TransferConfig.verify_shm``, off): the pages are copied straight out of the owner's memory under
-its lease, and the owner acknowledges that the lease lasted (:mod:`raykv.transfer.wire`).
+on it; ``ucx`` otherwise. ``ClientStats`` counts pulls, pages and bytes per path; each result
+says which path it used. Checksums: always on ``ucx`` (the receiver's pass overlaps with the
+transfer); on ``shm`` only with ``verify`` (default ``TransferConfig.verify_shm``, off): the
+pages are copied straight out of the owner's memory under its lease, and the owner acknowledges
+that the lease lasted (:mod:`raykv.transfer.wire`).
 
 :meth:`PageClient.pull_land` hands the pages to an import instead of returning them: over ``shm``
 the import reads the rows from the mapping itself (one copy, into the destination tier), over
-``ucx`` from the one buffer they were received into (:mod:`raykv.transfer.landing`).
+``ucx`` from the one buffer they were received into, each chunk as soon as it arrived when the
+land can (:mod:`raykv.transfer.landing`).
 
 Backpressure: at most ``client_inflight_bytes`` of receive buffers are being filled at once, over
 all peers; :meth:`PageClient.pull_many` pulls from several peers concurrently.
@@ -36,7 +37,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -49,7 +50,7 @@ from raykv.transfer.auth import AuthToken
 from raykv.transfer.config import Peer, TransferConfig, pull_request
 from raykv.transfer.connection import ClientConn as _Conn
 from raykv.transfer.connection import handshake
-from raykv.transfer.landing import Land, LeaseCheck, run_land
+from raykv.transfer.landing import STREAM_THREADS, Arrivals, Land, LeaseCheck, run_land, run_streamed, streams
 from raykv.transfer.payload import early_split
 from raykv.transfer.peer_pools import PeerPools
 from raykv.transfer.receive import (
@@ -187,18 +188,10 @@ class PageClient:
         if not checked:
             return await run_land(land, merge([], [], 0.0), LeaseCheck(loop))
         if prefer_shm and verify is not True:
-            local = self._local.get(endpoint)
-            got = shm_read.view(local, checked) if local is not None else None
-            if got is not None:
-                assert local is not None
-                try:
-                    result = await run_land(land, got[0], shm_read.StableCheck(loop, local, got[1], checked))
-                except TransferError as exc:
-                    if getattr(exc, "reason", "") != "stale":
-                        raise
-                else:
-                    self._count(shm_read.PATH, endpoint, len(checked), got[0].nbytes)
-                    return result
+            local = await shm_read.land_on_loop(self._local.get(endpoint), checked, land)
+            if local is not None:
+                self._count(shm_read.PATH, endpoint, len(checked), local[1])
+                return local[0]
         opts = _Options(prefer_shm, verify, None, land)
         parts, landed = await self._guarded(endpoint, timeout_s, self._pull_all(endpoint, checked, opts))
         if landed is not None:
@@ -420,7 +413,7 @@ class PageClient:
             await self._send(conn, request)  # first: UCX keeps chunk 0 if it comes before its receive
             first = None
             if early:  # into rows for every requested page
-                flat, data = self._rows(len(keys), conn.page_bytes, dest, land is not None)
+                flat, data = self._spare.rows(len(keys), conn.page_bytes, dest, land is not None)
                 first = post_first(endpoint, data, flat, tag, split)
             limits = (min(conn.max_payload, self.config.max_payload_bytes), self.config.max_header_bytes)
             header = await read_header(conn, rid, keys, conn.page_bytes, limits, mapping is not None, first)
@@ -436,15 +429,6 @@ class PageClient:
             self._budget.release(held)
         self._count(header.path, conn.peer, n, n * header.page_bytes)
         return got
-
-    def _rows(
-        self, count: int, page_bytes: int, dest: npt.NDArray[np.uint8] | None, landing: bool
-    ) -> tuple[npt.NDArray[np.uint8] | None, npt.NDArray[np.uint8]]:
-        """(the spare buffer to give back or None, ``count`` rows to receive into): a spare buffer
-        for a landing, else ``dest``'s leading rows, else a new array."""
-        if landing:
-            return self._spare.take(count, page_bytes)
-        return None, dest[:count] if dest is not None else np.empty((count, page_bytes), dtype=np.uint8)
 
     def _verify(self, path: str, verify: bool | None) -> bool:
         """Whether this process checks the pages of ``path`` against the sender's checksums."""
@@ -465,7 +449,7 @@ class PageClient:
         """The pages of ``header`` in ``dest`` (or a new array, or ``first``'s rows); see
         :meth:`pull`."""
         n = len(header.keys)
-        data = first.data[:n] if first is not None else self._rows(n, header.page_bytes, dest, False)[1]
+        data = first.data[:n] if first is not None else self._spare.rows(n, header.page_bytes, dest, False)[1]
         if header.path == "shm":
             assert mapping is not None
             sums = self._verify("shm", verify)
@@ -494,8 +478,17 @@ class PageClient:
             if first is not None:
                 flat, data = first.flat, first.data[: len(header.keys)]
             else:
-                flat, data = self._rows(len(header.keys), header.page_bytes, None, True)
+                flat, data = self._spare.rows(len(header.keys), header.page_bytes, None, True)
             check = self._verify("ucx", verify)
+            stream = getattr(land, "stream", None) if check else None
+            if stream is not None and streams(header, self._spare.limit) and STREAM_THREADS.take():
+                arrivals = Arrivals(len(header.keys), self.config.timeout_s)
+                receive = self._receive_ucx(conn, header, tag, data, True, first, arrivals.arrived)
+                pulled = merge([Part(header, data, None, True)], keys, time.perf_counter() - start)
+                result = await run_streamed(stream, pulled, arrivals, receive)  # failed: `flat` dropped
+                if flat is not None:
+                    self._spare.give(flat)
+                return _Landed(result)
             theirs = await self._receive_ucx(conn, header, tag, data, check, first)  # failed: `flat` dropped
             pulled = merge([Part(header, data, theirs, check)], keys, time.perf_counter() - start)
             lease = LeaseCheck(loop)
@@ -567,16 +560,18 @@ class PageClient:
         data: npt.NDArray[np.uint8],
         verify: bool,
         first: FirstChunk | None = None,
+        on_rows: Callable[[int], object] | None = None,
         defer: bool = False,
     ) -> list[int]:
         """Receive the payload into ``data`` (checksummed as it lands when ``verify``; chunk 0
-        through ``first``'s receive when posted early), say ``done`` (``defer``: two loop turns
-        later, so the caller gets the pages first; the server's lease lasts until then); the
-        server's checksums (compared with ours when ``verify``)."""
+        through ``first``'s receive when posted early; ``on_rows`` as in :func:`receive_ucx`),
+        say ``done`` (``defer``: two loop turns later, so the caller gets the pages first; the
+        server's lease lasts until then); the server's checksums (compared with ours when
+        ``verify``)."""
         limit = self.config.max_header_bytes
         posted = first.recvs if first is not None else ()
         endpoint = lambda: self._endpoint(conn)  # noqa: E731
-        mine, theirs = await receive_ucx(conn, endpoint, header, tag, data, verify, limit, posted)
+        mine, theirs = await receive_ucx(conn, endpoint, header, tag, data, verify, limit, posted, on_rows)
         done = {"t": "done", "id": header.request_id}
         if defer:  # written once the caller has the pages, or before the next message on conn
             conn.pending = wire.encode(done, limit)

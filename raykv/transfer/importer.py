@@ -16,15 +16,22 @@ from the buffer they were received (and verified) into.
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
 
 from raykv.errors import ImportRejectedError, IntegrityError, TransferError
 from raykv.manager import CacheManager
 from raykv.records import BlockRecords, ImportResult
 from raykv.transfer.client import PageClient, Peer, PulledPages
-from raykv.types import BlockKey
+from raykv.transfer.landing import Arrivals
+from raykv.transfer_blocks import import_written, rows_of
+from raykv.types import DEFAULT_PRIORITY, BlockKey, PageId
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,7 @@ def _import_pulled(
     n = importable_prefix(manager, records)
     verify = not pulled.verified
     sums = pulled.checksums[:n] if verify else None
-    try:
+    with _refusals(pulled, n):
         result = (
             manager.import_pages(
                 records if n == len(records) else records.head(n),
@@ -103,12 +110,73 @@ def _import_pulled(
             if n
             else ImportResult((), ())
         )
+    return _outcome(pulled, result, n, start)
+
+
+def _import_streamed(
+    manager: CacheManager,
+    pulled: PulledPages,
+    arrivals: Arrivals,
+    confirm: Callable[[], object],
+    start: float,
+) -> PullOutcome:
+    """:func:`_import_pulled` of verified pages that are still arriving (rows in order, see
+    :class:`raykv.transfer.landing.Arrivals`): the blocks are validated and their top-tier pages
+    allocated and held first, each run of rows is copied in as soon as it arrived (the manager's
+    lock is taken per copy, not across the waits), and the blocks are inserted once every row
+    arrived verified and ``confirm`` passed. If the payload fails, nothing is imported."""
+    records = pulled.records
+    n = importable_prefix(manager, records)
+    placed: list[tuple[list[PageId], list[int]]] = []
+
+    def land() -> None:
+        for slots, new in placed:
+            _copy_as_arrived(manager, pulled.data, slots, new, arrivals)
+        arrivals.wait_done()
+        confirm()
+
+    with _refusals(pulled, n):
+        head = records if n == len(records) else records.head(n)
+        result = import_written(manager, head, lambda *at: placed.append(at), DEFAULT_PRIORITY, land)
+    if not placed:  # nothing new: the outcome still waits for the payload's verdict
+        land()
+    return _outcome(pulled, result, n, start)
+
+
+def _copy_as_arrived(
+    manager: CacheManager,
+    data: npt.NDArray[np.uint8],
+    slots: list[PageId],
+    new: list[int],
+    arrivals: Arrivals,
+) -> None:
+    """Copy rows ``new`` (ascending) of ``data`` into top-tier ``slots`` (same order), each run
+    of them as soon as it arrived."""
+    done = 0
+    while done < len(new):
+        arrived = arrivals.wait_rows(new[done])
+        end = bisect.bisect_left(new, arrived, lo=done)
+        with manager.locked():
+            manager.copy.write(0, slots[done:end], rows_of(data, new[done:end]))
+        done = end
+
+
+@contextlib.contextmanager
+def _refusals(pulled: PulledPages, n: int) -> Iterator[None]:
+    """The manager's refusals of an import of ``pulled``'s first ``n`` pages as TransferError."""
+    try:
+        yield
     except IntegrityError as exc:
         index = getattr(exc, "index", None)
         bad = (pulled.keys[index],) if isinstance(index, int) and 0 <= index < n else ()
         raise TransferError(f"import refused: {exc}", reason="integrity", bad_keys=bad) from None
     except ImportRejectedError as exc:
         raise TransferError(f"import refused: {exc}", reason="rejected") from None
+
+
+def _outcome(pulled: PulledPages, result: ImportResult, n: int, start: float | None) -> PullOutcome:
+    """What an import of ``pulled``'s first ``n`` pages did (``seconds`` as in
+    :func:`_import_pulled`)."""
     return PullOutcome(
         imported=result.imported,
         already_present=result.already_present,
@@ -133,6 +201,10 @@ class _Lander:
 
     def __call__(self, pulled: PulledPages, confirm: Callable[[], None]) -> PullOutcome:
         return _import_pulled(self.manager, pulled, confirm, self.start)
+
+    def stream(self, pulled: PulledPages, arrivals: Arrivals, confirm: Callable[[], None]) -> PullOutcome:
+        """The landing of a payload still arriving (:data:`raykv.transfer.landing.StreamLand`)."""
+        return _import_streamed(self.manager, pulled, arrivals, confirm, self.start)
 
 
 async def pull_into(

@@ -47,6 +47,15 @@ class SpareBuffers:
         flat = self._free.pop(best) if best is not None else np.empty(need, dtype=np.uint8)
         return flat, flat[:need].reshape(rows, row_bytes)
 
+    def rows(
+        self, count: int, page_bytes: int, dest: npt.NDArray[np.uint8] | None, landing: bool
+    ) -> tuple[npt.NDArray[np.uint8] | None, npt.NDArray[np.uint8]]:
+        """(the spare buffer to give back or None, ``count`` rows to receive into): a spare buffer
+        for a landing, else ``dest``'s leading rows, else a new array."""
+        if landing:
+            return self.take(count, page_bytes)
+        return None, dest[:count] if dest is not None else np.empty((count, page_bytes), dtype=np.uint8)
+
     def give(self, flat: npt.NDArray[np.uint8]) -> None:
         """Keep ``flat`` for a later :meth:`take` (nothing may use it any more)."""
         self._free.append(flat)
@@ -159,12 +168,14 @@ async def receive_ucx(
     verify: bool,
     max_bytes: int,
     posted: Sequence[asyncio.Future[Any]] = (),
+    on_rows: Callable[[int], object] | None = None,
 ) -> tuple[list[int] | None, list[int]]:
     """Post one receive per chunk into ``data`` (tags ``tag + i``) and checksum each chunk as it
     lands (``verify``); returns (our checksums or None, the server's). ``posted``: the receives
     of the first chunks, posted with the request (:func:`post_first`; a chunk with no pages
-    comes as an empty message, awaited too). On any failure the endpoint is aborted first,
-    which cancels the posted receives: nothing lands in ``data`` afterwards."""
+    comes as an empty message, awaited too). ``on_rows(n)``: called on the loop once rows
+    ``0 .. n`` landed (each chunk, before its checksums). On any failure the endpoint is
+    aborted first, which cancels the posted receives: nothing lands in ``data`` afterwards."""
     if header.sums is not None:
         sums_task: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
         sums_task.set_result(list(header.sums))
@@ -181,7 +192,8 @@ async def receive_ucx(
                 recvs.append(asyncio.ensure_future(tag_recv(ep, rows, tag + i)))
                 first += count
         counts = [*header.layout, *[0] * len(empty)]
-        return await _checksum_as_received(conn, data, header, [*recvs, *empty], counts, sums_task, verify)
+        every = [*recvs, *empty]
+        return await _checksum_as_received(conn, data, header, every, counts, sums_task, verify, on_rows)
     except BaseException:
         abort_endpoint(conn.endpoint)
         conn.endpoint = None
@@ -198,9 +210,11 @@ async def _checksum_as_received(
     counts: list[int],
     sums_task: asyncio.Future[list[int]],
     verify: bool,
+    on_rows: Callable[[int], object] | None = None,
 ) -> tuple[list[int] | None, list[int]]:
     """Await each chunk (``counts`` pages each, in order from ``data``'s first row; 0: an empty
-    message) and checksum it; returns (our checksums or None, the server's).
+    message), report it (``on_rows``) and checksum it; returns (our checksums or None, the
+    server's).
 
     The control stream is watched meanwhile: first for the server's checksums (or its error),
     then for EOF (the server sends nothing else until our ``done``), so a peer that dies
@@ -217,6 +231,8 @@ async def _checksum_as_received(
                 if watch.done() and not recv.done():
                     theirs, watch = _next_watch(conn, watch, theirs)
             recv.result()
+            if on_rows is not None and count:
+                on_rows(first + count)
             rows = data[first : first + count]
             if mine is not None:
                 mine.extend(await map_rows(header.page_bytes, count, _row_sums(rows)))

@@ -22,6 +22,7 @@ was not built or ``RAYKV_PURE_SHM_READ=1`` (read when a peer is mapped; see
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -34,7 +35,7 @@ import numpy.typing as npt
 from raykv.errors import StateError, TransferError
 from raykv.tiers import shm_directory
 from raykv.transfer import wire
-from raykv.transfer.landing import Land, LeaseCheck
+from raykv.transfer.landing import Land, LeaseCheck, run_land
 from raykv.transfer.results import PulledPages, check_out
 from raykv.transfer.shm import ShmMapping, copy_rows
 from raykv.types import BlockKey
@@ -153,16 +154,45 @@ def land_on(peer: LocalPeer | None, keys: list[BlockKey], land: Land[T]) -> tupl
     """``land(pulled, confirm)`` for the pages of ``keys`` read one-sided from ``peer``, and the
     bytes landed; None, with nothing landed, when the directory cannot serve every key or a page
     changed meanwhile (``confirm`` then fails with reason "stale"). Other errors raise."""
+    viewed = _viewed(peer, keys, None)
+    if viewed is None:
+        return None
+    try:
+        return land(*viewed), viewed[0].nbytes
+    except TransferError as exc:
+        _raise_unless_stale(exc)
+    return None
+
+
+async def land_on_loop(peer: LocalPeer | None, keys: list[BlockKey], land: Land[T]) -> tuple[T, int] | None:
+    """:func:`land_on` from the event loop: ``land`` runs as :func:`raykv.transfer.landing.run_land`
+    runs it (in a worker thread, waited for when the caller is cancelled)."""
+    viewed = _viewed(peer, keys, asyncio.get_running_loop())
+    if viewed is None:
+        return None
+    try:
+        return await run_land(land, *viewed), viewed[0].nbytes
+    except TransferError as exc:
+        _raise_unless_stale(exc)
+    return None
+
+
+def _viewed(
+    peer: LocalPeer | None, keys: list[BlockKey], loop: asyncio.AbstractEventLoop | None
+) -> tuple[PulledPages, StableCheck] | None:
+    """The pages of ``keys`` viewed in ``peer``'s tier and the check that they stayed; None when
+    the directory cannot serve every key."""
     got = view(peer, keys) if keys and peer is not None else None
     if got is None:
         return None
     assert peer is not None
-    try:
-        return land(got[0], StableCheck(None, peer, got[1], keys)), got[0].nbytes
-    except TransferError as exc:
-        if getattr(exc, "reason", "") == "stale":
-            return None
-        raise
+    return got[0], StableCheck(loop, peer, got[1], keys)
+
+
+def _raise_unless_stale(exc: TransferError) -> None:
+    """Raise ``exc`` unless the landing found a page changed (reason "stale")."""
+    if getattr(exc, "reason", "") != "stale":
+        raise exc
 
 
 def usable() -> bool:
