@@ -27,7 +27,6 @@ torch is needed on both sides (imported lazily); no other path changes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import secrets
 import time
@@ -46,7 +45,7 @@ from raykv.transfer.client import PageClient, Peer
 from raykv.transfer.config import PeerAddress
 from raykv.transfer.importer import PullOutcome
 from raykv.transfer.payload import LeasedPayload
-from raykv.transfer.runtime import ByteBudget, abort_endpoint
+from raykv.transfer.runtime import ByteBudget, abort_endpoint, cancel_and_wait
 from raykv.types import DEFAULT_PRIORITY, BlockKey, TierKind, check_block_key, check_priority
 
 if TYPE_CHECKING:
@@ -355,9 +354,7 @@ async def _receive(client: PageClient, conn: Any, header: wire.Header, tag: int,
         raise
     finally:
         if watch is not None:
-            watch.cancel()
-            with contextlib.suppress(BaseException):
-                await watch
+            await cancel_and_wait(watch)
 
 
 # ---- import -----------------------------------------------------------------------------------

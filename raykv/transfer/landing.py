@@ -227,9 +227,10 @@ async def run_streamed(
     :data:`STREAM_THREADS` (given back here) while ``receive`` (which reports to ``arrivals``)
     fills ``pulled.data``; its result once both are done.
 
-    ``receive`` failing or cancelled: ``arrivals`` fails (the landing raises at its next wait,
-    before anything became visible), the landing is waited for, then the receive's exception is
-    raised. Cancelled after the receive: as :func:`run_land`.
+    ``receive`` failing or cancelled (also when the cancellation was asked while it ran but never
+    reached it): ``arrivals`` fails (the landing raises at its next wait, before anything became
+    visible), the landing is waited for, then the receive's exception is raised. Cancelled after
+    the receive: as :func:`run_land`.
     """
     check = LeaseCheck(asyncio.get_running_loop())
     work = functools.partial(stream, pulled, arrivals)
@@ -237,6 +238,8 @@ async def run_streamed(
     try:
         try:
             await receive
+            if _cancel_pending():  # asked while the receive never waited: the pages stay out
+                raise asyncio.CancelledError
         except BaseException as exc:
             arrivals.fail(exc)
             check.cancel()
@@ -247,6 +250,13 @@ async def run_streamed(
         return await task
     finally:
         STREAM_THREADS.give()
+
+
+def _cancel_pending() -> bool:
+    """Whether the current task was asked to cancel and has not seen it yet (a coroutine that
+    never suspends after the request would otherwise run on to its end)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 async def _outlast(task: asyncio.Future[Any], on_cancel: Callable[[], object] | None = None) -> bool:

@@ -5,7 +5,6 @@ and the comparison with the sender's checksums. Used by :class:`raykv.transfer.c
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -17,7 +16,7 @@ from raykv.errors import TransferError
 from raykv.records import page_checksum
 from raykv.transfer import wire
 from raykv.transfer.payload import split_counts
-from raykv.transfer.runtime import abort_endpoint, map_rows, tag_recv
+from raykv.transfer.runtime import abort_endpoint, cancel_and_wait, map_rows, tag_recv
 from raykv.transfer.shm import ShmMapping
 
 
@@ -241,10 +240,7 @@ async def _checksum_as_received(
             theirs = await sums_task
     finally:
         if watch is not sums_task:
-            # Let the EOF watch finish cancelling before anything reads the stream again.
-            watch.cancel()
-            with contextlib.suppress(BaseException):
-                await watch
+            await cancel_and_wait(watch)  # before anything reads the stream again
     return mine, theirs
 
 

@@ -99,6 +99,16 @@ async def within(coro: Coroutine[Any, Any, T], seconds: float) -> T:
     return await asyncio.wait_for(coro, seconds)
 
 
+async def cancel_and_wait(fut: asyncio.Future[Any]) -> None:
+    """Cancel ``fut`` and wait until it is done (its outcome dropped). A cancellation of the
+    caller meanwhile still raises: awaiting ``fut`` under a suppress would swallow it, and the
+    caller would run on as if never cancelled."""
+    fut.cancel()
+    await asyncio.wait({fut})
+    if not fut.cancelled():
+        fut.exception()  # retrieved
+
+
 async def offload(nbytes: int, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)``: inline when ``nbytes`` is small, else in the loop's default executor."""
     if nbytes <= INLINE_BYTES:

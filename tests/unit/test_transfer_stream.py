@@ -156,6 +156,25 @@ def test_cancel_after_the_first_chunk_imports_nothing(make_pair, oracle, monkeyp
     pair.settled()
 
 
+def test_concurrent_streamed_pulls_of_the_same_blocks_import_each_once(make_pair, oracle) -> None:
+    """Both landings stage the blocks while their payloads arrive; the first to insert wins, the
+    other gives its pages back (held stages race at insert, see transfer_blocks._commit)."""
+    pair = make_pair()
+    keys = keys_of(pair, oracle, 10)
+
+    async def both() -> list:
+        pulls = (pull_into(pair.client, pair.address, pair.dst, keys, prefer_shm=False) for _ in range(3))
+        return await asyncio.gather(*pulls)
+
+    outcomes = run(both())
+    imported = [k for outcome in outcomes for k in outcome.imported]
+    assert sorted(imported) == sorted(keys)  # each block imported by exactly one pull
+    assert all(set(o.imported) | set(o.already_present) == set(keys) for o in outcomes)
+    assert pair.dst.top_pool.num_used == PAGES
+    assert oracle.verify_manager(pair.dst) == PAGES
+    pair.settled()
+
+
 def test_import_refused_while_streaming_leaks_nothing(make_pair, oracle) -> None:
     pair = make_pair(dst_pages=8)  # room for 8 of the 16 pages
     keys = keys_of(pair, oracle, 8)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pickle
 
@@ -16,7 +17,7 @@ from raykv import CacheConfig, CacheManager, ConfigError, KVLayout, TierConfig, 
 from raykv.transfer import AuthToken, TransferConfig, wire
 from raykv.transfer.auth import CLIENT_LABEL, SERVER_LABEL
 from raykv.transfer.payload import AUTO_SPLIT_CORES, chunk_counts, early_split, payload_counts, usable_cores
-from raykv.transfer.runtime import ByteBudget, active_transports, transport_warnings
+from raykv.transfer.runtime import ByteBudget, active_transports, cancel_and_wait, transport_warnings
 from raykv.transfer.server import _split as server_split
 from raykv.transfer.shm import ShmMapping, consecutive, copy_rows
 
@@ -323,3 +324,35 @@ def test_a_pull_split_is_checked_and_the_payload_cut_there() -> None:
     assert early_split(256, 64 << 10, 512 << 10, 8 << 20) == 0  # over chunk_bytes: chunked as usual
     auto = early_split(16, 64 << 10, None, 8 << 20)
     assert auto == (12 if usable_cores() >= AUTO_SPLIT_CORES else 0)
+
+
+class SlowCancel(asyncio.Future):  # type: ignore[type-arg]
+    """A future whose cancellation takes effect a little later (like a pending stream read's)."""
+
+    def cancel(self, msg: object = None) -> bool:
+        self.get_loop().call_later(0.05, asyncio.Future.cancel, self)
+        return True
+
+
+def test_cancel_and_wait_keeps_the_callers_cancellation() -> None:
+    """Cancelling a task while it waits for a future it cancelled raises in the task (a suppress
+    around ``await fut`` would swallow it and the task would run on); the future is done after."""
+
+    async def scenario() -> tuple[bool, bool]:
+        slow = SlowCancel()
+        ran_on = False
+
+        async def waiter() -> None:
+            nonlocal ran_on
+            await cancel_and_wait(slow)
+            ran_on = True
+
+        task = asyncio.ensure_future(waiter())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.1)
+        return task.cancelled() and not ran_on, slow.done()
+
+    assert asyncio.run(scenario()) == (True, True)
