@@ -82,11 +82,14 @@ class ServerFaults:
     checksums: without them there is nothing in transit to corrupt).
     ``drop_after_header``: close the connection right after the header (a peer dying mid-transfer).
     ``stall_after_header_s``: sleep after the header (a slow peer; lets a test cancel or kill).
+    ``drop_after_chunks``: over ucx, close the connection once that many of the chunks sent after
+    the header were delivered (a peer dying mid-payload; 0: off).
     """
 
     corrupt_payload: bool = False
     drop_after_header: bool = False
     stall_after_header_s: float = 0.0
+    drop_after_chunks: int = 0
 
 
 @dataclass
@@ -437,6 +440,9 @@ class PageServer:
             for k, i in enumerate(chunks[ahead:]):
                 buf = ready[k] if small else await _chunk_buf(payload, i)
                 sends.append(asyncio.ensure_future(tag_send(endpoint, buf, tag + i)))
+                if k + 1 == self.faults.drop_after_chunks:  # the test hook
+                    await asyncio.gather(*sends)
+                    raise TransferError("connection dropped mid-payload (test hook)", reason="fault")
             if sums is None:
                 await self._send_trailer(conn, rid, lease, payload)
             await self._await_done(conn, rid, asyncio.gather(*sends) if sends else None)

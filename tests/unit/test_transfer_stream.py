@@ -34,8 +34,8 @@ def oracle() -> ContentOracle:
 def make_pair() -> Iterator[Callable[..., Pair]]:
     made: list[Pair] = []
 
-    def factory(dst_pages: int = 64) -> Pair:
-        made.append(host_pair(LAYOUT, CFG, src_pages=32, dst_pages=dst_pages))
+    def factory(dst_pages: int = 64, config: TransferConfig = CFG) -> Pair:
+        made.append(host_pair(LAYOUT, config, src_pages=32, dst_pages=dst_pages))
         return made[-1]
 
     yield factory
@@ -126,6 +126,29 @@ def test_failed_streamed_payload_imports_nothing(make_pair, oracle, fault) -> No
     assert info.value.reason in ({"integrity"} if fault == "corrupt_payload" else {"closed", "fault", "ucx"})
     nothing_imported(pair)
     setattr(pair.server.faults, fault, False)
+    assert run(pull_into(pair.client, pair.address, pair.dst, keys, prefer_shm=False)).complete
+    assert oracle.verify_manager(pair.dst) == PAGES
+    pair.settled()
+
+
+def test_peer_gone_mid_payload_imports_nothing(make_pair, oracle, monkeypatch) -> None:
+    """The server delivers 3 of 8 chunks and closes (receives posted after the header, so the
+    chunks follow it): the rows that arrived were copied, and still nothing is imported."""
+    pair = make_pair(config=CFG.replace(post_receives=False))
+    keys = keys_of(pair, oracle, 11)
+    arrived, original = [], Arrivals.arrived
+
+    def spy(self, rows):
+        original(self, rows)
+        arrived.append(rows)
+
+    monkeypatch.setattr(Arrivals, "arrived", spy)
+    pair.server.faults.drop_after_chunks = 3
+    with pytest.raises(TransferError) as info:
+        run(pull_into(pair.client, pair.address, pair.dst, keys, prefer_shm=False))
+    assert info.value.reason in {"closed", "fault", "ucx"} and arrived[-1] == 6 < PAGES
+    nothing_imported(pair)
+    pair.server.faults.drop_after_chunks = 0
     assert run(pull_into(pair.client, pair.address, pair.dst, keys, prefer_shm=False)).complete
     assert oracle.verify_manager(pair.dst) == PAGES
     pair.settled()
