@@ -11,7 +11,9 @@ problem.
 :func:`pull_into` lands the pages as they arrive (``PageClient.pull_land``): over ``shm`` the new
 pages are copied once, from the peer's shared tier straight into this manager's top tier, and
 become visible only after the peer confirmed its lease lasted; over ``ucx`` they are copied once,
-from the buffer they were received (and verified) into.
+from the buffer they were received (and verified) into: a payload of several chunks chunk by chunk
+as they arrive, the blocks inserted once all arrived verified (``_Lander.stream``, see
+:mod:`raykv.transfer.landing`).
 """
 
 from __future__ import annotations
@@ -137,7 +139,8 @@ def _import_streamed(
 
     with _refusals(pulled, n):
         head = records if n == len(records) else records.head(n)
-        result = import_written(manager, head, lambda *at: placed.append(at), DEFAULT_PRIORITY, land)
+        write = lambda *at: placed.append(at)  # noqa: E731 - the rows follow in land()
+        result = import_written(manager, head, write, DEFAULT_PRIORITY, land) if n else ImportResult((), ())
     if not placed:  # nothing new: the outcome still waits for the payload's verdict
         land()
     return _outcome(pulled, result, n, start)

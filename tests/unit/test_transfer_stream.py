@@ -115,6 +115,14 @@ def test_partly_cached_pulls_stream_only_the_new_rows(make_pair, oracle) -> None
     pair.settled()
 
 
+def test_streamed_pull_without_its_first_parent_drops_every_block(make_pair, oracle) -> None:
+    pair = make_pair()
+    keys = keys_of(pair, oracle, 12)
+    outcome = run(pull_into(pair.client, pair.address, pair.dst, keys[1:], prefer_shm=False))
+    assert outcome.imported == () and outcome.dropped == tuple(keys[1:]) and not outcome.complete
+    nothing_imported(pair)
+
+
 @pytest.mark.parametrize("fault", ["corrupt_payload", "drop_after_header"])
 def test_failed_streamed_payload_imports_nothing(make_pair, oracle, fault) -> None:
     """A corrupt chunk, or a peer gone before the payload: TransferError, nothing imported."""
