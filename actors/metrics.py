@@ -1,35 +1,71 @@
 """Prometheus metrics for CacheWorker actors, exported through ray.util.metrics.
 
 Counters are fed from stats deltas (so restarts of the exporter never double count); gauges show
-bytes in use per tier and pinned pages. Tags: worker, tier.
+bytes in use per tier, pinned pages and the page server's open leases. Tags: worker, and tier,
+path (``shm_read``/``shm``/``ucx``/``gpu_read``/...) or failure reason.
+
+``CacheWorker`` exports on its publisher thread every ``METRICS_INTERVAL_S`` (actor mode) and on
+``export_metrics()``. ``backend`` is anything with ray.util.metrics' ``Counter`` and ``Gauge``
+(tests pass a recorder; without Ray nothing else is needed).
 """
 
 from __future__ import annotations
 
-from ray.util import metrics
+from collections.abc import Mapping
+from typing import Any
 
 from raykv.stats import CacheStats
 
+METRICS_INTERVAL_S = 1.0
+"""How often a worker's publisher thread exports its stats (the counters are cumulative, so a
+scrape between two exports only sees the change later)."""
+
+_TRANSFER_COUNTERS = (
+    # (series, help, "client"/"server", stats field, tag for the field's keys)
+    ("raykv_transfer_pulls", "Pulls this worker made, by path", "client", "pulls", "path"),
+    ("raykv_transfer_pulled_bytes", "Page bytes it pulled, by path", "client", "bytes", "path"),
+    ("raykv_transfer_failures", "Its pulls that failed, by reason", "client", "failures", "reason"),
+    ("raykv_transfer_served_pulls", "Pulls its page server answered, by path", "server", "pulls", "path"),
+    ("raykv_transfer_served_bytes", "Page bytes its page server sent, by path", "server", "bytes", "path"),
+    (
+        "raykv_transfer_server_errors",
+        "Requests its page server failed, by reason",
+        "server",
+        "errors",
+        "reason",
+    ),
+)
+
 
 class WorkerMetrics:
-    """Publishes one worker's CacheStats as Prometheus series."""
+    """Publishes one worker's CacheStats and page-transfer stats as Prometheus series."""
 
-    def __init__(self, worker: str) -> None:
+    def __init__(self, worker: str, backend: Any = None) -> None:
+        if backend is None:
+            from ray.util import metrics as backend
         tags = ("worker", "tier")
         self.worker = worker
-        self.hits = metrics.Counter("raykv_hit_blocks", "Blocks reused, by tier", tag_keys=tags)
-        self.misses = metrics.Counter("raykv_miss_blocks", "Blocks not cached", tag_keys=("worker",))
-        self.evictions = metrics.Counter("raykv_evictions", "Blocks dropped, by tier", tag_keys=tags)
-        self.demotions = metrics.Counter("raykv_demotions", "Pages demoted, by source tier", tag_keys=tags)
-        self.promotions = metrics.Counter("raykv_promotions", "Pages promoted, by source tier", tag_keys=tags)
-        self.bytes = metrics.Gauge("raykv_bytes_in_use", "Bytes held, by tier", tag_keys=tags)
-        self.pinned = metrics.Gauge(
+        self.hits = backend.Counter("raykv_hit_blocks", "Blocks reused, by tier", tag_keys=tags)
+        self.misses = backend.Counter("raykv_miss_blocks", "Blocks not cached", tag_keys=("worker",))
+        self.evictions = backend.Counter("raykv_evictions", "Blocks dropped, by tier", tag_keys=tags)
+        self.demotions = backend.Counter("raykv_demotions", "Pages demoted, by source tier", tag_keys=tags)
+        self.promotions = backend.Counter("raykv_promotions", "Pages promoted, by source tier", tag_keys=tags)
+        self.bytes = backend.Gauge("raykv_bytes_in_use", "Bytes held, by tier", tag_keys=tags)
+        self.pinned = backend.Gauge(
             "raykv_pinned_pages", "Pages pinned by active requests", tag_keys=("worker",)
         )
+        self.transfer = {
+            (side, field): (backend.Counter(name, text, tag_keys=("worker", tag)), tag)
+            for name, text, side, field, tag in _TRANSFER_COUNTERS
+        }
+        self.open_leases = backend.Gauge(
+            "raykv_transfer_open_leases", "Leases the page server holds now", tag_keys=("worker",)
+        )
         self._last: CacheStats | None = None
+        self._last_transfer: dict[tuple[str, str], dict[str, int]] = {}
 
-    def update(self, stats: CacheStats) -> None:
-        """Export the change since the previous call."""
+    def update(self, stats: CacheStats, transfer: Mapping[str, Any] | None = None) -> None:
+        """Export the change since the previous call (``transfer``: ``WorkerTransfer.stats()``)."""
         last = self._last
         for i, kind in enumerate(stats.tiers):
             tags = {"worker": self.worker, "tier": kind.name.lower()}
@@ -49,3 +85,17 @@ class WorkerMetrics:
             self.misses.inc(miss_delta, tags={"worker": self.worker})
         self.pinned.set(stats.pinned_pages, tags={"worker": self.worker})
         self._last = stats
+        if transfer is not None:
+            self._update_transfer(transfer)
+
+    def _update_transfer(self, transfer: Mapping[str, Any]) -> None:
+        for (side, field), (counter, tag) in self.transfer.items():
+            now: dict[str, int] = dict(transfer.get(side, {}).get(field, {}))
+            before = self._last_transfer.get((side, field), {})
+            for key, count in now.items():
+                delta = count - before.get(key, 0)
+                if delta > 0:
+                    counter.inc(delta, tags={"worker": self.worker, tag: key})
+            self._last_transfer[(side, field)] = now
+        if "open_leases" in transfer:
+            self.open_leases.set(transfer["open_leases"], tags={"worker": self.worker})

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from actors.metrics import METRICS_INTERVAL_S, WorkerMetrics
 from actors.transfer import PeerRef, WorkerTransfer
 from raykv.config import CacheConfig
 from raykv.errors import InvalidArgumentError
@@ -83,7 +84,9 @@ class CacheWorker:
         self._thread: threading.Thread | None = None
         self.published_batches = 0
         self._inflight: list[Any] = []
-        self._metrics: Any = None
+        self._metrics: WorkerMetrics | None = None
+        self._metrics_lock = threading.Lock()  # one export at a time: each sends a delta
+        self.metrics_exports = 0
         # Page transfers (actors/transfer.py): a page server starts when a token is given.
         self.transfer = WorkerTransfer(self.worker_id, self.manager, attach_to[0] if attach_to else None)
         if token is not None:
@@ -109,9 +112,7 @@ class CacheWorker:
             self._inflight = sink(batch)
 
         self._sink = send
-        from actors.metrics import WorkerMetrics
-
-        self._metrics = WorkerMetrics(self.worker_id)
+        self.enable_metrics()
         for shard in shards:
             shard.register_worker.remote(self.worker_id, self.lane, self.incarnation)
         self.start_publisher()
@@ -138,11 +139,35 @@ class CacheWorker:
             self._thread.start()
 
     def _publish_loop(self) -> None:
+        next_export = 0.0
         while not self._stop.wait(self._interval):
             try:
                 self.flush_events()
+                if self._metrics is not None and time.monotonic() >= next_export:
+                    next_export = time.monotonic() + METRICS_INTERVAL_S
+                    self.export_metrics()
             except Exception:
-                log.exception("%s: publishing events failed", self.worker_id)
+                log.exception("%s: publishing events or metrics failed", self.worker_id)
+
+    # ---- Prometheus metrics (actors/metrics.py) ------------------------------------------------
+    def enable_metrics(self, backend: Any = None) -> None:
+        """Export this worker's cache and page-transfer stats as Prometheus series, through
+        ray.util.metrics (or ``backend``, see :class:`actors.metrics.WorkerMetrics`): on the
+        publisher thread every ``METRICS_INTERVAL_S`` and on :meth:`export_metrics`. Actor mode
+        enables it when attaching. Idempotent: a second call keeps the first exporter."""
+        with self._metrics_lock:
+            if self._metrics is None:
+                self._metrics = WorkerMetrics(self.worker_id, backend)
+
+    def export_metrics(self) -> bool:
+        """Push the stats' change since the last export to the series now; False when metrics
+        are not enabled (nothing done)."""
+        with self._metrics_lock:
+            if self._metrics is None:
+                return False
+            self._metrics.update(self.manager.stats(), self.transfer.stats())
+            self.metrics_exports += 1
+            return True
 
     def flush_events(self) -> int:
         """Drain queued events and hand them to the sink as one batch; returns how many."""
@@ -302,6 +327,7 @@ class CacheWorker:
             "incarnation": self.incarnation,
             "open_requests": self.manager.num_open_requests,
             "blocks": len(self.manager.tree),
+            "metrics_exports": self.metrics_exports,
         }
 
     def stats(self) -> Any:

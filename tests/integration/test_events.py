@@ -169,5 +169,6 @@ def test_workers_keep_answering_with_metrics_exported(deployment: RayKVCluster) 
     for name, handle in deployment.workers.items():
         health = get(handle.health.remote())
         assert health["worker"] == name and health["open_requests"] == 0
+        assert health["metrics_exports"] >= 1  # through ray.util.metrics, every METRICS_INTERVAL_S
     stats = deployment.stats()
     assert set(stats) == set(deployment.worker_ids)

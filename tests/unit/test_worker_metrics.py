@@ -1,0 +1,97 @@
+"""CacheWorker's Prometheus export (actors/metrics.py), in-process with a recording backend: the
+series hold what the stats say, per tag, and a second export adds nothing."""
+
+from __future__ import annotations
+
+import collections
+import secrets
+from collections.abc import Iterator
+
+import pytest
+
+from actors.worker import CacheWorker
+from raykv import CacheConfig, KVLayout, TierConfig, TransferError
+from raykv.transfer import PeerAddress, TransferConfig
+
+CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
+
+
+class Recorder:
+    """Stands in for ray.util.metrics: the current value of every series per tag set."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = collections.defaultdict(float)
+
+    def Counter(self, name: str, description: str = "", tag_keys: tuple[str, ...] = ()) -> Series:
+        return Series(self, name, tag_keys, counter=True)
+
+    def Gauge(self, name: str, description: str = "", tag_keys: tuple[str, ...] = ()) -> Series:
+        return Series(self, name, tag_keys, counter=False)
+
+    def get(self, name: str, **tags: str) -> float:
+        return self.values.get((name, tuple(sorted(tags.items()))), 0.0)
+
+    def named(self, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+        return {tags: v for (n, tags), v in self.values.items() if n == name}
+
+
+class Series:
+    def __init__(self, recorder: Recorder, name: str, tag_keys: tuple[str, ...], counter: bool) -> None:
+        self.recorder, self.name, self.tag_keys, self.counter = recorder, name, tag_keys, counter
+
+    def _key(self, tags: dict[str, str]) -> tuple[str, tuple[tuple[str, str], ...]]:
+        assert set(tags) == set(self.tag_keys), (self.name, tags)
+        return self.name, tuple(sorted(tags.items()))
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        assert self.counter and value > 0, (self.name, value)
+        self.recorder.values[self._key(tags or {})] += value
+
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None:
+        assert not self.counter
+        self.recorder.values[self._key(tags or {})] = value
+
+
+@pytest.fixture
+def workers(layout: KVLayout) -> Iterator[tuple[CacheWorker, CacheWorker]]:
+    token = secrets.token_bytes(32)
+    config = CacheConfig(layout, (TierConfig.host(64 * layout.page_bytes, pin_memory=False),))
+    made = [CacheWorker(name, i, config, token=token, transfer=CFG) for i, name in enumerate("ab")]
+    yield made[0], made[1]
+    for worker in made:
+        worker.shutdown()
+
+
+def test_cache_and_transfer_series_follow_the_stats(workers, layout: KVLayout) -> None:
+    a, b = workers
+    ra, rb = Recorder(), Recorder()
+    assert not a.export_metrics()  # not enabled: nothing done
+    a.enable_metrics(ra)
+    b.enable_metrics(rb)
+    prompt = list(range(10 * layout.tokens_per_block))
+    a.run_request(prompt)
+    a.run_request(prompt)  # every block a hit the second time
+    keys = [bytes(blk.key) for blk in a.manager.committed_blocks()]
+    address = a.page_server_address()
+    assert address is not None
+    outcome = b.pull(address, keys, prefer_shm=False)
+    assert len(outcome.imported) == 10 and outcome.path == "ucx"
+    with pytest.raises(TransferError):
+        b.pull(PeerAddress("127.0.0.1", 1), keys[:1])  # nothing listens there: reason "connect"
+    for _ in range(2):  # the second export sends no change
+        assert a.export_metrics() and b.export_metrics()
+        stats = a.stats()
+        for i, kind in enumerate(stats.tiers):
+            tier = kind.name.lower()
+            assert ra.get("raykv_hit_blocks", worker="a", tier=tier) == stats.hit_blocks[i]
+            assert ra.get("raykv_bytes_in_use", worker="a", tier=tier) == stats.bytes_in_use[i]
+        assert ra.get("raykv_hit_blocks", worker="a", tier="host") == 10
+        assert ra.get("raykv_miss_blocks", worker="a") == stats.miss_blocks > 0
+        nbytes = 10 * layout.page_bytes
+        assert ra.named("raykv_transfer_served_pulls") == {(("path", "ucx"), ("worker", "a")): 1}
+        assert ra.get("raykv_transfer_served_bytes", worker="a", path="ucx") == nbytes
+        assert ra.get("raykv_transfer_open_leases", worker="a") == 0
+        assert rb.named("raykv_transfer_pulls") == {(("path", "ucx"), ("worker", "b")): 1}
+        assert rb.get("raykv_transfer_pulled_bytes", worker="b", path="ucx") == nbytes
+        assert rb.named("raykv_transfer_failures") == {(("reason", "connect"), ("worker", "b")): 1}
+        assert rb.get("raykv_bytes_in_use", worker="b", tier="host") == nbytes
