@@ -5,8 +5,9 @@ bytes in use per tier, pinned pages and the page server's open leases. Tags: wor
 path (``shm_read``/``shm``/``ucx``/``gpu_read``/...) or failure reason.
 
 ``CacheWorker`` exports on its publisher thread every ``METRICS_INTERVAL_S`` (actor mode) and on
-``export_metrics()``. ``backend`` is anything with ray.util.metrics' ``Counter`` and ``Gauge``
-(tests pass a recorder; without Ray nothing else is needed).
+``export_metrics()``; each pull's duration goes to a histogram as it ends. ``backend`` is
+anything with ray.util.metrics' ``Counter``, ``Gauge`` and ``Histogram`` (tests pass a recorder;
+without Ray nothing else is needed).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from raykv.stats import CacheStats
 METRICS_INTERVAL_S = 1.0
 """How often a worker's publisher thread exports its stats (the counters are cumulative, so a
 scrape between two exports only sees the change later)."""
+
+PULL_SECONDS_BOUNDARIES = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+"""Histogram buckets of ``raykv_transfer_pull_seconds`` (100 us to 3 s)."""
 
 _TRANSFER_COUNTERS = (
     # (series, help, "client"/"server", stats field, tag for the field's keys)
@@ -61,6 +65,12 @@ class WorkerMetrics:
         self.open_leases = backend.Gauge(
             "raykv_transfer_open_leases", "Leases the page server holds now", tag_keys=("worker",)
         )
+        self.pull_seconds = backend.Histogram(
+            "raykv_transfer_pull_seconds",
+            "Duration of this worker's pulls (pull and import), by path",
+            boundaries=list(PULL_SECONDS_BOUNDARIES),
+            tag_keys=("worker", "path"),
+        )
         self._last: CacheStats | None = None
         self._last_transfer: dict[tuple[str, str], dict[str, int]] = {}
 
@@ -87,6 +97,10 @@ class WorkerMetrics:
         self._last = stats
         if transfer is not None:
             self._update_transfer(transfer)
+
+    def observe_pull(self, path: str, seconds: float) -> None:
+        """Record one pull's duration (``PullOutcome.path`` and ``.seconds``)."""
+        self.pull_seconds.observe(seconds, tags={"worker": self.worker, "path": path})
 
     def _update_transfer(self, transfer: Mapping[str, Any]) -> None:
         for (side, field), (counter, tag) in self.transfer.items():

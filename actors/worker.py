@@ -310,7 +310,11 @@ class CacheWorker:
         index like any other commit. TransferError (nothing imported) when the transfer fails;
         the caller recomputes.
         """
-        return self.transfer.pull(peer, keys, prefer_shm, verify)
+        outcome = self.transfer.pull(peer, keys, prefer_shm, verify)
+        metrics = self._metrics
+        if metrics is not None:
+            metrics.observe_pull(outcome.path, outcome.seconds)
+        return outcome
 
     def transfer_stats(self) -> dict[str, Any]:
         """Page-server and client counters per path (shm/ucx), and the server's open leases."""

@@ -21,11 +21,18 @@ class Recorder:
 
     def __init__(self) -> None:
         self.values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = collections.defaultdict(float)
+        self.observed: list[tuple[str, dict[str, str], float]] = []
 
     def Counter(self, name: str, description: str = "", tag_keys: tuple[str, ...] = ()) -> Series:
         return Series(self, name, tag_keys, counter=True)
 
     def Gauge(self, name: str, description: str = "", tag_keys: tuple[str, ...] = ()) -> Series:
+        return Series(self, name, tag_keys, counter=False)
+
+    def Histogram(
+        self, name: str, description: str = "", boundaries: list[float] = (), tag_keys: tuple[str, ...] = ()
+    ) -> Series:
+        assert list(boundaries) == sorted(boundaries) and boundaries
         return Series(self, name, tag_keys, counter=False)
 
     def get(self, name: str, **tags: str) -> float:
@@ -50,6 +57,9 @@ class Series:
     def set(self, value: float, tags: dict[str, str] | None = None) -> None:
         assert not self.counter
         self.recorder.values[self._key(tags or {})] = value
+
+    def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
+        self.recorder.observed.append((self.name, tags or {}, value))
 
 
 @pytest.fixture
@@ -76,6 +86,8 @@ def test_cache_and_transfer_series_follow_the_stats(workers, layout: KVLayout) -
     assert address is not None
     outcome = b.pull(address, keys, prefer_shm=False)
     assert len(outcome.imported) == 10 and outcome.path == "ucx"
+    pull_tags = {"worker": "b", "path": "ucx"}
+    assert rb.observed == [("raykv_transfer_pull_seconds", pull_tags, outcome.seconds)]
     with pytest.raises(TransferError):
         b.pull(PeerAddress("127.0.0.1", 1), keys[:1])  # nothing listens there: reason "connect"
     for _ in range(2):  # the second export sends no change
