@@ -14,7 +14,9 @@ A ucx payload of several chunks streams when the ``land`` has a ``stream`` (:dat
 thread of :data:`STREAM_THREADS`, and copies each chunk's rows into the destination tier as soon
 as they arrived (:class:`Arrivals`) while the next chunks are still on the wire; it inserts the
 blocks only once the whole payload arrived and was verified, so a failed pull still imports
-nothing.
+nothing. The destination pages are allocated (evicting as needed) when the header arrives rather
+than after the payload: a pull that then fails has given back its pages, but what it evicted
+for them stays evicted.
 """
 
 from __future__ import annotations

@@ -142,13 +142,34 @@ async def map_rows(row_bytes: int, count: int, fn: Callable[[int, int], list[T]]
     if total <= INLINE_BYTES:
         return fn(0, count)
     pool = _copy_threads()
-    pieces = max(1, min(pool._max_workers, total // PIECE_BYTES, count))
-    bounds = [count * i // pieces for i in range(pieces + 1)]
     loop = asyncio.get_running_loop()
     parts = await asyncio.gather(
-        *(loop.run_in_executor(pool, fn, a, b) for a, b in itertools.pairwise(bounds))
+        *(loop.run_in_executor(pool, fn, a, b) for a, b in _pieces(pool, total, count))
     )
     return [x for part in parts for x in part]
+
+
+def run_rows(row_bytes: int, count: int, fn: Callable[[int, int], list[T]]) -> list[T]:
+    """:func:`map_rows` for a caller that may block (no event loop): this thread runs the first
+    piece, the copy threads the others; returns once every piece ended (the first error raises
+    then). Jobs under two pieces run here alone."""
+    total = row_bytes * count
+    if total < 2 * PIECE_BYTES:
+        return fn(0, count)
+    pool = _copy_threads()
+    first, *rest = _pieces(pool, total, count)
+    others = [pool.submit(fn, a, b) for a, b in rest]
+    try:
+        head = fn(*first)
+    finally:
+        concurrent.futures.wait(others)  # no piece may still write when we return
+    return [*head, *(x for f in others for x in f.result())]
+
+
+def _pieces(pool: concurrent.futures.ThreadPoolExecutor, total: int, count: int) -> list[tuple[int, int]]:
+    """Row ranges covering ``count`` rows: one per copy thread, at least PIECE_BYTES each."""
+    pieces = max(1, min(pool._max_workers, total // PIECE_BYTES, count))
+    return list(itertools.pairwise(count * i // pieces for i in range(pieces + 1)))
 
 
 # ---- UCX --------------------------------------------------------------------------------------
