@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from raykv import threads
 from raykv.config import DTYPES, KVLayout, TierConfig
 from raykv.errors import OutOfMemoryError
 from raykv.tiers.base import PagePool, is_run
@@ -113,18 +114,34 @@ class HostPool(PagePool):
 
     def read_pages(self, slots: list[PageId], out: npt.NDArray[np.uint8]) -> None:
         """One memcpy for a run of consecutive slots, else a gather (``mode="clip"``:
-        ``take(out=)`` with the default mode buffers the whole output first)."""
+        ``take(out=)`` with the default mode buffers the whole output first); several MiB in
+        pieces over the copy threads (:func:`raykv.threads.run_rows`)."""
+        if len(slots) * self.page_bytes < 2 * threads.PIECE_BYTES:
+            self._read(slots, out)
+        else:
+            threads.run_rows(self.page_bytes, len(slots), lambda a, b: self._read(slots[a:b], out[a:b]))
+
+    def write_pages(self, slots: list[PageId], data: npt.NDArray[np.uint8]) -> None:
+        """One memcpy for a run of consecutive slots (a scatter is much slower), else a scatter;
+        several MiB in pieces over the copy threads (:func:`raykv.threads.run_rows`)."""
+        if len(slots) * self.page_bytes < 2 * threads.PIECE_BYTES:
+            self._write(slots, data)
+        else:
+            threads.run_rows(self.page_bytes, len(slots), lambda a, b: self._write(slots[a:b], data[a:b]))
+
+    def _read(self, slots: list[PageId], out: npt.NDArray[np.uint8]) -> list[None]:
         if is_run(slots):
             np.copyto(out, self.array[slots[0] : slots[0] + len(slots)])
         elif slots:
             np.take(self.array, np.asarray(slots, dtype=np.intp), axis=0, out=out, mode="clip")
+        return []
 
-    def write_pages(self, slots: list[PageId], data: npt.NDArray[np.uint8]) -> None:
-        """One memcpy for a run of consecutive slots (a scatter is much slower), else a scatter."""
+    def _write(self, slots: list[PageId], data: npt.NDArray[np.uint8]) -> list[None]:
         if is_run(slots):
             np.copyto(self.array[slots[0] : slots[0] + len(slots)], data)
         elif slots:
             self.array[np.asarray(slots, dtype=np.intp)] = data
+        return []
 
     def close(self) -> None:
         super().close()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import itertools
 import logging
 import os
 import re
@@ -23,6 +22,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from raykv.errors import StateError, TransferError
+from raykv.threads import copy_threads, pieces
 
 log = logging.getLogger(__name__)
 
@@ -116,20 +116,6 @@ async def offload(nbytes: int, fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
-PIECE_BYTES = 4 << 20
-"""Row-wise work (copies, checksums) of more than this is split over the copy threads."""
-_copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _copy_threads() -> concurrent.futures.ThreadPoolExecutor:
-    global _copy_pool
-    with _runtime_lock:
-        if _copy_pool is None:
-            workers = max(2, min(8, os.cpu_count() or 2))
-            _copy_pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="raykv-copy")
-        return _copy_pool
-
-
 async def map_rows(row_bytes: int, count: int, fn: Callable[[int, int], list[T]]) -> list[T]:
     """``fn(first, last)`` over rows ``0 .. count``, results concatenated in row order.
 
@@ -141,35 +127,10 @@ async def map_rows(row_bytes: int, count: int, fn: Callable[[int, int], list[T]]
     total = row_bytes * count
     if total <= INLINE_BYTES:
         return fn(0, count)
-    pool = _copy_threads()
+    pool = copy_threads()
     loop = asyncio.get_running_loop()
-    parts = await asyncio.gather(
-        *(loop.run_in_executor(pool, fn, a, b) for a, b in _pieces(pool, total, count))
-    )
+    parts = await asyncio.gather(*(loop.run_in_executor(pool, fn, a, b) for a, b in pieces(total, count)))
     return [x for part in parts for x in part]
-
-
-def run_rows(row_bytes: int, count: int, fn: Callable[[int, int], list[T]]) -> list[T]:
-    """:func:`map_rows` for a caller that may block (no event loop): this thread runs the first
-    piece, the copy threads the others; returns once every piece ended (the first error raises
-    then). Jobs under two pieces run here alone."""
-    total = row_bytes * count
-    if total < 2 * PIECE_BYTES:
-        return fn(0, count)
-    pool = _copy_threads()
-    first, *rest = _pieces(pool, total, count)
-    others = [pool.submit(fn, a, b) for a, b in rest]
-    try:
-        head = fn(*first)
-    finally:
-        concurrent.futures.wait(others)  # no piece may still write when we return
-    return [*head, *(x for f in others for x in f.result())]
-
-
-def _pieces(pool: concurrent.futures.ThreadPoolExecutor, total: int, count: int) -> list[tuple[int, int]]:
-    """Row ranges covering ``count`` rows: one per copy thread, at least PIECE_BYTES each."""
-    pieces = max(1, min(pool._max_workers, total // PIECE_BYTES, count))
-    return list(itertools.pairwise(count * i // pieces for i in range(pieces + 1)))
 
 
 # ---- UCX --------------------------------------------------------------------------------------

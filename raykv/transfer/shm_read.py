@@ -33,11 +33,11 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.errors import StateError, TransferError
+from raykv.threads import run_rows
 from raykv.tiers import shm_directory
 from raykv.transfer import wire
 from raykv.transfer.landing import Land, LeaseCheck, run_land
 from raykv.transfer.results import PulledPages, check_out
-from raykv.transfer.runtime import run_rows
 from raykv.transfer.shm import ShmMapping, copy_rows
 from raykv.types import BlockKey
 
@@ -223,7 +223,7 @@ def read(
 
 SPLIT_READ_BYTES = 8 << 20
 """A one-sided read of at least this many bytes runs step by step (:func:`_read_steps`), its copy
-in pieces over this thread and the copy threads (:func:`raykv.transfer.runtime.run_rows`): on the
+in pieces over this thread and the copy threads (:func:`raykv.threads.run_rows`): on the
 2-core box one memcpy of 128 MiB moves ~7.5 GB/s and two in parallel ~14.7 GB/s. Smaller ones
 are one C call."""
 

@@ -25,10 +25,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from raykv import threads
 from raykv.errors import InvalidArgumentError
 from raykv.tiers import shm_directory
 from raykv.tiers.shm_directory import DirectoryView, Located, ShmDirectory
-from raykv.transfer import runtime, shm_read
+from raykv.transfer import shm_read
 from raykv.transfer.results import PulledPages
 
 pytestmark = [
@@ -155,7 +156,7 @@ def _split_reads() -> Iterator[None]:
     """Every read as a large one (:func:`shm_read._read_steps`), copied in pieces of one page."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(shm_read, "SPLIT_READ_BYTES", 0)
-        mp.setattr(runtime, "PIECE_BYTES", PAGE)
+        mp.setattr(threads, "PIECE_BYTES", PAGE)
         yield
 
 
@@ -477,34 +478,3 @@ def test_a_chain_s_parents_are_the_keys_before_them(tmp_path: Any) -> None:
             assert list(parents) == list(pure.directory.locate(chain).parents)
             assert [parents[i] is chain[i - 1] for i in range(1, 6)] == [True, True, False, True, True]
             assert parents[3] == POOL[20] and parents[0] == bytes(32)
-
-
-def test_run_rows_covers_every_row_once_and_waits_for_every_piece(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runtime, "PIECE_BYTES", 1)
-    seen: list[tuple[int, int, str]] = []
-
-    def piece(a: int, b: int) -> list[int]:
-        seen.append((a, b, threading.current_thread().name))
-        return list(range(a, b))
-
-    assert runtime.run_rows(1, 1, piece) == [0]  # under two pieces: this thread alone
-    assert seen == [(0, 1, threading.current_thread().name)]
-    seen.clear()
-    assert runtime.run_rows(1, 101, piece) == list(range(101))
-    bounds = sorted((a, b) for a, b, _ in seen)
-    assert len(bounds) >= 2 and all(x[1] == y[0] for x, y in itertools.pairwise(bounds))
-    assert bounds[0][0] == 0 and bounds[-1][1] == 101
-    assert [t for a, _, t in seen if a == 0] == [threading.current_thread().name]
-    assert any(t.startswith("raykv-copy") for *_, t in seen)
-    done = threading.Event()
-
-    def slow_then_fail(a: int, b: int) -> list[int]:
-        if a == 0:
-            raise RuntimeError("first piece")
-        time.sleep(0.05)
-        done.set()
-        return []
-
-    with pytest.raises(RuntimeError, match="first piece"):
-        runtime.run_rows(1, 100, slow_then_fail)
-    assert done.is_set()  # the other pieces ended before the error came back
