@@ -478,7 +478,7 @@ class PageClient:
             if first is not None:
                 flat, data = first.flat, first.data[: len(header.keys)]
             else:
-                flat, data = self._spare.rows(len(header.keys), header.page_bytes, None, True)
+                flat, data = self._spare.take(len(header.keys), header.page_bytes)
             check = self._verify("ucx", verify)
             stream = getattr(land, "stream", None) if check else None
             if stream is not None and streams(header, self._spare.limit) and STREAM_THREADS.take():
