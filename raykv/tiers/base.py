@@ -31,6 +31,21 @@ def is_run(slots: Sequence[int]) -> bool:
     return bool(int(slots[-1]) - first == n - 1 and list(slots) == list(range(first, first + n)))
 
 
+def copy_rows(src: npt.NDArray[np.uint8], slots: Sequence[int], out: npt.NDArray[np.uint8]) -> None:
+    """``out[i] = src[slots[i]]``: one memcpy for a consecutive run, a gather otherwise.
+
+    ``slots`` must be valid rows of ``src`` (the gather uses ``mode="clip"``: numpy buffers the
+    whole output of ``take(..., out=)`` in its default mode, an extra copy).
+    """
+    if not len(slots):
+        return
+    if is_run(slots):
+        first = int(slots[0])
+        np.copyto(out, src[first : first + len(slots)])
+    else:
+        np.take(src, np.asarray(slots, dtype=np.intp), axis=0, out=out, mode="clip")
+
+
 class PagePool(abc.ABC):
     """Fixed-size page slots of one tier. Subclasses own the memory (host, disk or GPU)."""
 

@@ -20,7 +20,7 @@ import numpy.typing as npt
 from raykv import threads
 from raykv.config import DTYPES, KVLayout, TierConfig
 from raykv.errors import OutOfMemoryError
-from raykv.tiers.base import PagePool, is_run
+from raykv.tiers.base import PagePool, copy_rows, is_run
 from raykv.tiers.shm_directory import ShmDirectory
 from raykv.types import PageId, TierKind
 
@@ -113,9 +113,8 @@ class HostPool(PagePool):
         return raw.view(DTYPES[region.spec.dtype][1]).reshape(region.view_shape)
 
     def read_pages(self, slots: list[PageId], out: npt.NDArray[np.uint8]) -> None:
-        """One memcpy for a run of consecutive slots, else a gather (``mode="clip"``:
-        ``take(out=)`` with the default mode buffers the whole output first); several MiB in
-        pieces over the copy threads (:func:`raykv.threads.run_rows`)."""
+        """:func:`raykv.tiers.base.copy_rows` out of the tier; several MiB in pieces over the copy
+        threads (:func:`raykv.threads.run_rows`)."""
         if len(slots) * self.page_bytes < 2 * threads.PIECE_BYTES:
             self._read(slots, out)
         else:
@@ -130,10 +129,7 @@ class HostPool(PagePool):
             threads.run_rows(self.page_bytes, len(slots), lambda a, b: self._write(slots[a:b], data[a:b]))
 
     def _read(self, slots: list[PageId], out: npt.NDArray[np.uint8]) -> list[None]:
-        if is_run(slots):
-            np.copyto(out, self.array[slots[0] : slots[0] + len(slots)])
-        elif slots:
-            np.take(self.array, np.asarray(slots, dtype=np.intp), axis=0, out=out, mode="clip")
+        copy_rows(self.array, slots, out)
         return []
 
     def _write(self, slots: list[PageId], data: npt.NDArray[np.uint8]) -> list[None]:

@@ -17,28 +17,13 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.errors import TransferError
-from raykv.tiers.base import is_run
+from raykv.tiers.base import copy_rows, is_run
 from raykv.tiers.host import SHM_PREFIX
 
 
 def consecutive(slots: Sequence[int]) -> bool:
     """True when ``slots`` is one run ``s, s+1, s+2, ...`` (empty and single lists are)."""
     return not len(slots) or is_run(slots)
-
-
-def copy_rows(src: npt.NDArray[np.uint8], slots: Sequence[int], out: npt.NDArray[np.uint8]) -> None:
-    """``out[i] = src[slots[i]]``: one memcpy for a consecutive run, a gather otherwise.
-
-    ``slots`` must be valid rows of ``src`` (the gather uses ``mode="clip"``: numpy buffers the
-    whole output of ``take(..., out=)`` in its default mode, an extra copy).
-    """
-    if not len(slots):
-        return
-    if consecutive(slots):
-        first = int(slots[0])
-        np.copyto(out, src[first : first + len(slots)])
-    else:
-        np.take(src, np.asarray(slots, dtype=np.intp), axis=0, out=out, mode="clip")
 
 
 class ShmMapping:
