@@ -20,7 +20,7 @@ import ray
 from actors.ray_util import shutdown_ray
 from raykv.bench import SUITES
 from raykv.bench.harness import Benchmark, Row
-from raykv.index import OP_STORE, EventBatch
+from raykv.index.prefix_index import OP_STORE, EventBatch
 
 CLIENTS = 4
 BATCH = 16

@@ -21,14 +21,14 @@ import ray
 from actors.index import IndexClient, IndexShard
 from actors.transfer import deployment_transfer_config
 from actors.worker import CacheWorker
-from raykv.config import CacheConfig, KVLayout, TierConfig
-from raykv.errors import StateError
-from raykv.index import RouteMatch
-from raykv.keys import MultimodalItem, ReuseScope, TokenSeq, block_keys
-from raykv.routing import Decision, RoutingConfig, WorkerLoad, choose
-from raykv.stats import CacheStats
+from raykv.core.config import CacheConfig, KVLayout, TierConfig
+from raykv.core.errors import StateError
+from raykv.core.keys import MultimodalItem, ReuseScope, TokenSeq, block_keys
+from raykv.core.stats import CacheStats
+from raykv.core.types import WorkerId
+from raykv.index.prefix_index import RouteMatch
+from raykv.routing.policy import Decision, RoutingConfig, WorkerLoad, choose
 from raykv.transfer import TransferConfig
-from raykv.types import WorkerId
 
 log = logging.getLogger(__name__)
 

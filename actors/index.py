@@ -1,6 +1,6 @@
-"""IndexShard actors (each wraps one raykv.index.PrefixIndex) and the client that fans out.
+"""IndexShard actors (each wraps one raykv.index.prefix_index.PrefixIndex) and the client that fans out.
 
-A shard owns the keys whose digest maps to it (``raykv.index.shard_of``). Workers push per-shard
+A shard owns the keys whose digest maps to it (``raykv.index.prefix_index.shard_of``). Workers push per-shard
 event sub-batches; when a batch reveals a gap the shard pulls a snapshot from that worker. The
 shard watches every registered worker with a heartbeat and purges a worker's entries once Ray
 reports it dead. A shard restarted by Ray rebuilds from the snapshots of the workers named in its
@@ -16,8 +16,8 @@ from typing import Any
 
 import ray
 
-from raykv.index import ApplyResult, EventBatch, PrefixIndex, RouteMatch, merge_route, shard_of
-from raykv.types import WorkerId
+from raykv.core.types import WorkerId
+from raykv.index.prefix_index import ApplyResult, EventBatch, PrefixIndex, RouteMatch, merge_route, shard_of
 
 log = logging.getLogger(__name__)
 

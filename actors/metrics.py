@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from raykv.stats import CacheStats
+from raykv.core.stats import CacheStats
 
 METRICS_INTERVAL_S = 1.0
 """How often a worker's publisher thread exports its stats (the counters are cumulative, so a

@@ -1,7 +1,7 @@
 """Replay backends: in-process CacheWorkers, or a Ray deployment (``raykv replay``, ``raykv demo``).
 
 Both run the same classes: :class:`actors.worker.CacheWorker` (the content oracle stands in for
-the engine) publishing event batches into :class:`raykv.index.PrefixIndex` shards.
+the engine) publishing event batches into :class:`raykv.index.prefix_index.PrefixIndex` shards.
 
 - :class:`InProcessBackend`: CacheWorker objects in this process, their ``sink`` feeding one
   PrefixIndex directly; a pull is ``export_blocks`` -> ``import_blocks`` (the transfer's data
@@ -30,11 +30,11 @@ from typing import Any
 
 import actors.ray_tree  # noqa: F401 - registers Ray's PrefixTree for the ray_prefix router
 from actors.worker import CacheWorker, RequestOutcome
-from raykv.config import BufferSpec, CacheConfig, KVLayout, LayerSpec, TierConfig
-from raykv.index import PrefixIndex, RouteMatch
+from raykv.core.config import BufferSpec, CacheConfig, KVLayout, LayerSpec, TierConfig
+from raykv.core.types import TierKind, WorkerId
+from raykv.index.prefix_index import PrefixIndex, RouteMatch
 from raykv.replay.engine import Backend, Outcome
 from raykv.replay.trace import BLOCK_TOKENS
-from raykv.types import TierKind, WorkerId
 
 
 def replay_layout() -> KVLayout:

@@ -8,7 +8,7 @@
 - :class:`actors.serve_kv.ReplicaCache` is the replica side: it pairs the replica with one raykv
   CacheWorker, moves pages between them, and keeps the load numbers the replica reports.
 - :class:`actors.serve_kv.PDPairer` picks a (prefill worker, decode worker) pair for a PD proxy
-  (:func:`raykv.pd.choose_pair`); the proxy sends each phase with ``target_worker`` set, and the
+  (:func:`raykv.routing.pd.choose_pair`); the proxy sends each phase with ``target_worker`` set, and the
   CacheAwareRouter of each phase's deployment honors it.
 
 Replica <-> worker mapping: replica ``rank`` (Serve's replica rank, 0..N-1) pairs with worker
@@ -43,10 +43,10 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from actors.cluster import REGISTRY
 from actors.index import IndexClient
-from raykv.index import RouteMatch
-from raykv.keys import ReuseScope, block_keys, lora_id_from_name
-from raykv.routing import RoutingConfig, WorkerLoad, choose
-from raykv.types import WorkerId
+from raykv.core.keys import ReuseScope, block_keys, lora_id_from_name
+from raykv.core.types import WorkerId
+from raykv.index.prefix_index import RouteMatch
+from raykv.routing.policy import RoutingConfig, WorkerLoad, choose
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class RoutedRequest:
 def scope_of(lora_id: Any = None, cache_salt: Any = None) -> ReuseScope:
     """The ReuseScope of a request: a str ``cache_salt`` is hashed (ReuseScope.from_cache_salt),
     an int one is the salt itself; a str ``lora_id`` (an adapter name) maps through
-    :func:`raykv.keys.lora_id_from_name`, an int one is the id itself. Raises ValueError for bad
+    :func:`raykv.core.keys.lora_id_from_name`, an int one is the id itself. Raises ValueError for bad
     values."""
     if isinstance(lora_id, str):
         lora_id = lora_id_from_name(lora_id)

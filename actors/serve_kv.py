@@ -4,7 +4,7 @@
   :mod:`actors.serve`), page moves between them as ExportedBlock records, and the load numbers
   the replica reports through ``record_routing_stats``.
 - :class:`PDPairer`: a prefill/decode proxy's choice of (prefill worker, decode worker) by cache
-  location (:func:`raykv.pd.choose_pair`) and the load it has in flight.
+  location (:func:`raykv.routing.pd.choose_pair`) and the load it has in flight.
 
 Everything here degrades instead of failing a request: a fetch that fails returns no blocks (the
 model recomputes), a store or pull that fails stores nothing, a slow index means load-only
@@ -23,13 +23,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from actors.serve import WORKER_FIELD, IndexLink, RoutedRequest, connect_index
-from raykv.index import RouteMatch
+from raykv.core.keys import ReuseScope, block_keys
+from raykv.core.records import ExportedBlock
+from raykv.core.types import WorkerId
+from raykv.index.prefix_index import RouteMatch
 from raykv.integrations.hf import leading_blocks
-from raykv.keys import ReuseScope, block_keys
-from raykv.pd import PDConfig, PDDecision, choose_pair
-from raykv.records import ExportedBlock
-from raykv.routing import RoutingConfig, WorkerLoad
-from raykv.types import WorkerId
+from raykv.routing.pd import PDConfig, PDDecision, choose_pair
+from raykv.routing.policy import RoutingConfig, WorkerLoad
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.ray_util import shutdown_ray
-from raykv.errors import TransferError
-from raykv.manager import CacheManager
+from raykv.core.errors import TransferError
+from raykv.core.manager import CacheManager
+from raykv.core.types import TierKind
 from raykv.transfer import (
     AuthToken,
     PageClient,
@@ -41,7 +42,6 @@ from raykv.transfer import (
     pull_gpu_local,
 )
 from raykv.transfer.importer import pull_into_local
-from raykv.types import TierKind
 
 log = logging.getLogger(__name__)
 

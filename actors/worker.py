@@ -20,16 +20,16 @@ from typing import Any
 
 from actors.metrics import METRICS_INTERVAL_S, WorkerMetrics
 from actors.transfer import PeerRef, WorkerTransfer
-from raykv.config import CacheConfig
-from raykv.errors import InvalidArgumentError
-from raykv.index import EventBatch
-from raykv.keys import ReuseScope
-from raykv.kvcache import KvCache
-from raykv.manager import CacheManager
-from raykv.records import ExportedBlock, ImportResult, ProbeResult
+from raykv.core.config import CacheConfig
+from raykv.core.errors import InvalidArgumentError
+from raykv.core.keys import ReuseScope
+from raykv.core.kvcache import KvCache
+from raykv.core.manager import CacheManager
+from raykv.core.records import ExportedBlock, ImportResult, ProbeResult
+from raykv.core.types import TierKind, WorkerId
+from raykv.index.prefix_index import EventBatch
 from raykv.testing import ContentOracle
 from raykv.transfer import PeerAddress, PullOutcome, TransferConfig
-from raykv.types import TierKind, WorkerId
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class CacheWorker:
         with self.manager.create(tokens, scope) as cache:
             reused = cache.num_reused_tokens
             if not cache.resume():
-                from raykv.errors import OutOfPagesError
+                from raykv.core.errors import OutOfPagesError
 
                 raise OutOfPagesError(f"{self.worker_id}: request does not fit on the top tier")
             cache.extend(tokens[reused:])

@@ -6,7 +6,7 @@ Three deployments and four raykv CacheWorkers:
 - Decode (2 replicas, paired with workers 2 and 3): pulls the prompt's blocks from the prefill
   worker into its own worker (CacheWorker.pull: raykv's page transfer over UCX), loads them into
   the tiny Llama's KV cache object, computes the short tail and decodes.
-- PDProxy (ingress): picks the (prefill, decode) pair by cache location with raykv.pd
+- PDProxy (ingress): picks the (prefill, decode) pair by cache location with raykv.routing.pd
   (prefill where the prefix is, decode where pulling the result is cheapest), then sends each
   phase with ``target_worker`` set; the CacheAwareRouter on Prefill and Decode honors it.
 
@@ -33,6 +33,7 @@ from ray import serve
 import raykv
 from actors.serve import parse_request, router_config
 from actors.serve_kv import PDPairer, ReplicaCache
+from raykv.core.types import WorkerId
 from raykv.integrations.hf import (
     HFKVAdapter,
     generate_from_blocks,
@@ -42,7 +43,6 @@ from raykv.integrations.hf import (
     tiny_llama,
     tiny_llama_config,
 )
-from raykv.types import WorkerId
 
 SEED = 0
 TPB = 8

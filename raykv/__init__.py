@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from raykv.config import BufferSpec, CacheConfig, KVLayout, LayerSpec, TierConfig
-from raykv.errors import (
+from raykv.core.config import BufferSpec, CacheConfig, KVLayout, LayerSpec, TierConfig
+from raykv.core.errors import (
     CapacityError,
     ConfigError,
     CudaError,
@@ -25,15 +25,15 @@ from raykv.errors import (
     StateError,
     TransferError,
 )
-from raykv.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged, CacheEvent
-from raykv.eviction import EvictionPolicy, PriorityLRU
-from raykv.keys import MultimodalItem, ReuseScope, block_keys, lora_id_from_name
-from raykv.kvcache import KvCache, Status
-from raykv.manager import CacheManager
-from raykv.records import CommittedBlockInfo, ExportedBlock, ImportResult, ProbeResult, page_checksum
-from raykv.stats import CacheStats, RequestStats, StatsDelta
+from raykv.core.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged, CacheEvent
+from raykv.core.eviction import EvictionPolicy, PriorityLRU
+from raykv.core.keys import MultimodalItem, ReuseScope, block_keys, lora_id_from_name
+from raykv.core.kvcache import KvCache, Status
+from raykv.core.manager import CacheManager
+from raykv.core.records import CommittedBlockInfo, ExportedBlock, ImportResult, ProbeResult, page_checksum
+from raykv.core.stats import CacheStats, RequestStats, StatsDelta
+from raykv.core.types import BlockKey, PageId, Priority, RequestId, TierKind, TierLevel, TokenId, WorkerId
 from raykv.testing import ContentOracle
-from raykv.types import BlockKey, PageId, Priority, RequestId, TierKind, TierLevel, TokenId, WorkerId
 
 __version__ = "0.1.0"
 

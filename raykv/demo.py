@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from raykv.config import CacheConfig, KVLayout, TierConfig
-from raykv.keys import ReuseScope
-from raykv.manager import CacheManager
+from raykv.core.config import CacheConfig, KVLayout, TierConfig
+from raykv.core.keys import ReuseScope
+from raykv.core.manager import CacheManager
 from raykv.testing import ContentOracle
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ holds ``(h0 + p * h1 + j * h2) mod 256`` for byte ``j``, with ``h0, h1, h2`` fro
 Only the three hash bytes per (block, buffer) travel to the device; pages are generated, written
 and compared there, and a check brings back one boolean per page.
 
-A *target* is a GPU pool (:class:`~raykv.tiers.gpu.GpuPool`), an engine-side attachment
+A *target* is a GPU pool (:class:`~raykv.core.tiers.gpu.GpuPool`), an engine-side attachment
 (:class:`~raykv.ipc.AttachedPool`) or a bare uint8 ``[num_slots, page_bytes]`` device tensor.
 Work runs on the current stream, after the pool's pending copies of those slots.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from raykv.config import KVLayout
+from raykv.core.config import KVLayout
 
 CHUNK_BYTES = 64 << 20
 """Upper bound on the int32 scratch of one batch (pages are generated in batches)."""

@@ -26,11 +26,11 @@ import tempfile
 import threading
 from typing import Any
 
-from raykv.config import BufferSpec, KVLayout, LayerSpec
-from raykv.errors import StateError, TransferError
-from raykv.tiers.cuda_util import device_by_uuid, device_uuid, ensure_context
-from raykv.tiers.gpu import GpuPool, PageViews
-from raykv.tiers.vmm import ImportedArena, torch_view
+from raykv.core.config import BufferSpec, KVLayout, LayerSpec
+from raykv.core.errors import StateError, TransferError
+from raykv.core.tiers.cuda_util import device_by_uuid, device_uuid, ensure_context
+from raykv.core.tiers.gpu import GpuPool, PageViews
+from raykv.core.tiers.vmm import ImportedArena, torch_view
 
 MAGIC = "raykv-gpu-pool"
 VERSION = 1
@@ -185,7 +185,7 @@ def attach(path: str, timeout: float = 10.0, device: int | None = None) -> Attac
     """Map the GPU pool served at ``path`` (a :class:`PoolExporter`'s socket) into this process.
 
     ``device``: the device that reads and writes the mapping (default: the pool's own device; a
-    peer device reads it over NVLink or PCIe, see :class:`raykv.tiers.vmm.ImportedArena`).
+    peer device reads it over NVLink or PCIe, see :class:`raykv.core.tiers.vmm.ImportedArena`).
     Raises TransferError when nothing serves there or the reply is malformed, CudaError when the
     driver refuses the import.
     """

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from raykv.config import KVLayout
+from raykv.core.config import KVLayout
 
 if TYPE_CHECKING:
-    from raykv.kvcache import KvCache
-    from raykv.manager import CacheManager
+    from raykv.core.kvcache import KvCache
+    from raykv.core.manager import CacheManager
 
 
 class ContentOracle:

@@ -44,8 +44,8 @@ from typing import Any
 import pytest
 
 from raykv import CacheConfig, CacheManager, ContentOracle, KvCache, KVLayout, TierConfig
-from raykv.eviction import EvictionPolicy
-from raykv.page import Page
+from raykv.core.eviction import EvictionPolicy
+from raykv.core.page import Page
 
 
 @pytest.fixture

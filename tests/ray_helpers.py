@@ -14,8 +14,8 @@ import raykv
 from actors.cluster import RayKVCluster
 from actors.ray_util import shutdown_ray
 from raykv import CacheConfig, KVLayout, TierConfig
-from raykv.index import RouteMatch
-from raykv.types import WorkerId
+from raykv.core.types import WorkerId
+from raykv.index.prefix_index import RouteMatch
 
 TPB = 4  # tokens per block of small_config()
 HOST_PAGES = 16

@@ -16,7 +16,7 @@ absolute figures, are what to compare across machines. Suites:
 
 Return codes: 0 when every benchmark ran, 1 when one raised (it is reported, the others still run).
 A slow figure is never a failure: noise must not break CI. An unknown suite name is a programming
-error and raises ValueError (:class:`raykv.errors.InvalidArgumentError`) before anything runs.
+error and raises ValueError (:class:`raykv.core.errors.InvalidArgumentError`) before anything runs.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import TextIO
 
 from raykv.bench.harness import Benchmark, Row, default_streams, run_suite
-from raykv.errors import InvalidArgumentError
+from raykv.core.errors import InvalidArgumentError
 
 
 def _core(quick: bool) -> tuple[list[Benchmark], str]:

@@ -2,7 +2,7 @@
 
 Rows (every figure higher-is-better; every baseline measured in the same run on the same data):
 
-* ``block_keys <input> tpb=N``: MB/s of token bytes hashed by :func:`raykv.keys.block_keys` for an
+* ``block_keys <input> tpb=N``: MB/s of token bytes hashed by :func:`raykv.core.keys.block_keys` for an
   8192-token prompt given as a numpy int32 array or a Python list, against a raw
   ``hashlib.sha256(prev + chunk).digest()`` chain over the same (precomputed) bytes. Issue goal:
   >= 0.7x on the numpy path.
@@ -27,10 +27,10 @@ import numpy.typing as npt
 
 from raykv.bench.core_io import commit_new, copy_benchmark, demotion_benchmark
 from raykv.bench.harness import Benchmark, Row, median_seconds, paired_seconds, timed
-from raykv.config import CacheConfig, KVLayout, TierConfig
-from raykv.keys import DEFAULT_SCOPE, TokenSeq, block_keys
-from raykv.manager import CacheManager
-from raykv.types import BlockKey
+from raykv.core.config import CacheConfig, KVLayout, TierConfig
+from raykv.core.keys import DEFAULT_SCOPE, TokenSeq, block_keys
+from raykv.core.manager import CacheManager
+from raykv.core.types import BlockKey
 
 TOKENS_PER_BLOCK = (16, 32, 64)
 PREFIX_BLOCKS = 100

@@ -27,11 +27,11 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.bench.harness import Row, paired_seconds, timed
-from raykv.config import CacheConfig, KVLayout, TierConfig
-from raykv.manager import CacheManager
-from raykv.tiers.disk import DiskPool
-from raykv.tiers.host import HostPool
-from raykv.types import PageId
+from raykv.core.config import CacheConfig, KVLayout, TierConfig
+from raykv.core.manager import CacheManager
+from raykv.core.tiers.disk import DiskPool
+from raykv.core.tiers.host import HostPool
+from raykv.core.types import PageId
 
 if TYPE_CHECKING:
     from raykv.bench.core import CoreSettings

@@ -27,11 +27,11 @@ import numpy as np
 
 from raykv.bench.core_io import fill_random, page_layout
 from raykv.bench.harness import Benchmark, Row, paired_seconds, timed
-from raykv.config import KVLayout, TierConfig
-from raykv.copy import CopyEngine
-from raykv.errors import CudaError
-from raykv.tiers.host import HostPool
-from raykv.types import PageId
+from raykv.core.config import KVLayout, TierConfig
+from raykv.core.copy import CopyEngine
+from raykv.core.errors import CudaError
+from raykv.core.tiers.host import HostPool
+from raykv.core.types import PageId
 
 PAGE_KIB = (64, 512, 4096)
 GOAL = 0.8
@@ -55,7 +55,7 @@ class _Setup:
     def __init__(self, layout: KVLayout, total_bytes: int, seed: int) -> None:
         import torch
 
-        from raykv.tiers.gpu import GpuPool
+        from raykv.core.tiers.gpu import GpuPool
 
         self.torch = torch
         page = layout.page_bytes
@@ -171,7 +171,7 @@ def d2d_benchmark(settings: GpuSettings, page_kib: int) -> list[Row]:
     """GB/s of page copies within the GPU pool vs one raw device copy of the same bytes."""
     import torch
 
-    from raykv.tiers.gpu import GpuPool
+    from raykv.core.tiers.gpu import GpuPool
 
     layout = page_layout(page_kib)
     page = layout.page_bytes

@@ -85,8 +85,8 @@ def _transports() -> list[str]:
 def gpu_manager(page_kib: int, pages: int, device: int) -> Any:
     """A CacheManager with a GPU top tier of ``pages`` (+4) pages on ``device`` and a host tier."""
     from raykv.bench.core_io import page_layout
-    from raykv.config import CacheConfig, TierConfig
-    from raykv.manager import CacheManager
+    from raykv.core.config import CacheConfig, TierConfig
+    from raykv.core.manager import CacheManager
 
     layout = page_layout(page_kib)
     size = (pages + 4) * layout.page_bytes

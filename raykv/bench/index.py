@@ -1,9 +1,9 @@
-"""In-process benchmarks of the global prefix index (:mod:`raykv.index`).
+"""In-process benchmarks of the global prefix index (:mod:`raykv.index.prefix_index`).
 
 - route latency for a 100-block prefix over 64 workers holding ``total_blocks`` blocks (1M in full
   mode): a typical prefix (held by 1-3 workers) and a popular one (held by all 64). Baseline: a
   plain ``dict.get`` of the same 100 keys, the floor of any index kept in a Python dict (the index
-  beats it with the compiled key table, :mod:`raykv.keytable`; the row says which table ran). The
+  beats it with the compiled key table, :mod:`raykv.index.keytable`; the row says which table ran). The
   note gives p50/p99.
 - event ingest: block events per second applied by one shard, vs inserting the same keys into a
   plain dict (the floor).
@@ -17,10 +17,10 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from raykv import native
 from raykv.bench.harness import Benchmark, Row, gc_paused
-from raykv.index import OP_STORE, EventBatch, PrefixIndex
-from raykv.keytable import compiled_available
-from raykv.types import WorkerId
+from raykv.core.types import WorkerId
+from raykv.index.prefix_index import OP_STORE, EventBatch, PrefixIndex
 
 WORKERS = 64
 CHAIN = 100
@@ -95,7 +95,7 @@ def _route_rows(settings: IndexSettings) -> list[Row]:
         index.apply_batch(EventBatch(WorkerId(f"w{w}"), 1, last + 1, last + 1, ops))
     rng = random.Random(11)
     rows = []
-    table = "compiled" if compiled_available() else "dict"
+    table = "compiled" if native.load("_keytable") is not None else "dict"
     floor_table: dict[bytes, object] = dict.fromkeys((k for c in chains for k in c), 0)
     for label, pick in (
         ("typical (1-3 holders)", lambda: rng.choice(chains)),

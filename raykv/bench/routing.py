@@ -1,7 +1,7 @@
 """Routing decision benchmarks: raykv's index + cost model vs Ray Serve LLM's prefix tree.
 
 Setup (same for both): the built-in replay workload, each session pinned to one of 8 workers
-(the state a cache-aware router converges to). raykv: a :class:`~raykv.index.PrefixIndex` holding
+(the state a cache-aware router converges to). raykv: a :class:`~raykv.index.prefix_index.PrefixIndex` holding
 every request's block keys on its worker; a decision is ``route(keys)`` + ``choose_loads``.
 Baseline: Ray's own ``PrefixTree`` (``ray.llm``, built by the factory ``actors/ray_tree.py``
 registers) holding the same requests as text; a decision is ``prefix_match(text, replicas)`` plus
@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from raykv.bench.harness import Benchmark, Row, gc_paused
-from raykv.index import OP_STORE, EventBatch, PrefixIndex
-from raykv.keys import ReuseScope, block_keys
+from raykv.core.keys import ReuseScope, block_keys
+from raykv.core.types import WorkerId
+from raykv.index.prefix_index import OP_STORE, EventBatch, PrefixIndex
 from raykv.replay.peer_tree import new_prefix_tree
 from raykv.replay.trace import BLOCK_TOKENS, Request, block_text, tokens_for
 from raykv.replay.workload import WorkloadSpec, generate
-from raykv.routing import RoutingConfig, choose_loads
-from raykv.types import WorkerId
+from raykv.routing.policy import RoutingConfig, choose_loads
 
 WORKERS = 8
 

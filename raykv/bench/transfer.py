@@ -25,7 +25,7 @@ For 16 pages or more also:
 - ``ucx pull ..., no receiver CRC``: ``verify=False`` (``import_pages`` then checks the pages).
 
 CRC-32 runs about ten times faster with the optional ``isal`` package installed (the same values;
-see :func:`raykv.records.page_checksum`); on a machine with few cores the CRC passes, not the
+see :func:`raykv.core.records.page_checksum`); on a machine with few cores the CRC passes, not the
 transport, bound the ucx figures without it. Pulls land in a preallocated buffer
 (``PageClient.pull(out=...)``), as the baselines do. Both processes use ``UCX_TLS=tcp,self``
 unless UCX_TLS is set: two nodes would talk TCP, not shared memory. Figures are MB/s (10^6 bytes
@@ -46,9 +46,9 @@ from typing import Any
 import numpy as np
 
 from raykv.bench.harness import Benchmark, Row, Sampler, paired_seconds, timed
-from raykv.config import CacheConfig, KVLayout, TierConfig
-from raykv.manager import CacheManager
-from raykv.records import crc32
+from raykv.core.config import CacheConfig, KVLayout, TierConfig
+from raykv.core.manager import CacheManager
+from raykv.core.records import crc32
 from raykv.transfer import PageClient, PageServer, PeerAddress, TransferConfig, get_runtime, pull_into
 from raykv.transfer.importer import pull_into_local
 from raykv.transfer.runtime import active_transports, configure_ucx, ucx_address, ucx_context, ucx_endpoint

@@ -37,15 +37,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from raykv.config import BufferRegion, KVLayout
-from raykv.errors import InvalidArgumentError, OutOfPagesError
-from raykv.keys import ReuseScope, block_keys
-from raykv.records import ExportedBlock, page_checksum
-from raykv.types import BlockKey
+from raykv.core.config import BufferRegion, KVLayout
+from raykv.core.errors import InvalidArgumentError, OutOfPagesError
+from raykv.core.keys import ReuseScope, block_keys
+from raykv.core.records import ExportedBlock, page_checksum
+from raykv.core.types import BlockKey
 
 if TYPE_CHECKING:
-    from raykv.kvcache import KvCache
-    from raykv.manager import CacheManager
+    from raykv.core.kvcache import KvCache
+    from raykv.core.manager import CacheManager
 
 _TORCH_DTYPES = ("float32", "float16", "bfloat16")
 

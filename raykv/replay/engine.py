@@ -26,12 +26,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from raykv.index import RouteMatch
-from raykv.keys import ReuseScope, block_keys
+from raykv.core.keys import ReuseScope, block_keys
+from raykv.core.types import WorkerId
+from raykv.index.prefix_index import RouteMatch
 from raykv.replay.routers import Prepared, Router, RouterContext
 from raykv.replay.timing import ServerQueues, TimingConfig
 from raykv.replay.trace import BLOCK_TOKENS, Request, tokens_for
-from raykv.types import WorkerId
 
 Progress = Callable[[int, int], None]
 
@@ -61,7 +61,7 @@ class Backend(Protocol):
 
 def prepare(requests: Sequence[Request]) -> list[Prepared]:
     """Each request with its block keys (computed once, shared by every router) and the time
-    :func:`~raykv.keys.block_keys` took on its tokens (``keys_ns``; the tokens are given)."""
+    :func:`~raykv.core.keys.block_keys` took on its tokens (``keys_ns``; the tokens are given)."""
     out = []
     clock = time.perf_counter_ns
     for i, req in enumerate(requests):

@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from raykv.errors import InvalidArgumentError
+from raykv.core.errors import InvalidArgumentError
 from raykv.replay.engine import Backend, Prepared, prepare, replay
 from raykv.replay.report import Summary, summarize
 from raykv.replay.routers import ROUTERS, RaykvTuning, make_router

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from raykv.errors import StateError
+from raykv.core.errors import StateError
 
 _factory: Callable[[], Any] | None = None
 

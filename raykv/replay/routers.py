@@ -19,7 +19,7 @@ ray_prefix
     an actor, adding RPC latency not counted here). Ray's router does not know cache salts.
 raykv
     The global index (``PrefixIndex.route`` over the request's block keys) scored by
-    :func:`raykv.routing.choose_loads`: estimated time to first token on each worker (the work
+    :func:`raykv.routing.policy.choose_loads`: estimated time to first token on each worker (the work
     queued ahead of it, from what a deployment reports, plus the prefill it does not hold), with
     recomputed tokens charged ``1 / load_cost`` (keeps prefixes where they are) unless the prefix
     is hot (in use by a request of this router still in flight on its holder), a load guard,
@@ -58,13 +58,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from raykv.errors import InvalidArgumentError
-from raykv.index import RouteMatch
+from raykv.core.errors import InvalidArgumentError
+from raykv.core.types import WorkerId
+from raykv.index.prefix_index import RouteMatch
 from raykv.replay.peer_tree import new_prefix_tree
 from raykv.replay.timing import ServerQueues, TimingConfig
 from raykv.replay.trace import BLOCK_TOKENS, Request, block_text
-from raykv.routing import RoutingConfig, choose_loads
-from raykv.types import WorkerId
+from raykv.routing.policy import RoutingConfig, choose_loads
 
 ROUTERS = ("random", "pow2", "ray_prefix", "raykv", "raykv_pull", "pooled", "pooled_oracle")
 _NEW = tuple.__new__  # builds a NamedTuple from its field values without the generated __new__
@@ -262,7 +262,7 @@ class RaykvTuning:
 
 
 class RaykvRouter(Router):
-    """Cache-aware routing on the global index with :func:`raykv.routing.choose_loads`."""
+    """Cache-aware routing on the global index with :func:`raykv.routing.policy.choose_loads`."""
 
     name = "raykv"
 

@@ -38,7 +38,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from raykv.errors import InvalidArgumentError
+from raykv.core.errors import InvalidArgumentError
 from raykv.replay.trace import Request, span_s
 
 

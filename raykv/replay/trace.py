@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from raykv.errors import InvalidArgumentError
+from raykv.core.errors import InvalidArgumentError
 
 BLOCK_TOKENS = 512
 """Tokens per block (one Mooncake hash id)."""

@@ -25,8 +25,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from raykv.errors import InvalidArgumentError
-from raykv.keys import ReuseScope
+from raykv.core.errors import InvalidArgumentError
+from raykv.core.keys import ReuseScope
 from raykv.replay.trace import BLOCK_TOKENS, Request
 
 Range = tuple[int, int]

@@ -15,7 +15,7 @@ Layers: ``config`` (settings, addresses) and ``auth`` (token, challenge-response
 (control messages and their limits) at the bottom; ``runtime`` (the loop thread that owns UCX,
 transport checks, byte budgets) and ``shm`` (same-node mappings) and ``payload`` (the sender's
 chunks) above; ``server`` and ``client`` (with ``receive`` and ``landing``) on top, ``importer``
-last. Every failure is a :class:`raykv.errors.TransferError` with a ``reason`` ("auth",
+last. Every failure is a :class:`raykv.core.errors.TransferError` with a ``reason`` ("auth",
 "protocol", "limit", "integrity", "timeout", "closed", "ucx", "connect", "unavailable", "state",
 "fault", "rejected", "cancelled"). ucxx is imported lazily, the first time a server or client
 starts.

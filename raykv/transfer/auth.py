@@ -19,7 +19,7 @@ import hmac
 import secrets
 from typing import Any
 
-from raykv.errors import InvalidArgumentError
+from raykv.core.errors import InvalidArgumentError
 
 NONCE_BYTES = 32
 MIN_TOKEN_BYTES = 16

@@ -5,7 +5,7 @@ receives the header, the payload and the checksums or the server's acknowledgeme
 :mod:`raykv.transfer.wire`). The result is a :class:`PulledPages` whose every page is intact
 (see its ``verified``); anything else (bad token, malformed or oversized message, corrupt page,
 dead or slow peer, a lease that ended early, timeout) raises
-:class:`raykv.errors.TransferError` with a ``reason`` and leaves nothing behind: the connection is
+:class:`raykv.core.errors.TransferError` with a ``reason`` and leaves nothing behind: the connection is
 dropped, UCX receives are cancelled (their endpoint is aborted) and the server ends its lease when
 it sees the connection go. Cancelling the calling task cleans up the same way.
 
@@ -44,7 +44,8 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from raykv.errors import TransferError
+from raykv.core.errors import TransferError
+from raykv.core.types import BlockKey
 from raykv.transfer import shm_read, wire
 from raykv.transfer.auth import AuthToken
 from raykv.transfer.config import Peer, TransferConfig, pull_request
@@ -76,7 +77,6 @@ from raykv.transfer.runtime import (
     within,
 )
 from raykv.transfer.shm import ShmMapping
-from raykv.types import BlockKey
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Every limit is explicit: a control message (msgpack) larger than ``max_header_bytes``, a request
 naming more than ``max_keys`` keys, or a reply payload above ``max_payload_bytes`` is refused with
-a :class:`raykv.errors.TransferError` before any memory is allocated for it.
+a :class:`raykv.core.errors.TransferError` before any memory is allocated for it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from raykv.errors import ConfigError, InvalidArgumentError
-from raykv.types import BlockKey, check_block_keys
+from raykv.core.errors import ConfigError, InvalidArgumentError
+from raykv.core.types import BlockKey, check_block_keys
 
 
 def _positive_int(name: str, value: object) -> int:

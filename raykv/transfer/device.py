@@ -36,17 +36,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from raykv.errors import InvalidArgumentError, TransferError
-from raykv.manager import CacheManager
-from raykv.radix import Block, Root
-from raykv.records import BlockLease
+from raykv.core.errors import InvalidArgumentError, TransferError
+from raykv.core.manager import CacheManager
+from raykv.core.radix import Block, Root
+from raykv.core.records import BlockLease
+from raykv.core.types import DEFAULT_PRIORITY, BlockKey, TierKind, check_block_key, check_priority
 from raykv.transfer import wire
 from raykv.transfer.client import PageClient, Peer
 from raykv.transfer.config import PeerAddress
 from raykv.transfer.importer import PullOutcome
 from raykv.transfer.payload import LeasedPayload
 from raykv.transfer.runtime import ByteBudget, abort_endpoint, cancel_and_wait
-from raykv.types import DEFAULT_PRIORITY, BlockKey, TierKind, check_block_key, check_priority
 
 if TYPE_CHECKING:
     from raykv.transfer.server import PageServer

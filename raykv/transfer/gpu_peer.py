@@ -14,7 +14,7 @@ a peer's shared host tier:
   waits for the client's ``done`` and acknowledges it before the lease ends.
 - client (:func:`pull_gpu_peer_into`): maps the owner's pool once per owner, with access for its
   own top tier's device (NVLink or PCIe peer access; the driver refuses otherwise), then imports
-  with :func:`raykv.transfer_blocks.import_written`: room is made and slots allocated, the pages
+  with :func:`raykv.core.export_import.import_written`: room is made and slots allocated, the pages
   are copied device to device by the tier's copy engine (one DMA copy per consecutive run), the
   copy is waited for, ``done``/``ack`` confirms that the lease lasted, and only then are the
   blocks inserted. Nothing is imported on any failure.
@@ -40,14 +40,16 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from raykv.errors import CudaError, TransferError
-from raykv.events import BlockStored, BlockTierChanged, CacheEvent
-from raykv.manager import CacheManager
-from raykv.pipelined_import import import_pipelined
-from raykv.radix import Block
-from raykv.records import BlockLease, BlockRecords
-from raykv.tiers import shm_directory
-from raykv.tiers.host import SHM_DIR, SHM_PREFIX
+from raykv.core.errors import CudaError, TransferError
+from raykv.core.events import BlockStored, BlockTierChanged, CacheEvent
+from raykv.core.export_import import import_written
+from raykv.core.manager import CacheManager
+from raykv.core.pipelined_import import import_pipelined
+from raykv.core.radix import Block
+from raykv.core.records import BlockLease, BlockRecords
+from raykv.core.tiers import shm_directory
+from raykv.core.tiers.host import SHM_DIR, SHM_PREFIX
+from raykv.core.types import DEFAULT_PRIORITY, BlockKey, PageId, Priority, TierKind, check_priority
 from raykv.transfer import shm_read, wire
 from raykv.transfer.client import PageClient
 from raykv.transfer.config import Peer, pull_request
@@ -55,8 +57,6 @@ from raykv.transfer.connection import ClientConn
 from raykv.transfer.importer import PullOutcome, importable_prefix, pull_into
 from raykv.transfer.landing import LeaseCheck, run_checked
 from raykv.transfer.peer_pools import PoolInfo
-from raykv.transfer_blocks import import_written
-from raykv.types import DEFAULT_PRIORITY, BlockKey, PageId, Priority, TierKind, check_priority
 
 if TYPE_CHECKING:
     from raykv.ipc import AttachedPool, PoolExporter
@@ -87,8 +87,8 @@ class GpuPeerExport:
         """The pool's exporter, started on first use (the pool is ``shared`` from then on)."""
         with self._lock:
             if self._exporter is None:
+                from raykv.core.tiers.cuda_util import device_uuid
                 from raykv.ipc import PoolExporter
-                from raykv.tiers.cuda_util import device_uuid
 
                 pool: Any = self.manager.top_pool
                 self._exporter = PoolExporter(pool)
@@ -148,7 +148,7 @@ class GpuPeerExport:
 
 
 class GpuDirectory:
-    """The slot directory of an exported GPU tier (:mod:`raykv.tiers.shm_directory`), kept by
+    """The slot directory of an exported GPU tier (:mod:`raykv.core.tiers.shm_directory`), kept by
     the owner: a committed block on the tier is bound once its bytes are in place (its commit's
     event or its copy completed; until then it waits in a deferred list that every later event
     and every served request sweep), and unbound by the tier when its slot is released. One per
@@ -365,7 +365,7 @@ async def _pull_batch(
 LOCAL_PATH = "gpu_read"
 PIPELINE_SHARES = (8, 8, 8, 7, 1)
 """Chunk sizes of a pipelined import. The copies of every chunk that fits in free slots start
-before validation, in one batch (:func:`raykv.pipelined_import.import_pipelined`), so the GPU
+before validation, in one batch (:func:`raykv.core.pipelined_import.import_pipelined`), so the GPU
 copies back to back while the chunks are staged and inserted; the small last one (8 of 256) keeps
 the insert that nothing overlaps short. On 2x H200, 256 x 2 MiB, medians of 60 pulls in one run:
 (8, 8, 8, 7, 1) 1.70 ms, (8, 8, 8, 5, 2, 1) 1.73 ms, (8, 8, 6, 4, 3, 2, 1) 1.67 ms: within the
@@ -518,7 +518,7 @@ def chunk_starts(count: int) -> list[int]:
 def start_copies(source: AttachedPool, batches: list[tuple[list[int], list[PageId]]], pool: Any) -> list[Any]:
     """Start copying, for each ``(src, dst)`` batch, pages ``src`` of a mapped peer pool onto
     pages ``dst`` of ``pool`` (a GpuPool), queued in order on the pool's copy stream after one
-    wait (:meth:`raykv.tiers.cuda_copy.CudaCopier.copy_many`): one event per batch (None for an
+    wait (:meth:`raykv.core.tiers.cuda_copy.CudaCopier.copy_many`): one event per batch (None for an
     empty one), which becomes the pending event of that batch's ``dst``, so those slots are not
     reused or read before their copy ends.
 

@@ -27,13 +27,13 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from raykv.errors import ImportRejectedError, IntegrityError, TransferError
-from raykv.manager import CacheManager
-from raykv.records import BlockRecords, ImportResult
+from raykv.core.errors import ImportRejectedError, IntegrityError, TransferError
+from raykv.core.export_import import import_written, rows_of
+from raykv.core.manager import CacheManager
+from raykv.core.records import BlockRecords, ImportResult
+from raykv.core.types import DEFAULT_PRIORITY, BlockKey, PageId
 from raykv.transfer.client import PageClient, Peer, PulledPages
 from raykv.transfer.landing import Arrivals
-from raykv.transfer_blocks import import_written, rows_of
-from raykv.types import DEFAULT_PRIORITY, BlockKey, PageId
 
 
 @dataclass(frozen=True)

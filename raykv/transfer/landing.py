@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from raykv.errors import TransferError
+from raykv.core.errors import TransferError
 from raykv.transfer.payload import usable_cores
 from raykv.transfer.results import PulledPages
 

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from raykv.records import LeasedBlock, page_checksum
+from raykv.core.records import LeasedBlock, page_checksum
+from raykv.core.types import PageId, TierKind
 from raykv.transfer.shm import consecutive
-from raykv.types import PageId, TierKind
 
 if TYPE_CHECKING:
-    from raykv.manager import CacheManager
+    from raykv.core.manager import CacheManager
 
 
 MIN_CHUNK_BYTES = 256 << 10
@@ -96,7 +96,7 @@ def settle_pages(manager: CacheManager, blocks: tuple[LeasedBlock, ...]) -> None
     device slots, waited for on the host because UCX reads device memory on its own streams).
     """
     if TierKind.GPU not in manager.tier_kinds:
-        return  # host and disk copies are synchronous (raykv.copy): nothing can be in flight
+        return  # host and disk copies are synchronous (raykv.core.copy): nothing can be in flight
     by_level: dict[int, list[PageId]] = {}
     for block in blocks:
         by_level.setdefault(block.level, []).append(PageId(block.slot))

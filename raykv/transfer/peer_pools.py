@@ -7,7 +7,7 @@ import dataclasses
 import threading
 from typing import TYPE_CHECKING, Any
 
-from raykv.errors import StateError
+from raykv.core.errors import StateError
 from raykv.transfer import wire
 
 if TYPE_CHECKING:

@@ -12,8 +12,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from raykv.errors import TransferError
-from raykv.records import page_checksum
+from raykv.core.errors import TransferError
+from raykv.core.records import page_checksum
 from raykv.transfer import wire
 from raykv.transfer.payload import split_counts
 from raykv.transfer.runtime import abort_endpoint, cancel_and_wait, map_rows, tag_recv

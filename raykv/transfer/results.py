@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from raykv.errors import InvalidArgumentError
-from raykv.records import BlockRecords, ExportedBlock, page_checksum
+from raykv.core.errors import InvalidArgumentError
+from raykv.core.records import BlockRecords, ExportedBlock, page_checksum
+from raykv.core.types import BlockKey
 from raykv.transfer import wire
-from raykv.types import BlockKey
 
 
 @dataclass(frozen=True)

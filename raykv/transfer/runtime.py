@@ -21,8 +21,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from raykv.errors import StateError, TransferError
-from raykv.threads import copy_threads, pieces
+from raykv.core.errors import StateError, TransferError
+from raykv.core.threads import copy_threads, pieces
 
 log = logging.getLogger(__name__)
 

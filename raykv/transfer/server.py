@@ -40,10 +40,11 @@ from typing import Any
 
 import numpy as np
 
-from raykv.errors import RayKVError, TransferError
-from raykv.manager import CacheManager
-from raykv.records import BlockLease, LeasedBlock, page_checksum
-from raykv.tiers.host import HostPool
+from raykv.core.errors import RayKVError, TransferError
+from raykv.core.manager import CacheManager
+from raykv.core.records import BlockLease, LeasedBlock, page_checksum
+from raykv.core.tiers.host import HostPool
+from raykv.core.types import TierKind
 from raykv.transfer import wire
 from raykv.transfer.auth import CLIENT_LABEL, NONCE_BYTES, SERVER_LABEL, AuthToken, new_nonce
 from raykv.transfer.config import PeerAddress, TransferConfig
@@ -65,7 +66,6 @@ from raykv.transfer.runtime import (
     ucx_endpoint,
     within,
 )
-from raykv.types import TierKind
 
 log = logging.getLogger(__name__)
 

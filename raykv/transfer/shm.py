@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from raykv.errors import TransferError
-from raykv.tiers.base import copy_rows, is_run
-from raykv.tiers.host import SHM_PREFIX
+from raykv.core.errors import TransferError
+from raykv.core.tiers.base import copy_rows, is_run
+from raykv.core.tiers.host import SHM_PREFIX
 
 
 def consecutive(slots: Sequence[int]) -> bool:

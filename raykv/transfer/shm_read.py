@@ -1,7 +1,7 @@
 """The ``shm_read`` path: same-node pulls with no request at all (one-sided reads).
 
 After a client has once connected to a same-node page server that has a shared host tier, it maps
-that tier and its slot directory (:mod:`raykv.tiers.shm_directory`) read-only. A later pull of
+that tier and its slot directory (:mod:`raykv.core.tiers.shm_directory`) read-only. A later pull of
 keys that are all bound in the directory is served in the calling thread: locate the slots, copy
 the pages (one memcpy per run of consecutive slots), and check that every slot still holds its
 key at the generation seen before the copy. Nothing is sent to the owner, so a small pull costs
@@ -13,18 +13,17 @@ For :meth:`raykv.transfer.PageClient.pull_land` the import reads the rows straig
 mapping and its ``confirm`` (run after the rows are written, before any block is inserted)
 re-checks the generations, so a page that changed during the import rejects it whole.
 
-Two readers give the same answers: the compiled ``raykv._shmread.Reader`` (built by ``pip
+Two readers give the same answers: the compiled ``raykv.native._shmread.Reader`` (built by ``pip
 install`` where a C compiler is present; one C call locates, copies and re-checks) and this
-module's Python over :class:`raykv.tiers.shm_directory.DirectoryView`, used when the extension
+module's Python over :class:`raykv.core.tiers.shm_directory.DirectoryView`, used when the extension
 was not built or ``RAYKV_PURE_SHM_READ=1`` (read when a peer is mapped; see
-:func:`compiled_available`). For one 64 KiB page the checks cost several times the copy in Python.
+``raykv.native.load("_shmread")``). For one 64 KiB page the checks cost several times the copy in Python.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Any, TypeVar
@@ -32,41 +31,34 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from raykv.errors import StateError, TransferError
-from raykv.threads import run_rows
-from raykv.tiers import shm_directory
+from raykv import native
+from raykv.core.errors import StateError, TransferError
+from raykv.core.threads import run_rows
+from raykv.core.tiers import shm_directory
+from raykv.core.types import BlockKey
 from raykv.transfer import wire
 from raykv.transfer.landing import Land, LeaseCheck, run_land
 from raykv.transfer.results import PulledPages, check_out
 from raykv.transfer.shm import ShmMapping, copy_rows
-from raykv.types import BlockKey
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-try:  # the optional compiled reader
-    from raykv import _shmread
-except ImportError:  # pragma: no cover - depends on the build
-    _shmread = None
+_shmread = native.built("_shmread")  # the optional compiled reader (see raykv.native)
 
 PATH = "shm_read"
 after_copy: Callable[[], object] | None = None
 """Tests only: called (no arguments) between a read's copy and its re-check, by both readers."""
 
 
-def compiled_available() -> bool:
-    """Whether the compiled reader was built (and not disabled with ``RAYKV_PURE_SHM_READ=1``)."""
-    return _shmread is not None and os.environ.get("RAYKV_PURE_SHM_READ", "") != "1"
-
-
 def compiled_reader(directory: Any, tier: Any, num_slots: int, page_bytes: int, force: bool = False) -> Any:
-    """A ``raykv._shmread.Reader`` over a directory buffer (:mod:`raykv.tiers.shm_directory`'s
+    """A ``raykv.native._shmread.Reader`` over a directory buffer (:mod:`raykv.core.tiers.shm_directory`'s
     layout for ``num_slots``) and a tier buffer of ``num_slots`` pages of ``page_bytes``, whose
     ``read`` returns what :func:`read` does (``tier`` None: a reader that only locates and
-    re-checks, whose ``read`` raises ValueError); None when :func:`compiled_available` is False
+    re-checks, whose ``read`` raises ValueError); None when it is switched off (``RAYKV_PURE_SHM_READ=1``)
     (``force``: whenever the extension was built, for tests comparing both readers). ValueError
     when a buffer is too small for that."""
-    if _shmread is None or not (force or compiled_available()):
+    if _shmread is None or not (force or native.load("_shmread") is not None):
         return None
     offsets, cells = shm_directory.offsets(num_slots)
     reader = _shmread.Reader(
@@ -90,7 +82,7 @@ def compiled_reader(directory: Any, tier: Any, num_slots: int, page_bytes: int, 
 
 
 def tally_python(counters: Sequence[Any], key: str, amounts: Sequence[int]) -> None:
-    """``counters[i][key] += amounts[i]`` for every i (``raykv._shmread.tally`` does the same
+    """``counters[i][key] += amounts[i]`` for every i (``raykv.native._shmread.tally`` does the same
     through the dict C API: a Counter's own item stores cost ~0.1 us each, it defines
     ``__delitem__``, and a one-sided pull counts three)."""
     for counts, amount in zip(counters, amounts):
@@ -197,7 +189,7 @@ def _raise_unless_stale(exc: TransferError) -> None:
 
 
 def usable() -> bool:
-    """Whether this machine may read one-sided (see :func:`raykv.tiers.shm_directory.supported`)."""
+    """Whether this machine may read one-sided (see :func:`raykv.core.tiers.shm_directory.supported`)."""
     return shm_directory.supported()
 
 
@@ -223,7 +215,7 @@ def read(
 
 SPLIT_READ_BYTES = 8 << 20
 """A one-sided read of at least this many bytes runs step by step (:func:`_read_steps`), its copy
-in pieces over this thread and the copy threads (:func:`raykv.threads.run_rows`): on the
+in pieces over this thread and the copy threads (:func:`raykv.core.threads.run_rows`): on the
 2-core box one memcpy of 128 MiB moves ~7.5 GB/s and two in parallel ~14.7 GB/s. Smaller ones
 are one C call."""
 
@@ -271,7 +263,7 @@ class DirectoryLookup:
     """A peer's slot directory mapped read-only (``directory``) and, when built, a locate-only
     compiled reader over it (``compiled``, None: the Python view answers): what :func:`locate`
     and :func:`unchanged` need for a tier this process does not map (a GPU tier's directory).
-    Raises OSError or StateError as :class:`raykv.tiers.shm_directory.DirectoryReader`."""
+    Raises OSError or StateError as :class:`raykv.core.tiers.shm_directory.DirectoryReader`."""
 
     def __init__(self, tier_path: str, num_slots: int, page_bytes: int) -> None:
         self.directory = shm_directory.DirectoryReader(tier_path, num_slots, page_bytes)

@@ -2,7 +2,7 @@
 
 Framing on the control stream: a 4-byte big-endian length, then one msgpack map of at most
 ``max_header_bytes``. A longer length prefix, bytes that are not msgpack, or a map with missing or
-ill-typed fields is a :class:`raykv.errors.TransferError` with ``reason="protocol"``; nothing is
+ill-typed fields is a :class:`raykv.core.errors.TransferError` with ``reason="protocol"``; nothing is
 allocated for a refused message beyond its (bounded) bytes.
 
 Messages (``t`` field):
@@ -25,7 +25,7 @@ header     s -> c     keys found (request order), parent keys, parent_is_root, n
                       page size, path, payload layout: pages per chunk (ucx, direct) or slots
                       (shm, gpu_peer); direct: a device digest per page
                       (:mod:`raykv.transfer.device`)
-sums       s -> c     one CRC-32 (:func:`raykv.records.page_checksum`) per page, sent right
+sums       s -> c     one CRC-32 (:func:`raykv.core.records.page_checksum`) per page, sent right
                       after the header's payload has been handed to UCX (see below); for a
                       payload of at most 1 MiB, or pages whose checksums the server kept from
                       an earlier send, they travel in ``header`` instead. Always on the ucx
@@ -57,7 +57,7 @@ from typing import Any
 
 import msgpack
 
-from raykv.errors import TransferError
+from raykv.core.errors import TransferError
 
 VERSION = 4  # 3: ucx pulls may post their first receive with the request (``posted``); 4: ``split``
 PATHS = ("shm", "ucx", "direct", "gpu_peer")

@@ -13,12 +13,12 @@ if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
     pytest.skip("needs CUDA", allow_module_level=True)
 
 import raykv  # noqa: E402
-from raykv.copy import CopyEngine  # noqa: E402
+from raykv.core.copy import CopyEngine  # noqa: E402
+from raykv.core.tiers.cuda_copy import runs  # noqa: E402
+from raykv.core.tiers.gpu import GpuPool  # noqa: E402
+from raykv.core.tiers.host import HostPool  # noqa: E402
+from raykv.core.types import PageId  # noqa: E402
 from raykv.gpu_oracle import DeviceOracle  # noqa: E402
-from raykv.tiers.cuda_copy import runs  # noqa: E402
-from raykv.tiers.gpu import GpuPool  # noqa: E402
-from raykv.tiers.host import HostPool  # noqa: E402
-from raykv.types import PageId  # noqa: E402
 
 
 def _manager(layout: raykv.KVLayout, gpu: int, host: int, disk: int) -> raykv.CacheManager:

@@ -18,10 +18,10 @@ if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
     pytest.skip("needs CUDA", allow_module_level=True)
 
 import raykv  # noqa: E402
-from raykv.errors import StateError, TransferError  # noqa: E402
+from raykv.core.errors import StateError, TransferError  # noqa: E402
+from raykv.core.tiers.gpu import GpuPool  # noqa: E402
 from raykv.gpu_oracle import DeviceOracle  # noqa: E402
 from raykv.ipc import PoolExporter, attach  # noqa: E402
-from raykv.tiers.gpu import GpuPool  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = Path(__file__).with_name("engine_proc.py")

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
     pytest.skip("needs CUDA", allow_module_level=True)
 
 import raykv  # noqa: E402
-from raykv.tiers.gpu import GpuPool  # noqa: E402
+from raykv.core.tiers.gpu import GpuPool  # noqa: E402
 
 
 def _manager(gpu_pages: int, host_pages: int, disk_pages: int) -> raykv.CacheManager:

@@ -24,8 +24,9 @@ pytest.importorskip("ucxx")
 
 from raykv import ContentOracle, TransferError  # noqa: E402
 from raykv.bench.gpu_transfer import Scenario, ServerProcess, _transports, gpu_manager  # noqa: E402
+from raykv.core.manager import CacheManager  # noqa: E402
+from raykv.core.types import BlockKey  # noqa: E402
 from raykv.gpu_oracle import DeviceOracle  # noqa: E402
-from raykv.manager import CacheManager  # noqa: E402
 from raykv.transfer import (  # noqa: E402
     PageClient,
     PeerAddress,
@@ -36,7 +37,6 @@ from raykv.transfer import (  # noqa: E402
     pull_into,
 )
 from raykv.transfer.device import pull_direct_into  # noqa: E402
-from raykv.types import BlockKey  # noqa: E402
 
 SCENARIO = Scenario("64x512KiB", 512, 64)
 CFG = TransferConfig(host="127.0.0.1", timeout_s=30.0, connect_timeout_s=10.0)

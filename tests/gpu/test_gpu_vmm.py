@@ -14,11 +14,11 @@ if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
     pytest.skip("needs CUDA", allow_module_level=True)
 
 import raykv  # noqa: E402
-from raykv.errors import CudaError, InvalidArgumentError, OutOfMemoryError, StateError  # noqa: E402
+from raykv.core.errors import CudaError, InvalidArgumentError, OutOfMemoryError, StateError  # noqa: E402
+from raykv.core.tiers.cuda_util import check, driver  # noqa: E402
+from raykv.core.tiers.gpu import GpuPool  # noqa: E402
+from raykv.core.types import PageId  # noqa: E402
 from raykv.gpu_oracle import DeviceOracle  # noqa: E402
-from raykv.tiers.cuda_util import check, driver  # noqa: E402
-from raykv.tiers.gpu import GpuPool  # noqa: E402
-from raykv.types import PageId  # noqa: E402
 
 LAYOUT = raykv.KVLayout.uniform(4, 2, 64, tokens_per_block=16, dtype="bfloat16")
 

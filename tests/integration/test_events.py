@@ -11,8 +11,8 @@ from ray_helpers import DISK_PAGES, HOST_PAGES, get, index_view, poll, snapshot_
 import raykv
 from actors.cluster import RayKVCluster
 from raykv import TierKind
-from raykv.index import OP_REMOVE, OP_STORE, EventBatch
-from raykv.types import WorkerId
+from raykv.core.types import WorkerId
+from raykv.index.prefix_index import OP_REMOVE, OP_STORE, EventBatch
 
 
 def test_events_reach_the_index(deployment: RayKVCluster) -> None:

@@ -19,7 +19,7 @@ from ray_helpers import expected_route, get, poll, running, small_config, snapsh
 
 from actors.cluster import RayKVCluster
 from actors.worker import CacheWorker
-from raykv.index import OP_STORE, REORDER_WINDOW, EventBatch
+from raykv.index.prefix_index import OP_STORE, REORDER_WINDOW, EventBatch
 
 INCARNATION = 7
 _lanes = itertools.count(50)
@@ -140,7 +140,7 @@ def test_gap_is_closed_by_a_snapshot(single: RayKVCluster, tap: tuple[str, Any])
 def test_malformed_batch_of_newer_incarnation_changes_nothing(
     single: RayKVCluster, tap: tuple[str, Any]
 ) -> None:
-    """A rejected batch must change nothing (raykv/index.py docstring), whatever its incarnation."""
+    """A rejected batch must change nothing (prefix_index docstring), whatever its incarnation."""
     name, handle = tap
     shard = single.shards[0]
     prompts = _drive(handle, 95, 2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from raykv import block_keys
-from raykv.records import BlockRecords
+from raykv.core.records import BlockRecords
 
 TPB = 4  # tokens per block of the conftest layout
 

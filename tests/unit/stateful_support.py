@@ -8,10 +8,10 @@ from typing import Any
 
 import hypothesis.strategies as st
 
-from raykv.config import CacheConfig, KVLayout, TierConfig
-from raykv.keys import ReuseScope, block_keys
-from raykv.manager import CacheManager
-from raykv.stats import CacheStats, StatsDelta
+from raykv.core.config import CacheConfig, KVLayout, TierConfig
+from raykv.core.keys import ReuseScope, block_keys
+from raykv.core.manager import CacheManager
+from raykv.core.stats import CacheStats, StatsDelta
 from raykv.testing import ContentOracle
 
 LAYOUT = KVLayout.uniform(2, 2, 8, tokens_per_block=4)

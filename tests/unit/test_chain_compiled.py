@@ -1,4 +1,4 @@
-"""raykv._chain (compiled) builds imported pages and chains of blocks exactly as Python does.
+"""raykv.native._chain (compiled) builds imported pages and chains of blocks exactly as Python does.
 
 Each test runs with the compiled builder (when it was built, as ``pip install`` does) and with
 the Python one, and compares what comes out field by field; the builder's own refusals (a class
@@ -14,14 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import raykv.page as page_mod
-import raykv.radix as radix_mod
-from raykv.page import Page, new_pages
-from raykv.radix import Block, BlockRadixTree, Root
-from raykv.types import BlockKey, PageId, Priority, TierLevel
+import raykv.core.page as page_mod
+import raykv.core.radix as radix_mod
+from raykv.core.page import Page, new_pages
+from raykv.core.radix import Block, BlockRadixTree, Root
+from raykv.core.types import BlockKey, PageId, Priority, TierLevel
 
 try:
-    from raykv import _chain  # type: ignore[attr-defined]
+    from raykv.native import _chain  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - CI builds it
     _chain = None
 
@@ -32,8 +32,8 @@ PAGE_FIELDS = ("level", "slot", "priority", "block", "pins", "leases", "holders"
 def builder(request, monkeypatch):
     if request.param == "compiled":
         if _chain is None:
-            pytest.skip("raykv._chain was not built")
-        assert page_mod.compiled_available() and radix_mod._chain is _chain
+            pytest.skip("raykv.native._chain was not built")
+        assert page_mod.bound_chain() is _chain and radix_mod._chain is _chain
     else:
         monkeypatch.setattr(page_mod, "_chain", None)
         monkeypatch.setattr(radix_mod, "_chain", None)
@@ -116,7 +116,7 @@ def test_chains_are_freed_with_the_tree(builder) -> None:
     assert [sys.getrefcount(k) for k in keys] == base
 
 
-@pytest.mark.skipif(_chain is None, reason="raykv._chain was not built")
+@pytest.mark.skipif(_chain is None, reason="raykv.native._chain was not built")
 def test_the_builder_refuses_what_it_cannot_build() -> None:
     class NoQueued:
         __slots__ = ("block", "holders", "leases", "level", "pins", "priority", "slot", "uid")
@@ -158,10 +158,10 @@ key_items = st.one_of(
 def test_all_keys_checks_keys_as_the_set_passes_and_check_block_keys_agrees(items, kind) -> None:
     """``all_keys`` (check_block_keys' fast pass) is True exactly for a list or tuple of exact
     32-byte bytes; check_block_keys gives the same keys or the same ValueError either way."""
-    from raykv import types
+    from raykv.core import types
 
     if _chain is None:
-        pytest.skip("raykv._chain was not built")
+        pytest.skip("raykv.native._chain was not built")
     seq = kind(items)
     plain = kind in (list, tuple) and all(type(k) is bytes and len(k) == 32 for k in items)
     assert _chain.all_keys(seq) is plain
@@ -188,10 +188,10 @@ def _state(policy) -> list:
 
 
 def test_a_chain_is_queued_for_eviction_as_page_by_page(builder) -> None:
-    """PriorityLRU.add_many (raykv._chain.queue_chain when compiled): the same queues, order and
+    """PriorityLRU.add_many (raykv.native._chain.queue_chain when compiled): the same queues, order and
     counts as adding each page; mixed levels or priorities go where each page belongs; a page
     already queued raises ValueError with nothing queued (no empty queue left either)."""
-    from raykv.eviction import PriorityLRU
+    from raykv.core.eviction import PriorityLRU
 
     def pages(level: int, first: int, n: int, priority: int = 50) -> list[Page]:
         return new_pages(TierLevel(level), [PageId(first + i) for i in range(n)], Priority(priority))

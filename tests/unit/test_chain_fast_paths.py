@@ -11,13 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from import_support import chain, toks
 
-import raykv.radix as radix_mod
+import raykv.core.radix as radix_mod
 from raykv import ImportRejectedError
-from raykv.errors import StateError
-from raykv.page import Page
-from raykv.radix import BlockRadixTree, Root
-from raykv.tiers.cuda_copy import one_run
-from raykv.types import BlockKey, PageId, Priority, TierLevel, check_block_keys
+from raykv.core.errors import StateError
+from raykv.core.page import Page
+from raykv.core.radix import BlockRadixTree, Root
+from raykv.core.tiers.cuda_copy import one_run
+from raykv.core.types import BlockKey, PageId, Priority, TierLevel, check_block_keys
 
 
 def _pages(n: int) -> list[Page]:
@@ -119,7 +119,7 @@ def test_an_import_with_compensating_key_sizes_is_rejected(make_manager, run_req
 
 
 def test_policy_add_many_queues_as_add_one_by_one() -> None:
-    from raykv.eviction import PriorityLRU
+    from raykv.core.eviction import PriorityLRU
 
     one, many = PriorityLRU(2), PriorityLRU(2)
     first, second = _pages(6), _pages(6)
@@ -142,7 +142,7 @@ def test_policy_add_many_queues_as_add_one_by_one() -> None:
 
 def test_slot_events_forget_an_event_known_complete() -> None:
     """``completed(event)`` drops that event (its slots count as ready, no query), others stay."""
-    from raykv.tiers.cuda_util import SlotEvents
+    from raykv.core.tiers.cuda_util import SlotEvents
 
     class Event:
         def __init__(self) -> None:
@@ -179,7 +179,7 @@ def test_slot_events_follow_the_latest_event_of_each_slot(batches, done, asked) 
     """``set`` of runs (a slice), scattered lists and arrays (an index array), growing the token
     array as slots appear: ``pending`` always names the distinct latest events of the slots asked
     about that are not known complete, in the order they were set (a plain dict model)."""
-    from raykv.tiers.cuda_util import SlotEvents
+    from raykv.core.tiers.cuda_util import SlotEvents
 
     class Event:
         def query(self) -> bool:

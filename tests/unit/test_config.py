@@ -9,9 +9,9 @@ import pickle
 
 import pytest
 
-from raykv.config import BufferSpec, CacheConfig, KVLayout, LayerSpec, TierConfig
-from raykv.errors import ConfigError, NotFoundError, RoleNotFoundError
-from raykv.types import TierKind
+from raykv.core.config import BufferSpec, CacheConfig, KVLayout, LayerSpec, TierConfig
+from raykv.core.errors import ConfigError, NotFoundError, RoleNotFoundError
+from raykv.core.types import TierKind
 
 
 def small_layout(tpb: int = 4) -> KVLayout:

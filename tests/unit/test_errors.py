@@ -9,8 +9,8 @@ import pickle
 import pytest
 
 import raykv
-from raykv import errors
-from raykv.errors import (
+from raykv.core import errors
+from raykv.core.errors import (
     CapacityError,
     ConfigError,
     CudaError,

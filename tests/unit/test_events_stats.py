@@ -13,16 +13,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raykv.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged, EventQueue
-from raykv.records import (
+from raykv.core.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged, EventQueue
+from raykv.core.records import (
     CommittedBlockInfo,
     ExportedBlock,
     ImportResult,
     ProbeResult,
     page_checksum,
 )
-from raykv.stats import CacheStats, StatsDelta
-from raykv.types import TierKind
+from raykv.core.stats import CacheStats, StatsDelta
+from raykv.core.types import TierKind
 
 
 def key(i: int) -> bytes:

@@ -21,8 +21,8 @@ from raykv import (
     TierKind,
     block_keys,
 )
-from raykv.config import DISK_ALIGN
-from raykv.tiers import DiskPool, HostPool
+from raykv.core.config import DISK_ALIGN
+from raykv.core.tiers import DiskPool, HostPool
 
 TPB = 4
 HOST, DISK = TierKind.HOST, TierKind.DISK

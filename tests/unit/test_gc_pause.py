@@ -1,4 +1,4 @@
-"""raykv.gc_pause: the collector paused over a section, and its due young passes run only where
+"""raykv.core.gc_pause: the collector paused over a section, and its due young passes run only where
 the section says it would wait; pipelined imports use both (no collection amid their inserts)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from import_support import chain, toks
 from test_import_pipelined import Copier, starts
 
 from raykv import TransferError
-from raykv.gc_pause import collect_if_due, paused
-from raykv.pipelined_import import import_pipelined
+from raykv.core.gc_pause import collect_if_due, paused
+from raykv.core.pipelined_import import import_pipelined
 
 
 @pytest.fixture

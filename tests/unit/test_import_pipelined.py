@@ -14,10 +14,10 @@ import dataclasses
 import pytest
 from import_support import chain, toks
 
-import raykv.pipelined_import as tb
+import raykv.core.pipelined_import as tb
 from raykv import ImportRejectedError, TransferError
-from raykv.pipelined_import import import_pipelined
-from raykv.records import BlockRecords
+from raykv.core.pipelined_import import import_pipelined
+from raykv.core.records import BlockRecords
 
 
 def starts(count: int, per: int) -> list[int]:
@@ -221,7 +221,7 @@ def test_committed_chunks_stay_while_later_ones_settle(make_manager, oracle, run
 def test_chain_scan_agrees_with_the_full_scan(make_manager, run_request, monkeypatch, defect):
     """The C-level scan of chain-shaped batches returns what the per-record scan returns, and
     leaves every batch with a problem to it (same error, same record)."""
-    import raykv.transfer_blocks as tb
+    import raykv.core.export_import as tb
 
     src, dst = make_manager(16), make_manager(16)
     records, data, _ = chain(src, run_request, toks(1, 24))

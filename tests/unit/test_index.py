@@ -1,4 +1,4 @@
-"""The pure global prefix index (raykv/index.py): shard routing, event batches, route results
+"""The pure global prefix index (raykv/index/prefix_index.py): shard routing, event batches, route results
 (prefix length, tier counts, predicted credit) against a brute-force reference, the event-stream
 rules (duplicates, reordering, gaps and snapshots, overlaps, incarnations, rejections), and
 convergence of a real CacheManager's event stream however it is delivered."""
@@ -12,8 +12,9 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from raykv.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged
-from raykv.index import (
+from raykv.core.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged
+from raykv.core.types import TierKind
+from raykv.index.prefix_index import (
     MAX_LANES,
     MAX_ROUTE_BLOCKS,
     OP_CLEAR,
@@ -25,8 +26,7 @@ from raykv.index import (
     RouteMatch,
     shard_of,
 )
-from raykv.index import ApplyResult as R
-from raykv.types import TierKind
+from raykv.index.prefix_index import ApplyResult as R
 
 KEYS = [hashlib.sha256(i.to_bytes(8, "big")).digest() for i in range(64)]
 CLEAR = (OP_CLEAR, b"", 0)

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raykv.keys import MM_MARKER, MultimodalItem, ReuseScope, block_keys
+from raykv.core.keys import MM_MARKER, MultimodalItem, ReuseScope, block_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 U64_MAX = 2**64 - 1
@@ -44,7 +44,7 @@ def ref_block_keys(tokens: list[int], tpb: int, root: bytes | None = None) -> li
 
 
 def ref_mm_block_key(parent: bytes, tokens: list[int], start: int, items: list[MultimodalItem]) -> bytes:
-    """The multimodal encoding documented in raykv/keys.py's module docstring."""
+    """The multimodal encoding documented in raykv/core/keys.py's module docstring."""
     body = MM_MARKER
     for i, tok in enumerate(tokens):
         pos = start + i
@@ -231,7 +231,7 @@ def test_bad_scope(bad):
 
 # ----------------------------------------------------------------------------- PYTHONHASHSEED
 _CHILD = """
-from raykv.keys import ReuseScope, block_keys
+from raykv.core.keys import ReuseScope, block_keys
 out = []
 for scope in (ReuseScope(), ReuseScope(7, 2**64 - 1), ReuseScope.from_cache_salt("tenant")):
     out.append(scope.root_key().hex())

@@ -1,4 +1,4 @@
-"""raykv.keytable: the compiled KeyTable behaves as the dict-based one, op for op.
+"""raykv.index.keytable: the compiled KeyTable behaves as the dict-based one, op for op.
 
 Random programs of stores, overwrites, deletes, lookups (single and batched, with malformed keys
 among them), clears and listings run against both tables and a plain dict; every answer and the
@@ -15,9 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raykv.keytable import DictKeyTable, compiled_available, new_key_table
+from raykv import native
+from raykv.index.keytable import DictKeyTable, new_key_table
 
-compiled = pytest.mark.skipif(not compiled_available(), reason="raykv._keytable was not built")
+compiled = pytest.mark.skipif(native.load("_keytable") is None, reason="raykv.native._keytable was not built")
 
 POOL = [bytes([i]) * 32 for i in range(12)] + [os.urandom(32) for _ in range(12)]
 BAD = [b"short", b"x" * 33, "a str of 32 characters long....", bytearray(32), 7, None, (1,)]

@@ -139,7 +139,13 @@ def test_every_submodule_imports_without_ray():
     names = set(out["names"])
     assert names == expected_submodules()
     # sanity: walk_packages really found the core modules, including subpackages
-    for must in ("raykv.keys", "raykv.config", "raykv.manager", "raykv.tiers.gpu", "raykv.tiers.host"):
+    for must in (
+        "raykv.core.keys",
+        "raykv.core.config",
+        "raykv.core.manager",
+        "raykv.core.tiers.gpu",
+        "raykv.core.tiers.host",
+    ):
         assert must in names
     assert out["failed"] == {}
     for stage in ("after_root", "after_all"):

@@ -26,11 +26,11 @@ from stateful_support import (
     record_keys,
 )
 
-from raykv.errors import OutOfPagesError
-from raykv.keys import ReuseScope
-from raykv.kvcache import KvCache, Status
-from raykv.manager import CacheManager
-from raykv.types import TierKind
+from raykv.core.errors import OutOfPagesError
+from raykv.core.keys import ReuseScope
+from raykv.core.kvcache import KvCache, Status
+from raykv.core.manager import CacheManager
+from raykv.core.types import TierKind
 
 # ---- property test against a dict model of committed keys --------------------------------------
 OPS = st.one_of(

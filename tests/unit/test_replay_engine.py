@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from actors.replay import in_process
-from raykv.errors import InvalidArgumentError
+from raykv.core.errors import InvalidArgumentError
+from raykv.core.types import WorkerId
 from raykv.replay import GridSpec, TimingConfig, generate, run_grid
 from raykv.replay.engine import RunResult, prepare, replay
 from raykv.replay.report import format_table, goal_checks, summarize, write_json, write_plot
@@ -29,7 +30,6 @@ from raykv.replay.routers import (
 from raykv.replay.timing import ServerQueues
 from raykv.replay.trace import BLOCK_TOKENS, Request
 from raykv.replay.workload import WorkloadSpec
-from raykv.types import WorkerId
 
 TIMING = TimingConfig(speed=1000.0)
 

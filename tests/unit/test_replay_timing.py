@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raykv.errors import InvalidArgumentError
+from raykv.core.errors import InvalidArgumentError
 from raykv.replay.timing import ServerQueues, TimingConfig
 from raykv.replay.trace import Request
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from raykv.errors import InvalidArgumentError
-from raykv.keys import ReuseScope, block_keys
+from raykv.core.errors import InvalidArgumentError
+from raykv.core.keys import ReuseScope, block_keys
 from raykv.replay.trace import (
     BLOCK_TOKENS,
     MAX_HASH_ID,

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from raykv.errors import InvalidArgumentError
-from raykv.index import RouteMatch
-from raykv.routing import RoutingConfig, WorkerLoad, choose, choose_loads
-from raykv.types import WorkerId
+from raykv.core.errors import InvalidArgumentError
+from raykv.core.types import WorkerId
+from raykv.index.prefix_index import RouteMatch
+from raykv.routing.policy import RoutingConfig, WorkerLoad, choose, choose_loads
 
 A, B, C = WorkerId("a"), WorkerId("b"), WorkerId("c")
 CFG = RoutingConfig(tokens_per_block=16)

@@ -23,9 +23,9 @@ from actors.serve import (
     scope_of,
     worker_of,
 )
-from raykv.index import OP_STORE, EventBatch, PrefixIndex, RouteMatch
-from raykv.keys import ReuseScope, block_keys, lora_id_from_name
-from raykv.types import WorkerId
+from raykv.core.keys import ReuseScope, block_keys, lora_id_from_name
+from raykv.core.types import WorkerId
+from raykv.index.prefix_index import OP_STORE, EventBatch, PrefixIndex, RouteMatch
 
 TPB = 4
 A, B, C = WorkerId("w-a"), WorkerId("w-b"), WorkerId("w-c")

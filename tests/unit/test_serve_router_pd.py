@@ -1,4 +1,4 @@
-"""Prefill/decode pairing by cache location (raykv.pd.choose_pair) on hand-built cases."""
+"""Prefill/decode pairing by cache location (raykv.routing.pd.choose_pair) on hand-built cases."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from raykv.errors import InvalidArgumentError
-from raykv.index import RouteMatch
-from raykv.pd import PDConfig, choose_pair
-from raykv.routing import RoutingConfig, WorkerLoad
-from raykv.types import WorkerId
+from raykv.core.errors import InvalidArgumentError
+from raykv.core.types import WorkerId
+from raykv.index.prefix_index import RouteMatch
+from raykv.routing.pd import PDConfig, choose_pair
+from raykv.routing.policy import RoutingConfig, WorkerLoad
 
 P1, P2, D1, D2 = (WorkerId(n) for n in ("p1", "p2", "d1", "d2"))
 CFG = PDConfig(RoutingConfig(tokens_per_block=16), transfer_cost=0.1, remote_node_factor=4.0)

@@ -1,4 +1,4 @@
-"""The compiled one-sided reader (``raykv._shmread``) answers exactly as the Python one.
+"""The compiled one-sided reader (``raykv.native._shmread``) answers exactly as the Python one.
 
 Random directory states (binds, unbinds, duplicate keys, keys whose first 8 bytes read 0 or 1,
 slots left mid-edit, table cells corrupted to point anywhere) are read by both readers: every
@@ -25,15 +25,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raykv import threads
-from raykv.errors import InvalidArgumentError
-from raykv.tiers import shm_directory
-from raykv.tiers.shm_directory import DirectoryView, Located, ShmDirectory
+from raykv.core import threads
+from raykv.core.errors import InvalidArgumentError
+from raykv.core.tiers import shm_directory
+from raykv.core.tiers.shm_directory import DirectoryView, Located, ShmDirectory
 from raykv.transfer import shm_read
 from raykv.transfer.results import PulledPages
 
 pytestmark = [
-    pytest.mark.skipif(shm_read._shmread is None, reason="raykv._shmread was not built"),
+    pytest.mark.skipif(shm_read._shmread is None, reason="raykv.native._shmread was not built"),
     pytest.mark.skipif(not shm_directory.supported(), reason="one-sided reads need x86-64"),
 ]
 

@@ -46,14 +46,20 @@ from stateful_support import (
     snapshot,
 )
 
-from raykv.errors import ImportRejectedError, IntegrityError, OutOfPagesError, ResourceBusyError, StateError
-from raykv.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged
-from raykv.keys import ReuseScope, block_keys
-from raykv.kvcache import KvCache, Status
-from raykv.manager import CacheManager
-from raykv.records import ExportedBlock
-from raykv.stats import StatsDelta
-from raykv.types import TierKind
+from raykv.core.errors import (
+    ImportRejectedError,
+    IntegrityError,
+    OutOfPagesError,
+    ResourceBusyError,
+    StateError,
+)
+from raykv.core.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged
+from raykv.core.keys import ReuseScope, block_keys
+from raykv.core.kvcache import KvCache, Status
+from raykv.core.manager import CacheManager
+from raykv.core.records import ExportedBlock
+from raykv.core.stats import StatsDelta
+from raykv.core.types import TierKind
 
 
 class CacheMachine(RuleBasedStateMachine):

@@ -1,4 +1,4 @@
-"""The copy threads (raykv/threads.py) and the host tier's copies in pieces over them."""
+"""The copy threads (raykv/core/threads.py) and the host tier's copies in pieces over them."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from raykv import threads
-from raykv.config import KVLayout, TierConfig
-from raykv.tiers.host import HostPool
-from raykv.types import PageId
+from raykv.core import threads
+from raykv.core.config import KVLayout, TierConfig
+from raykv.core.tiers.host import HostPool
+from raykv.core.types import PageId
 
 
 def test_run_rows_covers_every_row_once_and_waits_for_every_piece(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,7 @@ import pytest
 from transfer_support import commit, run, seq
 
 from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError
-from raykv.records import page_checksum
+from raykv.core.records import page_checksum
 from raykv.transfer import (
     AuthToken,
     PageClient,

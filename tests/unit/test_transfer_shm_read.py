@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from transfer_support import Pair, commit, host_pair, run, seq
 
-from raykv import ContentOracle, KVLayout, TransferError
-from raykv.errors import InvalidArgumentError, StateError
-from raykv.tiers import shm_directory
-from raykv.tiers.shm_directory import DirectoryReader, ShmDirectory
+from raykv import ContentOracle, KVLayout, TransferError, native
+from raykv.core.errors import InvalidArgumentError, StateError
+from raykv.core.tiers import shm_directory
+from raykv.core.tiers.shm_directory import DirectoryReader, ShmDirectory
 from raykv.transfer import (
     TransferConfig,
     pull_into,
@@ -201,7 +201,7 @@ def test_a_directory_lookup_locates_without_the_tier(
     directory = ShmDirectory(path, 64, 1 << 20)  # a 64 MiB tier that is never created
     lookup = shm_read.DirectoryLookup(path, 64, 1 << 20)
     try:
-        assert (lookup.compiled is None) == (pure or not shm_read.compiled_available())
+        assert (lookup.compiled is None) == (pure or not (native.load("_shmread") is not None))
         keys = [_key(i) for i in range(40)]
         for slot, key in enumerate(keys):
             directory.bind(slot + 7, key, bytes(32) if slot == 0 else keys[slot - 1], slot == 0, 16)
@@ -419,7 +419,7 @@ def test_runs_are_located_like_one_key_at_a_time_and_checked_whole(tmp_path: obj
 
 
 def test_located_part_keeps_the_run_start() -> None:
-    from raykv.tiers.shm_directory import Located
+    from raykv.core.tiers.shm_directory import Located
 
     run = Located(
         [5, 6, 7, 8], [2, 2, 4, 2], [b"a", b"b", b"c", b"d"], [True, False, False, False], [4] * 4, 5
@@ -459,12 +459,12 @@ def test_compiled_and_python_readers_pull_the_same_pages(
     chains = _commit_interleaved(pair, oracle, (41, 42), 4)
     run_keys = commit(pair.src, oracle, seq(43, 4))
     local = _local(pair, run_keys)
-    assert (local.compiled is not None) == shm_read.compiled_available()
+    assert (local.compiled is not None) == (native.load("_shmread") is not None)
     fast = local.compiled or shm_read.compiled_reader(
         local.directory._mmap, local.mapping._mmap, len(local.mapping.array), local.page_bytes, force=True
     )
     if fast is None:
-        pytest.skip("raykv._shmread was not built")
+        pytest.skip("raykv.native._shmread was not built")
     out = np.zeros((8, pair.src.layout.page_bytes), dtype=np.uint8)
     for keys in (run_keys, run_keys[1:2], chains[0], [chains[1][0], *run_keys[2:]], [bytes(32)]):
         answers = []
@@ -489,7 +489,7 @@ def test_pure_reader_is_selected_by_the_environment(
     pair: Pair, oracle: ContentOracle, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("RAYKV_PURE_SHM_READ", "1")
-    assert not shm_read.compiled_available()
+    assert not (native.load("_shmread") is not None)
     keys = commit(pair.src, oracle, seq(44, 3))
     local = _local(pair, keys)
     assert local.compiled is None

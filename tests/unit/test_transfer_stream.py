@@ -16,7 +16,7 @@ import pytest
 from transfer_support import Pair, commit, host_pair, run, seq
 
 from raykv import ContentOracle, KVLayout, TransferError
-from raykv.errors import OutOfPagesError
+from raykv.core.errors import OutOfPagesError
 from raykv.transfer import TransferConfig, landing, pull_into
 from raykv.transfer.landing import Arrivals
 

@@ -1,0 +1,72 @@
+"""The optional compiled pieces of raykv and the one place that loads them.
+
+``pip install`` builds three C extensions through ``setup.py`` when a C compiler and the Python
+headers are present. They are optional: without them the install goes on and Python does the same
+work, slower. Each can also be switched off at run time with an environment variable:
+
+=============  ================================================================  =====================
+extension      speeds up                                                         switched off by
+=============  ================================================================  =====================
+``_keytable``  the prefix index's key table (:mod:`raykv.index.keytable`)        ``RAYKV_PURE_INDEX=1``
+``_shmread``   same-node one-sided reads (:mod:`raykv.transfer.shm_read`)        ``RAYKV_PURE_SHM_READ=1``
+``_chain``     building imported pages and chains of blocks (:mod:`raykv.core`)  ``RAYKV_PURE_CHAIN=1``
+=============  ================================================================  =====================
+
+:func:`load` is what the modules above call; :func:`status` is what ``raykv info`` and CI print.
+This module imports nothing of raykv's (layer 0).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+SWITCHES: dict[str, str] = {
+    "_keytable": "RAYKV_PURE_INDEX",
+    "_shmread": "RAYKV_PURE_SHM_READ",
+    "_chain": "RAYKV_PURE_CHAIN",
+}
+
+_built: dict[str, ModuleType | None] = {}
+
+
+def built(name: str) -> ModuleType | None:
+    """The compiled module ``raykv.native.<name>``, or None when it was not built.
+
+    Raises KeyError for a name that is not one of :data:`SWITCHES`. The import is attempted once.
+    """
+    if name not in SWITCHES:
+        raise KeyError(f"no compiled extension named {name!r}; known: {sorted(SWITCHES)}")
+    if name not in _built:
+        try:
+            _built[name] = importlib.import_module(f"raykv.native.{name}")
+        except ImportError:
+            _built[name] = None
+    return _built[name]
+
+
+def switched_off(name: str) -> bool:
+    """Whether the extension's environment switch (``RAYKV_PURE_*=1``) is set now."""
+    return os.environ.get(SWITCHES[name], "") == "1"
+
+
+def load(name: str) -> ModuleType | None:
+    """The compiled module when it was built and is not switched off now, else None.
+
+    The switch is read at every call, so a caller that loads once (at import) fixes its choice
+    then, and one that loads per use follows the environment.
+    """
+    module = built(name)
+    return None if module is None or switched_off(name) else module
+
+
+def status() -> dict[str, str]:
+    """Each extension's state in words: ``compiled``, ``python (not built)`` or ``python (VAR=1)``."""
+    out = {}
+    for name, var in SWITCHES.items():
+        if built(name) is None:
+            out[name] = "python (not built)"
+        else:
+            out[name] = f"python ({var}=1)" if switched_off(name) else "compiled"
+    return out

@@ -1,0 +1,337 @@
+/* raykv.native._keytable: a hash table from 32-byte block keys to Python objects.
+ *
+ * The prefix index maps every cached block's key (a SHA-256 digest) to an interned entry. A dict
+ * pays, per lookup, SipHash over the key and three dependent cache misses (index slot, entry, the
+ * stored key object); at a million keys a 100-key route is ~20 us of misses. This table stores
+ * each key's 32 bytes inline next to its value (one 48-byte slot), takes its slot from the key's own first 8 bytes
+ * (digests are uniform; a multiply spreads them anyway), and get_many() computes every slot and
+ * prefetches it before resolving any, so the misses of one route overlap.
+ *
+ * Contract (mirrored by raykv.index.keytable.DictKeyTable, the pure-Python fallback):
+ *   get(key, default=None), t[key], t[key] = value, del t[key], key in t, len(t), get_many(keys)
+ *   (a list of values, None where absent), prefetch(keys) (no result: warms the slots of a batch of
+ *   stores), keys() (a list of new bytes objects), clear().
+ *   A key is a bytes object of exactly 32 bytes; get/get_many/in answer "absent" for anything else,
+ *   t[key] = v raises TypeError for it, t[key]/del t[key] raise KeyError. Values are strong
+ *   references; the table is not tracked by the cycle collector, so a value must not refer back to
+ *   its table (the index's values are tuples of ints). Not thread-safe beyond the GIL.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define KEY_BYTES 32
+#define EMPTY 0
+#define TOMB 1
+#define MIN_CAP 64
+#define BATCH 64
+
+typedef struct {
+    uint64_t tag;                   /* EMPTY, TOMB, or the key's tag (>= 2) */
+    unsigned char key[KEY_BYTES];   /* the key's bytes */
+    PyObject *value;                /* owned while the slot is live */
+} Slot;                             /* 48 bytes: a probe reads one slot, not three arrays */
+
+typedef struct {
+    PyObject_HEAD
+    Slot *slots;
+    Py_ssize_t cap;        /* a power of two */
+    Py_ssize_t used;       /* live slots */
+    Py_ssize_t filled;     /* live + tombstone slots */
+} KeyTable;
+
+static inline uint64_t tag_of(const unsigned char *key) {
+    uint64_t h;
+    memcpy(&h, key, 8);
+    h *= 0x9E3779B97F4A7C15ULL;
+    h ^= h >> 29;
+    return h < 2 ? h + 2 : h;
+}
+
+static inline const unsigned char *key_bytes(PyObject *key) {
+    if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) != KEY_BYTES) return NULL;
+    return (const unsigned char *)PyBytes_AS_STRING(key);
+}
+
+/* The slot holding key (or -1). */
+static Py_ssize_t find(KeyTable *t, const unsigned char *key, uint64_t tag) {
+    Py_ssize_t mask = t->cap - 1, i = (Py_ssize_t)(tag & (uint64_t)mask);
+    for (;;) {
+        const Slot *s = &t->slots[i];
+        if (s->tag == EMPTY) return -1;
+        if (s->tag == tag && memcmp(s->key, key, KEY_BYTES) == 0) return i;
+        i = (i + 1) & mask;
+    }
+}
+
+static int alloc_arrays(KeyTable *t, Py_ssize_t cap) {
+    Slot *slots = PyMem_Calloc((size_t)cap, sizeof(Slot)); /* all tags EMPTY, values NULL */
+    if (!slots) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    t->slots = slots;
+    t->cap = cap;
+    t->used = 0;
+    t->filled = 0;
+    return 0;
+}
+
+/* Rehash the live slots into arrays of new_cap slots (drops the tombstones). */
+static int resize(KeyTable *t, Py_ssize_t new_cap) {
+    Slot *old = t->slots;
+    Py_ssize_t old_cap = t->cap, used = t->used, filled = t->filled;
+    if (alloc_arrays(t, new_cap) < 0) {
+        t->slots = old;
+        t->cap = old_cap;
+        t->used = used;
+        t->filled = filled;
+        return -1;
+    }
+    Py_ssize_t mask = new_cap - 1;
+    for (Py_ssize_t j = 0; j < old_cap; j++) {
+        if (old[j].tag < 2) continue;
+        Py_ssize_t i = (Py_ssize_t)(old[j].tag & (uint64_t)mask);
+        while (t->slots[i].tag != EMPTY) i = (i + 1) & mask;
+        t->slots[i] = old[j];
+    }
+    t->used = used;
+    t->filled = used;
+    PyMem_Free(old);
+    return 0;
+}
+
+static int set_item(KeyTable *t, const unsigned char *key, PyObject *value) {
+    uint64_t tag = tag_of(key);
+    Py_ssize_t at = find(t, key, tag);
+    if (at >= 0) {
+        PyObject *old = t->slots[at].value;
+        Py_INCREF(value);
+        t->slots[at].value = value;
+        Py_DECREF(old);
+        return 0;
+    }
+    if (2 * (t->filled + 1) > t->cap) {
+        Py_ssize_t cap = t->cap;
+        while (4 * (t->used + 1) > cap) cap *= 2; /* live keys at most a quarter full after */
+        if (resize(t, cap) < 0) return -1;
+    }
+    Py_ssize_t mask = t->cap - 1, i = (Py_ssize_t)(tag & (uint64_t)mask);
+    while (t->slots[i].tag >= 2) i = (i + 1) & mask; /* first empty or tombstone slot */
+    Slot *s = &t->slots[i];
+    if (s->tag == EMPTY) t->filled++;
+    s->tag = tag;
+    memcpy(s->key, key, KEY_BYTES);
+    Py_INCREF(value);
+    s->value = value;
+    t->used++;
+    return 0;
+}
+
+static int del_item(KeyTable *t, PyObject *keyobj) {
+    const unsigned char *key = key_bytes(keyobj);
+    Py_ssize_t at = key ? find(t, key, tag_of(key)) : -1;
+    if (at < 0) {
+        PyErr_SetObject(PyExc_KeyError, keyobj);
+        return -1;
+    }
+    PyObject *old = t->slots[at].value;
+    t->slots[at].value = NULL;
+    t->slots[at].tag = TOMB;
+    t->used--;
+    Py_DECREF(old);
+    return 0;
+}
+
+static void clear_all(KeyTable *t) {
+    for (Py_ssize_t i = 0; i < t->cap; i++) {
+        if (t->slots[i].tag >= 2) Py_CLEAR(t->slots[i].value);
+        t->slots[i].tag = EMPTY;
+    }
+    t->used = 0;
+    t->filled = 0;
+}
+
+/* ---- Python API ---------------------------------------------------------------------------- */
+static PyObject *KeyTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if ((args && PyTuple_GET_SIZE(args)) || (kwds && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "KeyTable() takes no arguments");
+        return NULL;
+    }
+    KeyTable *t = (KeyTable *)type->tp_alloc(type, 0);
+    if (!t) return NULL;
+    if (alloc_arrays(t, MIN_CAP) < 0) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    return (PyObject *)t;
+}
+
+static void KeyTable_dealloc(KeyTable *t) {
+    if (t->slots) clear_all(t);
+    PyMem_Free(t->slots);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static Py_ssize_t KeyTable_len(KeyTable *t) { return t->used; }
+
+static PyObject *KeyTable_getitem(KeyTable *t, PyObject *keyobj) {
+    const unsigned char *key = key_bytes(keyobj);
+    Py_ssize_t at = key ? find(t, key, tag_of(key)) : -1;
+    if (at < 0) {
+        PyErr_SetObject(PyExc_KeyError, keyobj);
+        return NULL;
+    }
+    return Py_NewRef(t->slots[at].value);
+}
+
+static int KeyTable_ass_sub(KeyTable *t, PyObject *keyobj, PyObject *value) {
+    if (value == NULL) return del_item(t, keyobj);
+    const unsigned char *key = key_bytes(keyobj);
+    if (!key) {
+        PyErr_SetString(PyExc_TypeError, "KeyTable keys are bytes of exactly 32 bytes");
+        return -1;
+    }
+    return set_item(t, key, value);
+}
+
+static int KeyTable_contains(KeyTable *t, PyObject *keyobj) {
+    const unsigned char *key = key_bytes(keyobj);
+    return key ? find(t, key, tag_of(key)) >= 0 : 0;
+}
+
+static PyObject *KeyTable_get(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
+        return NULL;
+    }
+    const unsigned char *key = key_bytes(args[0]);
+    Py_ssize_t at = key ? find(t, key, tag_of(key)) : -1;
+    if (at >= 0) return Py_NewRef(t->slots[at].value);
+    return Py_NewRef(nargs == 2 ? args[1] : Py_None);
+}
+
+/* Values of a batch of keys: every slot is computed and prefetched first, so the cache misses of
+ * the batch overlap instead of following one another. */
+static PyObject *KeyTable_get_many(KeyTable *t, PyObject *keys) {
+    PyObject *seq = PySequence_Fast(keys, "get_many() takes a sequence of keys");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(n);
+    if (!out) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_ssize_t mask = t->cap - 1;
+    uint64_t tags[BATCH];
+    for (Py_ssize_t lo = 0; lo < n; lo += BATCH) {
+        Py_ssize_t hi = lo + BATCH < n ? lo + BATCH : n;
+        for (Py_ssize_t k = lo; k < hi; k++) {
+            const unsigned char *key = key_bytes(items[k]);
+            uint64_t tag = key ? tag_of(key) : 0;
+            tags[k - lo] = tag;
+            if (tag) {
+                const char *slot = (const char *)&t->slots[(Py_ssize_t)(tag & (uint64_t)mask)];
+                __builtin_prefetch(slot);
+                __builtin_prefetch(slot + sizeof(Slot) - 1); /* a slot may straddle two lines */
+            }
+        }
+        for (Py_ssize_t k = lo; k < hi; k++) {
+            uint64_t tag = tags[k - lo];
+            Py_ssize_t at = tag ? find(t, (const unsigned char *)PyBytes_AS_STRING(items[k]), tag) : -1;
+            PyList_SET_ITEM(out, k, Py_NewRef(at >= 0 ? t->slots[at].value : Py_None));
+        }
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+/* Start loading the slots of a batch of keys (a batch of stores that follows then hits cache). */
+static PyObject *KeyTable_prefetch(KeyTable *t, PyObject *keys) {
+    PyObject *seq = PySequence_Fast(keys, "prefetch() takes a sequence of keys");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), mask = t->cap - 1;
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        const unsigned char *key = key_bytes(items[k]);
+        if (!key) continue;
+        const char *slot = (const char *)&t->slots[(Py_ssize_t)(tag_of(key) & (uint64_t)mask)];
+        __builtin_prefetch(slot, 1);
+        __builtin_prefetch(slot + sizeof(Slot) - 1, 1);
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+static PyObject *KeyTable_keys(KeyTable *t, PyObject *Py_UNUSED(ignored)) {
+    PyObject *out = PyList_New(t->used);
+    if (!out) return NULL;
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < t->cap && k < t->used; i++) {
+        if (t->slots[i].tag < 2) continue;
+        PyObject *key = PyBytes_FromStringAndSize((const char *)t->slots[i].key, KEY_BYTES);
+        if (!key) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, k++, key);
+    }
+    return out;
+}
+
+static PyObject *KeyTable_clear(KeyTable *t, PyObject *Py_UNUSED(ignored)) {
+    clear_all(t);
+    if (t->cap > MIN_CAP && resize(t, MIN_CAP) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef KeyTable_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))KeyTable_get, METH_FASTCALL, "get(key, default=None)"},
+    {"get_many", (PyCFunction)KeyTable_get_many, METH_O, "get_many(keys) -> list (None if absent)"},
+    {"prefetch", (PyCFunction)KeyTable_prefetch, METH_O, "prefetch(keys): start loading their slots"},
+    {"keys", (PyCFunction)KeyTable_keys, METH_NOARGS, "keys() -> list of the keys (new bytes)"},
+    {"clear", (PyCFunction)KeyTable_clear, METH_NOARGS, "clear(): remove everything"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMappingMethods KeyTable_as_mapping = {
+    (lenfunc)KeyTable_len,
+    (binaryfunc)KeyTable_getitem,
+    (objobjargproc)KeyTable_ass_sub,
+};
+
+static PySequenceMethods KeyTable_as_sequence = {
+    .sq_contains = (objobjproc)KeyTable_contains,
+};
+
+static PyTypeObject KeyTableType = {
+    .ob_base = PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "raykv.native._keytable.KeyTable",
+    .tp_basicsize = sizeof(KeyTable),
+    .tp_dealloc = (destructor)KeyTable_dealloc,
+    .tp_as_mapping = &KeyTable_as_mapping,
+    .tp_as_sequence = &KeyTable_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Hash table from 32-byte block keys to objects (see raykv.index.keytable).",
+    .tp_methods = KeyTable_methods,
+    .tp_new = KeyTable_new,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "raykv.native._keytable", "Compiled KeyTable (see raykv.index.keytable).", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__keytable(void) {
+    if (PyType_Ready(&KeyTableType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&KeyTableType);
+    if (PyModule_AddObject(m, "KeyTable", (PyObject *)&KeyTableType) < 0) {
+        Py_DECREF(&KeyTableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

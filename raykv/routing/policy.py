@@ -1,0 +1,200 @@
+"""Cache-aware routing cost model (pure; Serve routers, the replay and plain callers share it).
+
+For a request of ``num_tokens`` tokens and each candidate worker:
+
+    credit  = tokens_per_block * (w_gpu * gpu + w_host * host + w_disk * disk + w_pred * predicted
+                                  + w_remote * pullable)
+    cost    = prefill_cost * (num_tokens - credit) + load_cost * load
+
+``gpu/host/disk/predicted`` come from the index's RouteMatch for that worker; ``pullable`` is how
+many more leading blocks some other worker holds beyond this worker's own prefix (only when
+cross-worker pulls are enabled; ``1 - w_remote`` is a pulled block's transfer time as a fraction of
+its prefill time). ``load`` is the work queued ahead of the request on that worker, in
+token-equivalents as its worker reports them: queued prefill tokens plus ``decode_weight`` (the
+expected decode work of one request, in prefill-token units) per request decoding or waiting to.
+
+Contract: with ``prefill_cost == load_cost == 1`` the cost is the request's estimated time to first
+token on that worker, times the worker's prefill speed (a FIFO worker first works off its queue,
+then prefills what it does not hold). ``load_cost < 1`` keeps a prefix where it is: it charges
+``1 / load_cost - 1`` extra token-equivalents per recomputed token, the price of the duplicate
+copy a recompute leaves and of the work it adds for everyone queued after it. That price is wrong
+for a *hot* prefix, one a request still in flight on its holder is using: a second copy then serves
+concurrent requests (a burst of agent branches) instead of going stale, and the holder's queue is
+made of those very requests. A caller that can tell (``hot``: was the winner's cached prefix routed
+to it by a request that has not finished?) gets the decision re-made with ``hot_load_cost``
+(default 1: pure estimated TTFT).
+
+A load-imbalance guard drops candidates whose load exceeds ``imbalance_factor`` x the least-loaded
+candidate's load plus ``imbalance_slack`` tokens (so a prefix cannot pile everything on one worker).
+The lowest cost wins; ties break by a seeded RNG, so a router replays identically.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from raykv.core.errors import InvalidArgumentError
+from raykv.core.types import WorkerId
+from raykv.index.prefix_index import RouteMatch
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Weights of the cost model (module docstring; all finite and >= 0, tier weights at most 1)."""
+
+    tokens_per_block: int = 16
+    w_gpu: float = 1.0
+    w_host: float = 0.9
+    w_disk: float = 0.6
+    w_predicted: float = 1.0
+    w_remote: float = 0.5
+    allow_pulls: bool = False
+    prefill_cost: float = 1.0
+    load_cost: float = 1.0
+    hot_load_cost: float = 1.0
+    decode_weight: float = 64.0
+    imbalance_factor: float = 2.0
+    imbalance_slack: float = 4096.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_block < 1:
+            raise InvalidArgumentError("tokens_per_block", "must be >= 1")
+        for name in ("w_gpu", "w_host", "w_disk", "w_predicted", "w_remote"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+                raise InvalidArgumentError(name, f"tier weight must be in [0, 1], got {value!r}")
+        for name in ("prefill_cost", "load_cost", "hot_load_cost", "decode_weight", "imbalance_slack"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise InvalidArgumentError(name, f"must be finite and >= 0, got {value!r}")
+        if not (math.isfinite(self.imbalance_factor) and self.imbalance_factor >= 1.0):
+            raise InvalidArgumentError("imbalance_factor", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A candidate's outstanding work."""
+
+    worker: WorkerId
+    queued_prefill_tokens: int = 0
+    running_decodes: int = 0
+
+    def tokens(self, decode_weight: float) -> float:
+        return self.queued_prefill_tokens + decode_weight * self.running_decodes
+
+
+HotPrefix = Callable[[WorkerId, int], bool]
+"""``hot(worker, blocks)``: is ``worker``'s cached prefix of ``blocks`` blocks in use by a request
+still in flight on it? (see the module docstring)"""
+
+
+class Decision(NamedTuple):
+    """The chosen worker, its cost, the blocks it already holds, and any pull it should do."""
+
+    worker: WorkerId
+    cost: float
+    cached_blocks: int
+    pull_from: WorkerId | None
+    pull_blocks: int
+    costs: tuple[tuple[WorkerId, float], ...]
+
+
+def choose(
+    num_tokens: int,
+    candidates: Sequence[WorkerLoad],
+    matches: Mapping[WorkerId, RouteMatch],
+    cfg: RoutingConfig,
+    rng: random.Random | None = None,
+    hot: HotPrefix | None = None,
+) -> Decision:
+    """Pick the lowest-cost candidate. Raises InvalidArgumentError when there is none."""
+    dw = cfg.decode_weight
+    return choose_loads(
+        num_tokens,
+        [c.worker for c in candidates],
+        [c.queued_prefill_tokens + dw * c.running_decodes for c in candidates],
+        matches,
+        cfg,
+        rng,
+        hot,
+    )
+
+
+def choose_loads(
+    num_tokens: int,
+    workers: Sequence[WorkerId],
+    loads: Sequence[float],
+    matches: Mapping[WorkerId, RouteMatch],
+    cfg: RoutingConfig,
+    rng: random.Random | None = None,
+    hot: HotPrefix | None = None,
+) -> Decision:
+    """:func:`choose` with the candidates as parallel lists: ``workers[i]`` has ``loads[i]``
+    token-equivalents queued (no per-call objects: the hot path of a router). The lowest cost wins,
+    ties (within 1e-9) break by ``rng`` (else by a fresh ``Random(cfg.seed)``), and ``costs`` lists
+    every candidate the load guard kept, in order. ``hot(worker, blocks)`` is asked at most once,
+    about the winner's cached prefix; True re-makes the decision with ``cfg.hot_load_cost``."""
+    if not workers:
+        raise InvalidArgumentError("candidates", "no candidate workers")
+    d = _decide(num_tokens, workers, loads, matches, cfg, cfg.load_cost, rng)
+    rehome = cfg.hot_load_cost != cfg.load_cost and d.cached_blocks > 0
+    if rehome and hot is not None and hot(d.worker, d.cached_blocks):
+        d = _decide(num_tokens, workers, loads, matches, cfg, cfg.hot_load_cost, rng)
+    return d
+
+
+def _decide(
+    num_tokens: int,
+    workers: Sequence[WorkerId],
+    loads: Sequence[float],
+    matches: Mapping[WorkerId, RouteMatch],
+    cfg: RoutingConfig,
+    lc: float,
+    rng: random.Random | None,
+) -> Decision:
+    floor = min(loads)
+    limit = max(floor, cfg.imbalance_factor * floor + cfg.imbalance_slack)  # the floor always stays
+    best_holder, best_blocks = None, 0
+    if cfg.allow_pulls:
+        for holder, held in matches.items():
+            if held[1] > best_blocks:
+                best_holder, best_blocks = holder, held[1]
+    wg, wh, wd, wp = cfg.w_gpu, cfg.w_host, cfg.w_disk, cfg.w_predicted
+    tpb, remote, pc = cfg.tokens_per_block, cfg.tokens_per_block * cfg.w_remote, cfg.prefill_cost
+    left_none = num_tokens - remote * best_blocks  # a worker holding none of the prefix
+    get = matches.get
+    costs: list[tuple[WorkerId, float]] = []
+    low = math.inf
+    for worker, load in zip(workers, loads):
+        if load > limit:
+            continue
+        m = get(worker)
+        if m is None:
+            left = left_none
+        else:
+            _, blocks, gpu, host, disk, predicted = m
+            left = num_tokens - tpb * (wg * gpu + wh * host + wd * disk + wp * predicted)
+            if best_blocks > blocks and best_holder != worker:
+                left -= remote * (best_blocks - blocks)
+        cost = pc * left + lc * load if left > 0 else lc * load
+        costs.append((worker, cost))
+        if cost < low:
+            low = cost
+    top = low + 1e-9
+    ties = []
+    for c in costs:  # a loop, not a comprehension: no function object per call (Python < 3.12)
+        if c[1] <= top:
+            ties.append(c)
+    worker, cost = ties[0] if len(ties) == 1 else (rng or random.Random(cfg.seed)).choice(ties)
+    won = get(worker)
+    own = won[1] if won is not None else 0
+    pull = best_blocks - own if best_blocks > own and best_holder != worker else 0
+    return _NEW(Decision, (worker, cost, own, best_holder if pull else None, pull, tuple(costs)))
+
+
+_NEW = tuple.__new__  # builds a NamedTuple from its field values without the generated __new__
