@@ -2,8 +2,9 @@
 
 ``start()`` creates, in one Ray namespace, named detached actors: a registry (the deployment's
 spec), ``index_shards`` IndexShard actors and one CacheWorker per GPU (or ``num_workers`` CPU
-workers). ``connect()`` attaches from any other process through those names. Starting twice in
-one namespace raises StateError instead of creating a second deployment.
+workers; ``worker_class`` picks a CacheWorker subclass, e.g. the testing one). ``connect()``
+attaches from any other process through those names. Starting twice in one namespace raises
+StateError instead of creating a second deployment.
 """
 
 from __future__ import annotations
@@ -172,6 +173,53 @@ def _registry_exists(namespace: str) -> bool:
         return False
 
 
+def _detached(namespace: str) -> dict[str, Any]:
+    return {"namespace": namespace, "lifetime": "detached"}
+
+
+def _start_shards(spec: DeploymentSpec) -> None:
+    """Create the named IndexShard actors of ``spec`` (they restart without limit)."""
+    shard_cls = ray.remote(IndexShard)
+    for i, name in enumerate(spec.shards):
+        shard_cls.options(
+            name=name,
+            num_cpus=0,
+            max_restarts=-1,
+            max_concurrency=64,  # type: ignore[arg-type]
+            **_detached(spec.namespace),
+        ).remote(i, len(spec.shards), spec.namespace, spec.workers)
+
+
+def _start_workers(
+    spec: DeploymentSpec,
+    worker_class: type[CacheWorker],
+    use_gpu: bool,
+    worker_resources: Sequence[dict[str, float]] | None,
+    max_restarts: int,
+) -> None:
+    """Create the named ``worker_class`` actors of ``spec``; each attaches to the shards and starts
+    its page server with the deployment's token as it is constructed."""
+    worker_cls = ray.remote(worker_class)
+    for i, (name, lane) in enumerate(spec.workers):
+        res = dict(worker_resources[i]) if worker_resources else {}
+        opts: dict[str, Any] = {
+            "name": name,
+            "max_concurrency": 8,
+            "max_restarts": max_restarts,
+            "resources": res,
+            **_detached(spec.namespace),
+        }
+        opts.update({"num_gpus": 1} if use_gpu else {"num_cpus": 0})
+        worker_cls.options(**opts).remote(
+            name,
+            lane,
+            spec.config,
+            attach_to=(spec.namespace, spec.shards),
+            token=spec.token,
+            transfer=spec.transfer,
+        )
+
+
 def start(
     num_workers: int | None = None,
     config: CacheConfig | None = None,
@@ -181,6 +229,7 @@ def start(
     worker_resources: Sequence[dict[str, float]] | None = None,
     max_restarts: int = 0,
     transfer: TransferConfig | None = None,
+    worker_class: type[CacheWorker] = CacheWorker,
 ) -> RayKVCluster:
     """Start a deployment and return its handle.
 
@@ -191,9 +240,14 @@ def start(
     Every worker starts a page server (``CacheWorker.pull``) checking a fresh deployment token;
     ``transfer`` sets where it binds and its limits (default: 127.0.0.1 when every Ray node is on
     this machine, else each worker's node IP; see ``actors.transfer``).
+    ``worker_class`` is the workers' actor class: CacheWorker, or a subclass taking the same
+    constructor arguments (tests, ``raykv demo`` and replays through Ray pass
+    :class:`actors.testing.TestingCacheWorker`, whose content oracle stands in for an engine).
     """
     if index_shards < 1:
         raise ValueError(f"index_shards must be >= 1, got {index_shards}")
+    if not (isinstance(worker_class, type) and issubclass(worker_class, CacheWorker)):
+        raise ValueError(f"worker_class must be CacheWorker or a subclass, got {worker_class!r}")
     _ensure_ray(address, namespace)
     if _registry_exists(namespace):
         raise StateError(
@@ -212,31 +266,9 @@ def start(
     spec = DeploymentSpec(
         namespace, config, workers, shards, token=secrets.token_bytes(32), transfer=transfer
     )
-    common = {"namespace": namespace, "lifetime": "detached"}
-    ray.remote(Registry).options(name=REGISTRY, num_cpus=0, **common).remote(spec)  # type: ignore[arg-type]
-    shard_cls = ray.remote(IndexShard)
-    for i, name in enumerate(shards):
-        shard_cls.options(
-            name=name,
-            num_cpus=0,
-            max_restarts=-1,
-            max_concurrency=64,  # type: ignore[arg-type]
-            **common,
-        ).remote(i, index_shards, namespace, workers)
-    worker_cls = ray.remote(CacheWorker)
-    for i, (name, lane) in enumerate(workers):
-        res = dict(worker_resources[i]) if worker_resources else {}
-        opts: dict[str, Any] = {
-            "name": name,
-            "max_concurrency": 8,
-            "max_restarts": max_restarts,
-            "resources": res,
-            **common,
-        }
-        opts.update({"num_gpus": 1} if use_gpu else {"num_cpus": 0})
-        worker_cls.options(**opts).remote(
-            name, lane, config, attach_to=(namespace, shards), token=spec.token, transfer=transfer
-        )
+    ray.remote(Registry).options(name=REGISTRY, num_cpus=0, **_detached(namespace)).remote(spec)  # type: ignore[arg-type]
+    _start_shards(spec)
+    _start_workers(spec, worker_class, use_gpu, worker_resources, max_restarts)
     handle = RayKVCluster(spec, owner=True)
     ray.get([w.health.remote() for w in handle.workers.values()])
     ray.get([s.ping.remote() for s in handle.shards])

@@ -1,12 +1,13 @@
 """``raykv demo``: the main job, on an embedded local Ray (``raykv demo --core``: the core demo).
 
-Starts a raykv deployment (4 CPU CacheWorker actors and an index shard) on an embedded local Ray
-(or the cluster at ``--address`` / RAY_ADDRESS), replays the built-in workload (multi-turn chat,
-agent fan-out, three tenants with different cache salts) through every router, prints the
-comparison table and where the JSON and plot went, verifies cached pages against the content
-oracle (every committed page of every worker actor after each run, plus a sample of the pooled
-ideal's), and shuts everything down. Each capacity gets a fresh deployment; between routers the
-workers are cleared. Decision times here include the index RPC (the 20 us goal is in-process).
+Starts a raykv deployment (4 CPU TestingCacheWorker actors, whose content oracle stands in for
+the engine, and an index shard) on an embedded local Ray (or the cluster at ``--address`` /
+RAY_ADDRESS), replays the built-in workload (multi-turn chat, agent fan-out, three tenants with
+different cache salts) through every router, prints the comparison table and where the JSON and
+plot went, verifies cached pages against the content oracle (every committed page of every worker
+actor after each run, plus a sample of the pooled ideal's), and shuts everything down. Each
+capacity gets a fresh deployment; between routers the workers are cleared. The demo's decision
+times include the index RPC (the 20 us goal is for the in-process index).
 """
 
 from __future__ import annotations

@@ -1,19 +1,21 @@
 """Replay backends: in-process CacheWorkers, or a Ray deployment (``raykv replay``, ``raykv demo``).
 
-Both run the same classes: :class:`actors.worker.CacheWorker` (the content oracle stands in for
-the engine) publishing event batches into :class:`raykv.index.prefix_index.PrefixIndex` shards.
+Both run the same classes: :class:`actors.testing.TestingCacheWorker` (a CacheWorker whose content
+oracle stands in for the engine) publishing event batches into
+:class:`raykv.index.prefix_index.PrefixIndex` shards.
 
-- :class:`InProcessBackend`: CacheWorker objects in this process, their ``sink`` feeding one
+- :class:`InProcessBackend`: TestingCacheWorker objects in this process, their ``sink`` feeding one
   PrefixIndex directly; a pull is ``export_blocks`` -> ``import_blocks`` (the transfer's data
   path minus the transport) (events are flushed after every request, so the index is exact when the
   next request is routed). The index's clock is the replay's simulated clock, so a routing
   prediction lives ``predict_ttl_s`` simulated seconds. Used for the big Mooncake grids and tests.
-- :class:`RayBackends`: a raykv deployment (``raykv.start``) of W CPU workers and the index
-  shards; requests go through the deployment's index client and ``run_request`` on the worker
-  actors; pulls are real page transfers (``CacheWorker.pull``: the destination pulls from the
-  holder's page server, shared memory on one node, UCX across nodes). Between routers the
-  workers are cleared (``AllCleared`` empties their index entries). A new capacity restarts the
-  deployment. The pooled ideal is an in-process CacheWorker (it is a bound, not a deployment).
+- :class:`RayBackends`: a raykv deployment (``raykv.start`` with
+  ``worker_class=TestingCacheWorker``) of W CPU workers and the index shards; requests go through
+  the deployment's index client and ``run_request`` on the worker actors; pulls are real page
+  transfers (``CacheWorker.pull``: the destination pulls from the holder's page server, shared
+  memory on one node, UCX across nodes). Between routers the workers are cleared (``AllCleared``
+  empties their index entries). A new capacity restarts the deployment. The pooled ideal is an
+  in-process TestingCacheWorker (a bound, not a deployment).
 
 Replay pages are tiny: one layer with K and V of shape (1,) int8, 512 tokens per block (1 KiB a
 page), all on the top (host) tier; the timing model prices transfers in a real model's KV bytes.
@@ -29,7 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import actors.ray_tree  # noqa: F401 - registers Ray's PrefixTree for the ray_prefix router
-from actors.worker import CacheWorker, RequestOutcome
+from actors.testing import RequestOutcome, TestingCacheWorker
 from raykv.core.config import BufferSpec, CacheConfig, KVLayout, LayerSpec, TierConfig
 from raykv.core.types import TierKind, WorkerId
 from raykv.index.prefix_index import PrefixIndex, RouteMatch
@@ -56,7 +58,7 @@ def _levels(out: RequestOutcome, kinds: Sequence[TierKind]) -> Outcome:
     return Outcome(out.reused_tokens, tuple(by_kind.get(k, 0) for k in kinds))
 
 
-def verify_sample(worker: CacheWorker, sample: int, seed: int = 0) -> int:
+def verify_sample(worker: TestingCacheWorker, sample: int, seed: int = 0) -> int:
     """Export up to ``sample`` random committed blocks of ``worker`` and check them against the
     oracle; returns how many were checked (AssertionError on a wrong byte)."""
     keys = [b.key for b in worker.manager.committed_blocks()]
@@ -68,7 +70,7 @@ def verify_sample(worker: CacheWorker, sample: int, seed: int = 0) -> int:
 
 
 class InProcessBackend:
-    """``num_caches`` CacheWorkers of ``blocks`` pages each, feeding one in-process PrefixIndex."""
+    """``num_caches`` TestingCacheWorkers of ``blocks`` pages each, feeding one in-process PrefixIndex."""
 
     def __init__(self, num_caches: int, blocks: int, predict_ttl_s: float = 0.5) -> None:
         config = replay_config(blocks)
@@ -79,10 +81,12 @@ class InProcessBackend:
         self.index = PrefixIndex(predict_ttl_s=predict_ttl_s, clock=lambda: self._now)
         self.route: Callable[[Sequence[bytes]], dict[WorkerId, RouteMatch]] = self.index.route  # no wrapper
         self.worker_ids = [WorkerId(f"w{i}") for i in range(num_caches)]
-        self.workers: dict[WorkerId, CacheWorker] = {}
+        self.workers: dict[WorkerId, TestingCacheWorker] = {}
         for lane, wid in enumerate(self.worker_ids):
             self.index.register_worker(wid, lane, 1)
-            self.workers[wid] = CacheWorker(wid, lane, config, sink=self.index.apply_batch, incarnation=1)
+            self.workers[wid] = TestingCacheWorker(
+                wid, lane, config, sink=self.index.apply_batch, incarnation=1
+            )
 
     def set_clock(self, now: float) -> None:
         self._now = now
@@ -184,8 +188,9 @@ class RayBackend:
 class RayBackends:
     """Backend factory over one deployment per capacity (restarted when the capacity changes).
 
-    ``start`` kwargs go to ``raykv.start`` (e.g. ``address``, ``index_shards``). The pooled ideal
-    is served in-process. Call :meth:`close` (or use as a context manager) to shut down.
+    ``start`` kwargs go to ``raykv.start`` (e.g. ``address``, ``index_shards``; the workers are
+    always TestingCacheWorkers). The pooled ideal is served in-process. Call :meth:`close` (or use
+    as a context manager) to shut down.
     """
 
     def __init__(self, num_workers: int, namespace: str | None = None, **start: Any) -> None:
@@ -218,6 +223,7 @@ class RayBackends:
             num_workers=self.num_workers,
             config=replay_config(blocks, shared=True),
             namespace=f"{self.namespace}-{self.starts}",
+            worker_class=TestingCacheWorker,
             **self.start_kwargs,
         )
         self.blocks = blocks

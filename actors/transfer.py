@@ -1,4 +1,4 @@
-"""Page transfers for CacheWorker actors, the prefill/decode flow, and the Ray benchmark rows.
+"""Page transfers for CacheWorker actors and the Ray benchmark rows.
 
 Imports ray lazily (like actors/worker.py), so an in-process CacheWorker works without it.
 
@@ -10,9 +10,6 @@ so only workers of the same Ray node use the shared-memory path. ``start()`` bin
 server to 127.0.0.1 (UCX on ``lo``) when all Ray nodes run on one machine, else to each worker's
 node IP, unless a TransferConfig says otherwise (:func:`deployment_transfer_config`).
 
-:func:`disaggregated_request` is the prefill/decode flow: prefill on one worker, pull exactly the
-committed prompt blocks into the decode worker, continue there.
-
 :func:`register_bench` adds the through-Ray rows to ``raykv bench transfer``: the shared-memory
 pull against Ray's object store between the same two processes.
 """
@@ -20,9 +17,7 @@ pull against Ray's object store between the same two processes.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from actors.ray_util import shutdown_ray
@@ -176,62 +171,12 @@ class WorkerTransfer:
             out["client"] = self.client.stats.as_dict()
         return out
 
-    def set_faults(self, **faults: Any) -> None:
-        """Test hook: set :class:`raykv.transfer.ServerFaults` fields on the page server."""
-        if self.server is None:
-            raise TransferError("no page server", reason="unavailable")
-        for name, value in faults.items():
-            if not hasattr(self.server.faults, name):
-                raise ValueError(f"unknown fault {name!r}")
-            setattr(self.server.faults, name, value)
-
     def close(self) -> None:
         """Stop the page server (ending its leases) and drop the client's connections."""
         if self.server is not None:
             self.server.close()
         if self.client is not None:
             self.client.close()
-
-
-# ---- prefill / decode ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DisaggregatedOutcome:
-    """One request split over a prefill and a decode worker."""
-
-    prefill: Any  # RequestOutcome on the prefill worker
-    pull: PullOutcome | None  # None when the pull failed and the decode worker recomputed
-    decode: Any  # RequestOutcome on the decode worker
-    seconds: float
-
-
-def disaggregated_request(
-    prefill: Any,
-    decode: Any,
-    prefill_name: str,
-    keys: Sequence[bytes],
-    prompt: Sequence[int],
-    decode_tokens: Sequence[int] = (),
-    timeout_s: float = 120.0,
-) -> DisaggregatedOutcome:
-    """Prefill ``prompt`` on actor ``prefill``, pull its blocks ``keys`` into actor ``decode``,
-    then run the request there (its ``create`` reuses the pulled blocks).
-
-    ``keys`` are the prompt's block keys (``RayKVCluster.keys(prompt)``). A failed pull is not
-    fatal: the decode worker recomputes (``pull`` is None then).
-    """
-    import ray
-
-    start = time.perf_counter()
-    first = ray.get(prefill.run_request.remote(list(prompt)), timeout=timeout_s)
-    try:
-        pulled = ray.get(decode.pull.remote(prefill_name, list(keys)), timeout=timeout_s)
-    except TransferError as exc:
-        log.warning("pull from %s failed (%s); decode worker recomputes", prefill_name, exc)
-        pulled = None
-    second = ray.get(
-        decode.run_request.remote(list(prompt), decode_tokens=list(decode_tokens)), timeout=timeout_s
-    )
-    return DisaggregatedOutcome(first, pulled, second, time.perf_counter() - start)
 
 
 # ---- benchmark rows through Ray ---------------------------------------------------------------

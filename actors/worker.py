@@ -26,23 +26,11 @@ from raykv.core.keys import ReuseScope
 from raykv.core.kvcache import KvCache
 from raykv.core.manager import CacheManager
 from raykv.core.records import ExportedBlock, ImportResult, ProbeResult
-from raykv.core.types import TierKind, WorkerId
+from raykv.core.types import WorkerId
 from raykv.index.prefix_index import EventBatch
-from raykv.testing import ContentOracle
 from raykv.transfer import PeerAddress, PullOutcome, TransferConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RequestOutcome:
-    """What one simulated request did on a worker (the oracle stands in for the engine)."""
-
-    worker: WorkerId
-    prompt_tokens: int
-    reused_tokens: int
-    reused_by_tier: tuple[int, int, int]  # blocks reused from GPU, host, disk
-    committed_blocks: int
 
 
 @dataclass(frozen=True)
@@ -74,7 +62,6 @@ class CacheWorker:
         self.lane = lane
         self.incarnation = incarnation if incarnation is not None else time.time_ns()
         self.manager = CacheManager(config)
-        self.oracle = ContentOracle(config.layout)
         self._sink = sink
         self._requests: dict[int, KvCache] = {}
         self._ids = itertools.count(1)
@@ -127,9 +114,6 @@ class CacheWorker:
         return n
 
     # ---- publishing ----------------------------------------------------------------------------
-    def set_sink(self, sink: Callable[[EventBatch], None]) -> None:
-        self._sink = sink
-
     def start_publisher(self) -> None:
         """Publish events every ``publish_interval_s`` on a daemon thread (idempotent)."""
         if self._thread is None:
@@ -224,10 +208,6 @@ class CacheWorker:
     def page_ids(self, handle: int) -> list[int]:
         return [int(p) for p in self._cache(handle).page_ids()]
 
-    def write_oracle(self, handle: int, first_block: int = 0) -> None:
-        """Stand-in for the engine: write oracle KV into blocks ``first_block ..``."""
-        self.oracle.fill_cache(self._cache(handle), first_block)
-
     def commit(self, handle: int, num_tokens: int | None = None) -> int:
         return self._cache(handle).commit(num_tokens)
 
@@ -235,35 +215,6 @@ class CacheWorker:
         cache = self._requests.pop(handle, None)
         if cache is not None:
             cache.close()
-
-    def run_request(
-        self,
-        tokens: Sequence[int],
-        lora_id: int | None = None,
-        salt: int | None = None,
-        decode_tokens: Sequence[int] = (),
-    ) -> RequestOutcome:
-        """A whole request with the oracle as engine: reuse, prefill the rest, decode, commit.
-
-        Raises OutOfPagesError when the request cannot fit even after eviction.
-        """
-        scope = ReuseScope(lora_id, salt)
-        before = self.manager.probe(tokens, scope)
-        with self.manager.create(tokens, scope) as cache:
-            reused = cache.num_reused_tokens
-            if not cache.resume():
-                from raykv.core.errors import OutOfPagesError
-
-                raise OutOfPagesError(f"{self.worker_id}: request does not fit on the top tier")
-            cache.extend(tokens[reused:])
-            self.oracle.fill_cache(cache, reused // cache.tokens_per_block)
-            for tok in decode_tokens:
-                cache.extend([tok])
-                self.oracle.fill_cache(cache, cache.num_blocks - 1)
-            committed = cache.commit()
-        tiers = before.tiers[: reused // self.manager.tokens_per_block]
-        by_tier = tuple(sum(1 for t in tiers if t is k) for k in TierKind)
-        return RequestOutcome(self.worker_id, len(tokens), reused, by_tier, committed)  # type: ignore[arg-type]
 
     # ---- blocks --------------------------------------------------------------------------------
     def probe(
@@ -281,15 +232,8 @@ class CacheWorker:
         """First to go when room is needed (see ``CacheManager.cool_blocks``)."""
         return self.manager.cool_blocks(keys)
 
-    def verify_all(self) -> int:
-        """Oracle-verify every committed block; returns how many (AssertionError if bad)."""
-        return self.oracle.verify_manager(self.manager)
-
     def clear(self) -> int:
         return self.manager.clear_reusable()
-
-    def check(self) -> None:
-        self.manager.check_invariants()
 
     # ---- page transfers (issue 4; the work happens in actors/transfer.py) ------------------------
     def start_page_server(self, token: bytes, config: TransferConfig | None = None) -> PeerAddress:
@@ -319,10 +263,6 @@ class CacheWorker:
     def transfer_stats(self) -> dict[str, Any]:
         """Page-server and client counters per path (shm/ucx), and the server's open leases."""
         return self.transfer.stats()
-
-    def set_transfer_faults(self, **faults: Any) -> None:
-        """Test hook: see :class:`raykv.transfer.ServerFaults`."""
-        self.transfer.set_faults(**faults)
 
     # ---- health and stats ----------------------------------------------------------------------
     def health(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import ray
 import raykv
 from actors.cluster import RayKVCluster
 from actors.ray_util import shutdown_ray
+from actors.testing import TestingCacheWorker
 from raykv import CacheConfig, KVLayout, TierConfig
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
@@ -43,9 +44,12 @@ def get(refs: Any, timeout: float = TIMEOUT_S) -> Any:
 
 @contextlib.contextmanager
 def running(prefix: str, **kwargs: Any) -> Iterator[RayKVCluster]:
-    """A deployment in a fresh namespace, shut down on exit."""
+    """A deployment in a fresh namespace, shut down on exit. Its workers are TestingCacheWorkers
+    (``run_request``, ``verify_all``, ``check``, ``set_transfer_faults``) unless ``worker_class``
+    says otherwise; the config defaults to :func:`small_config`."""
     namespace = f"{prefix}-{uuid.uuid4().hex[:8]}"
     kwargs.setdefault("config", small_config())
+    kwargs.setdefault("worker_class", TestingCacheWorker)
     dep = raykv.start(namespace=namespace, **kwargs)
     try:
         yield dep

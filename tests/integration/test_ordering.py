@@ -1,6 +1,6 @@
 """Out-of-order, duplicated and gapped event batches delivered to a real IndexShard actor.
 
-A test-only actor (``EventTap``, a CacheWorker that keeps its events instead of publishing them)
+A test-only actor (``EventTap``, a TestingCacheWorker that keeps its events instead of publishing them)
 produces a real event stream; the test hands its batches to a dedicated single-shard deployment's
 shard in whatever order it likes. The shard only knows named actors, so the tap is a named actor
 in the deployment's namespace (the shard pulls its snapshot when a gap cannot be closed).
@@ -18,7 +18,7 @@ import ray
 from ray_helpers import expected_route, get, poll, running, small_config, snapshot_view, tokens
 
 from actors.cluster import RayKVCluster
-from actors.worker import CacheWorker
+from actors.testing import TestingCacheWorker
 from raykv.index.prefix_index import OP_STORE, REORDER_WINDOW, EventBatch
 
 INCARNATION = 7
@@ -29,7 +29,7 @@ def _tap_class() -> Any:
     """Defined in a function so Ray pickles the class by value (test modules are not importable
     from Ray's worker processes)."""
 
-    class EventTap(CacheWorker):
+    class EventTap(TestingCacheWorker):
         def drain_batches(self, max_events_per_batch: int) -> list[EventBatch]:
             events = self.manager.drain_events()
             n = max_events_per_batch

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from actors.worker import CacheWorker
+from actors.testing import TestingCacheWorker
 from raykv import CacheConfig, KVLayout, TierConfig, TransferError
 from raykv.transfer import PeerAddress, TransferConfig
 
@@ -63,10 +63,10 @@ class Series:
 
 
 @pytest.fixture
-def workers(layout: KVLayout) -> Iterator[tuple[CacheWorker, CacheWorker]]:
+def workers(layout: KVLayout) -> Iterator[tuple[TestingCacheWorker, TestingCacheWorker]]:
     token = secrets.token_bytes(32)
     config = CacheConfig(layout, (TierConfig.host(64 * layout.page_bytes, pin_memory=False),))
-    made = [CacheWorker(name, i, config, token=token, transfer=CFG) for i, name in enumerate("ab")]
+    made = [TestingCacheWorker(name, i, config, token=token, transfer=CFG) for i, name in enumerate("ab")]
     yield made[0], made[1]
     for worker in made:
         worker.shutdown()

@@ -1,0 +1,148 @@
+"""TestingCacheWorker: the production CacheWorker plus the hooks tests, the demo and the replay use.
+
+The content oracle (:class:`raykv.testing.ContentOracle`) stands in for an inference engine: it
+writes deterministic KV bytes per (key, layer, position) and checks them after any move. The
+production :class:`actors.worker.CacheWorker` has none of these methods; a deployment runs this
+class when started with ``start(..., worker_class=TestingCacheWorker)`` (the tests' deployments,
+``raykv demo`` and ``raykv replay`` through Ray), and in-process replays construct it directly.
+
+:func:`disaggregated_request` is the prefill/decode flow with the oracle as engine: prefill on one
+worker, pull exactly the committed prompt blocks into the decode worker, continue there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from actors.worker import CacheWorker
+from raykv.core.errors import OutOfPagesError, TransferError
+from raykv.core.keys import ReuseScope
+from raykv.core.types import TierKind, WorkerId
+from raykv.testing import ContentOracle
+from raykv.transfer import PullOutcome
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    """What one simulated request did on a worker (the oracle stands in for the engine)."""
+
+    worker: WorkerId
+    prompt_tokens: int
+    reused_tokens: int
+    reused_by_tier: tuple[int, int, int]  # blocks reused from GPU, host, disk
+    committed_blocks: int
+
+
+class TestingCacheWorker(CacheWorker):
+    """A CacheWorker whose engine is the content oracle, with fault injection on its page server.
+
+    Constructed with exactly the arguments of :class:`CacheWorker`; every production method
+    behaves the same.
+    """
+
+    __test__ = False  # not a pytest test class, though its name starts with "Test"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.oracle = ContentOracle(self.manager.layout)
+
+    def write_oracle(self, handle: int, first_block: int = 0) -> None:
+        """Stand-in for the engine: write oracle KV into blocks ``first_block ..`` of the open
+        request ``handle`` (InvalidArgumentError when no such request is open)."""
+        self.oracle.fill_cache(self._cache(handle), first_block)
+
+    def run_request(
+        self,
+        tokens: Sequence[int],
+        lora_id: int | None = None,
+        salt: int | None = None,
+        decode_tokens: Sequence[int] = (),
+    ) -> RequestOutcome:
+        """A whole request with the oracle as engine: reuse, prefill the rest, decode, commit.
+
+        The request is closed on return; its committed blocks stay cached and publish their events
+        like any commit. Raises OutOfPagesError when the request cannot fit even after eviction.
+        """
+        scope = ReuseScope(lora_id, salt)
+        before = self.manager.probe(tokens, scope)
+        with self.manager.create(tokens, scope) as cache:
+            reused = cache.num_reused_tokens
+            if not cache.resume():
+                raise OutOfPagesError(f"{self.worker_id}: request does not fit on the top tier")
+            cache.extend(tokens[reused:])
+            self.oracle.fill_cache(cache, reused // cache.tokens_per_block)
+            for tok in decode_tokens:
+                cache.extend([tok])
+                self.oracle.fill_cache(cache, cache.num_blocks - 1)
+            committed = cache.commit()
+        tiers = before.tiers[: reused // self.manager.tokens_per_block]
+        by_tier = tuple(sum(1 for t in tiers if t is k) for k in TierKind)
+        return RequestOutcome(self.worker_id, len(tokens), reused, by_tier, committed)  # type: ignore[arg-type]
+
+    def verify_all(self) -> int:
+        """Oracle-verify every committed block; returns how many (AssertionError if bad)."""
+        return self.oracle.verify_manager(self.manager)
+
+    def check(self) -> None:
+        """Check the manager's invariants (AssertionError naming the first broken one)."""
+        self.manager.check_invariants()
+
+    def set_transfer_faults(self, **faults: Any) -> None:
+        """Set :class:`raykv.transfer.ServerFaults` fields on this worker's page server; they stay
+        until set again. TransferError (reason "unavailable") without a page server, ValueError
+        for an unknown field (nothing set then)."""
+        server = self.transfer.server
+        if server is None:
+            raise TransferError("no page server", reason="unavailable")
+        unknown = [name for name in faults if not hasattr(server.faults, name)]
+        if unknown:
+            raise ValueError(f"unknown fault {unknown[0]!r}")
+        for name, value in faults.items():
+            setattr(server.faults, name, value)
+
+
+# ---- prefill / decode ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DisaggregatedOutcome:
+    """One request split over a prefill and a decode worker."""
+
+    prefill: RequestOutcome
+    pull: PullOutcome | None  # None when the pull failed and the decode worker recomputed
+    decode: RequestOutcome
+    seconds: float
+
+
+def disaggregated_request(
+    prefill: Any,
+    decode: Any,
+    prefill_name: str,
+    keys: Sequence[bytes],
+    prompt: Sequence[int],
+    decode_tokens: Sequence[int] = (),
+    timeout_s: float = 120.0,
+) -> DisaggregatedOutcome:
+    """Prefill ``prompt`` on TestingCacheWorker actor ``prefill``, pull its blocks ``keys`` into
+    actor ``decode``, then run the request there (its ``create`` reuses the pulled blocks).
+
+    ``keys`` are the prompt's block keys (``RayKVCluster.keys(prompt)``). A failed pull is not
+    fatal: the decode worker recomputes (``pull`` is None then).
+    """
+    import ray
+
+    start = time.perf_counter()
+    first = ray.get(prefill.run_request.remote(list(prompt)), timeout=timeout_s)
+    try:
+        pulled = ray.get(decode.pull.remote(prefill_name, list(keys)), timeout=timeout_s)
+    except TransferError as exc:
+        log.warning("pull from %s failed (%s); decode worker recomputes", prefill_name, exc)
+        pulled = None
+    second = ray.get(
+        decode.run_request.remote(list(prompt), decode_tokens=list(decode_tokens)), timeout=timeout_s
+    )
+    return DisaggregatedOutcome(first, pulled, second, time.perf_counter() - start)
