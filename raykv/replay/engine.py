@@ -10,8 +10,8 @@ workers and the index (in-process CacheWorker objects or a Ray deployment; see
 3. if it asked for a pull, the named blocks are exported from the holder and imported into the
    chosen worker (the real export/import data path);
 4. the chosen worker runs the whole request with the content oracle as engine
-   (``TestingCacheWorker.run_request``, actors/testing.py): it reuses what it has cached, writes oracle KV for the rest and
-   commits; its events reach the index before the next request;
+   (``TestingCacheWorker.run_request``, actors/testing.py): it reuses what it has cached, writes
+   oracle KV for the rest and commits; its events reach the index before the next request;
 5. the router updates its own state (timed separately), and the timing model queues the work.
 
 A request longer than a worker's cache keeps only its first ``capacity_blocks`` blocks in the
