@@ -230,9 +230,9 @@ class KvCache:
 
         Their KV must already be written, or queued on the current CUDA stream for a GPU tier
         (an event recorded there orders every later copy or peer read after it). Each newly
-        committed block becomes matchable (a
-        BlockStored event) unless an identical block is already cached. Folds this request's
-        pending stats into the manager. Returns how many blocks were newly committed.
+        committed block becomes matchable (a BlockStored event) unless an identical block is
+        already cached. Folds this request's pending stats into the manager. Returns how many
+        blocks were newly committed.
         """
         mgr = self._store
         with mgr.locked():
@@ -257,9 +257,9 @@ class KvCache:
             return max(0, last - start)
 
     def _insert(self, first: int, last: int) -> None:
-        """Cache blocks ``first .. last - 1`` (none cached: ``first`` is the first new block),
-        after the private ancestors whose twin is gone (a cached block's ancestors are all
-        cached, so the missing ones are the run just before ``first``)."""
+        """Cache blocks ``first .. last - 1`` (``first``: the first new one; any of them cached
+        meanwhile is skipped), after the private ancestors whose twin is gone (the run of
+        uncached blocks just before ``first``), in one :meth:`PageStore.cache_blocks`."""
         keys, tree = self._keys, self._store.tree
         while first > 0 and keys[first - 1] not in tree:
             first -= 1
