@@ -30,7 +30,8 @@ from raykv.core.errors import InvalidArgumentError
 
 
 def _core(quick: bool) -> tuple[list[Benchmark], str]:
-    from raykv.bench.core import FULL, QUICK, core_benchmarks
+    from raykv.bench.core import core_benchmarks
+    from raykv.bench.core_settings import FULL, QUICK
 
     settings = QUICK if quick else FULL
     mode = "quick" if quick else "full"

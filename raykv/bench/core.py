@@ -19,13 +19,13 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from time import perf_counter
 
 import numpy as np
 import numpy.typing as npt
 
 from raykv.bench.core_io import commit_new, copy_benchmark, demotion_benchmark
+from raykv.bench.core_settings import CoreSettings
 from raykv.bench.harness import Benchmark, Row, median_seconds, paired_seconds, timed
 from raykv.core.config import CacheConfig, KVLayout, TierConfig
 from raykv.core.keys import DEFAULT_SCOPE, TokenSeq, block_keys
@@ -39,36 +39,6 @@ NUMPY_GOAL = 0.7
 
 Trie = dict[bytes, "Trie"]
 """A nested-dict trie: key -> children (the radix benchmarks' floor)."""
-
-
-@dataclass(frozen=True)
-class CoreSettings:
-    """How much work each benchmark does. ``QUICK`` is for CI (< 20 s on 2 cores)."""
-
-    key_repeats: int
-    radix_sequences: int
-    radix_repeats: int
-    copy_repeats: int
-    demote_repeats: int
-    warmup: int
-    prompt_tokens: int = 8192
-    copy_batch: int = 64
-    demote_pages: int = 128
-
-    def __post_init__(self) -> None:
-        for name in ("key_repeats", "radix_sequences", "radix_repeats", "copy_repeats", "demote_repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.warmup < 0 or self.prompt_tokens < 64 or self.copy_batch < 1 or self.demote_pages < 1:
-            raise ValueError("warmup >= 0, prompt_tokens >= 64, copy_batch and demote_pages >= 1")
-
-
-QUICK = CoreSettings(
-    key_repeats=41, radix_sequences=10, radix_repeats=21, copy_repeats=7, demote_repeats=7, warmup=1
-)
-FULL = CoreSettings(
-    key_repeats=1001, radix_sequences=50, radix_repeats=201, copy_repeats=61, demote_repeats=41, warmup=3
-)
 
 
 def core_benchmarks(settings: CoreSettings) -> list[Benchmark]:

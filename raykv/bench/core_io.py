@@ -21,20 +21,17 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from time import perf_counter
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
+from raykv.bench.core_settings import CoreSettings
 from raykv.bench.harness import Row, paired_seconds, timed
 from raykv.core.config import CacheConfig, KVLayout, TierConfig
 from raykv.core.manager import CacheManager
 from raykv.core.tiers.disk import DiskPool
 from raykv.core.tiers.host import HostPool
 from raykv.core.types import PageId
-
-if TYPE_CHECKING:
-    from raykv.bench.core import CoreSettings
 
 VOCAB = 32_000
 

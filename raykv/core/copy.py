@@ -187,5 +187,5 @@ class CopyEngine:
             return
         src_events.set(src_ids, event)
         dst_events.set(dst_ids, event)
-        if fence_current and not gpu.shared:
-            gpu._torch.cuda.current_stream(gpu.device).wait_event(event)
+        if fence_current:
+            gpu.fence_current(event)

@@ -66,7 +66,7 @@ class PriorityLRU:
         if not pages:
             return
         level, priority = pages[0].level, pages[0].priority
-        fast = page_module.bound_chain()
+        fast = page_module.compiled_chain
         if fast is not None and type(pages) is list:
             queue = self._queue(level, priority)
             if fast.queue_chain(queue, pages, level, priority):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -26,14 +26,12 @@ from raykv.core.errors import ImportRejectedError, IntegrityError
 from raykv.core.page import Page
 from raykv.core.radix import Root
 from raykv.core.records import BlockRecords, ExportedBlock, ImportResult, crc32, page_checksum
-from raykv.core.types import BlockKey, PageId, Priority, TierKind, check_block_key
-
-if TYPE_CHECKING:
-    from raykv.core.manager import CacheManager
+from raykv.core.store import PageStore, StoreOwner
+from raykv.core.types import BlockKey, PageId, Priority, check_block_key
 
 
-def export_blocks(mgr: CacheManager, keys: list[BlockKey]) -> list[ExportedBlock]:
-    """Read the pages of the committed blocks among ``keys`` (batched per tier)."""
+def export_blocks(mgr: PageStore, keys: list[BlockKey]) -> list[ExportedBlock]:
+    """Read the pages of the committed blocks among ``keys`` (batched per tier). Under the lock."""
     found = [b for b in (mgr.tree.get(k) for k in keys) if b is not None]
     data: dict[int, bytes] = {}
     for level in sorted({b.page.level for b in found}):
@@ -72,7 +70,7 @@ def first_mismatch(data: npt.NDArray[np.uint8], checksums: Sequence[int]) -> int
 
 
 def check_arrays(
-    mgr: CacheManager,
+    mgr: PageStore,
     records: BlockRecords,
     data: npt.NDArray[np.uint8],
     checksums: Sequence[int] | None,
@@ -95,7 +93,7 @@ def check_arrays(
 
 
 @dataclass(frozen=True)
-class _Problem:
+class Problem:
     """The first bad record: its index, the error, and whether its checksum is checked first."""
 
     index: int
@@ -103,9 +101,10 @@ class _Problem:
     checksum_first: bool
 
 
-def _scan(mgr: CacheManager, records: BlockRecords) -> tuple[list[int], _Problem | None]:
-    """The indices of the blocks to add (not cached yet), and the first problem in record order."""
-    quick = _scan_chain(mgr, records)
+def scan(mgr: PageStore, records: BlockRecords) -> tuple[list[int], Problem | None]:
+    """The indices of the blocks to add (not cached yet), and the first problem in record order
+    (changes nothing; under the lock)."""
+    quick = scan_chain(mgr, records)
     if quick is not None:
         return quick, None
     seen: set[bytes] = set()
@@ -120,25 +119,23 @@ def _scan(mgr: CacheManager, records: BlockRecords) -> tuple[list[int], _Problem
                 check_block_key(key)
                 check_block_key(parent, "parent_key")
         except ValueError as exc:
-            return new, _Problem(i, ImportRejectedError(f"record {i}: {exc}", index=i), False)
+            return new, Problem(i, ImportRejectedError(f"record {i}: {exc}", index=i), False)
         if key in seen:
-            return new, _Problem(
-                i, ImportRejectedError(f"record {i}: duplicate key in batch", index=i), False
-            )
+            return new, Problem(i, ImportRejectedError(f"record {i}: duplicate key in batch", index=i), False)
         if tokens != tpb:
             text = f"record {i}: {tokens} tokens; only full blocks of {tpb} are shared"
-            return new, _Problem(i, ImportRejectedError(text, index=i), False)
+            return new, Problem(i, ImportRejectedError(text, index=i), False)
         if not (root or parent in tree or parent in seen):
             text = f"record {i}: parent block is neither cached nor earlier in the batch"
-            return new, _Problem(i, ImportRejectedError(text, index=i), True)
+            return new, Problem(i, ImportRejectedError(text, index=i), True)
         seen.add(key)
         if key not in tree:
             new.append(i)
     return new, None
 
 
-def _scan_chain(mgr: CacheManager, records: BlockRecords) -> list[int] | None:
-    """:func:`_scan` for the common batch, a problem-free chain (each block the parent of the next;
+def scan_chain(mgr: PageStore, records: BlockRecords) -> list[int] | None:
+    """:func:`scan` for the common batch, a problem-free chain (each block the parent of the next;
     C-level passes instead of a loop per record): the blocks to add, or None when the batch is not
     such a chain or has a problem (the full scan then finds and orders it)."""
     keys, parents = records.keys, records.parent_keys
@@ -159,10 +156,10 @@ def _scan_chain(mgr: CacheManager, records: BlockRecords) -> list[int] | None:
     return [i for i, key in enumerate(keys) if key not in blocks]
 
 
-def validate(mgr: CacheManager, records: BlockRecords, bad_checksum: int | None) -> list[int]:
+def validate(mgr: PageStore, records: BlockRecords, bad_checksum: int | None) -> list[int]:
     """The indices of the blocks to add; raises the first problem in record order (a checksum
     mismatch at ``bad_checksum`` included) without changing anything. Under the manager's lock."""
-    new, problem = _scan(mgr, records)
+    new, problem = scan(mgr, records)
     if bad_checksum is not None and (
         problem is None
         or bad_checksum < problem.index
@@ -178,7 +175,7 @@ def validate(mgr: CacheManager, records: BlockRecords, bad_checksum: int | None)
 
 # ---- import -------------------------------------------------------------------------------------
 @dataclass
-class _Staged:
+class Staged:
     """Pages allocated and written for the new blocks, not inserted yet (held by ``lease_id``)."""
 
     new: list[int]
@@ -199,16 +196,16 @@ PageWriter = Callable[[list[PageId], list[int]], None]
 """``write(slots, new)``: put the pages of records ``new`` into top-tier ``slots`` (same order)."""
 
 
-def _stage(
-    mgr: CacheManager,
+def stage(
+    mgr: PageStore,
     records: BlockRecords,
     new: list[int],
     priority: Priority,
     hold: bool,
     write: PageWriter,
-) -> _Staged:
+) -> Staged:
     """Make room, allocate and ``write`` the new blocks' pages (one batched copy). With ``hold``
-    the pages and the cached parents are leased until :func:`_commit` or :func:`_abort`, so
+    the pages and the cached parents are leased until :func:`insert_staged` or :func:`abort`, so
     nothing moves or goes (and ``clear_reusable``/``shutdown`` refuse) while the manager is
     unlocked."""
     parents = [mgr.tree.get(BlockKey(records.parent_keys[i])) for i in new]
@@ -220,73 +217,60 @@ def _stage(
         mgr.pools[0].release([p.slot for p in pages])
         raise
     lease_id = mgr.hold_pages([*held, *pages]) if hold else None
-    return _Staged(new, pages, lease_id)
+    return Staged(new, pages, lease_id)
 
 
-def _unhold(mgr: CacheManager, staged: _Staged) -> None:
+def unhold(mgr: PageStore, staged: Staged) -> None:
     """End the stage's lease, if it has one (idempotent)."""
     if staged.lease_id is not None:
         mgr.release_lease(staged.lease_id)
 
 
-def _abort(mgr: CacheManager, staged: _Staged) -> None:
-    """Give the staged pages back; nothing was inserted."""
-    _unhold(mgr, staged)
+def abort(mgr: PageStore, staged: Staged) -> None:
+    """Give the staged pages back; nothing was inserted. Under the lock."""
+    unhold(mgr, staged)
     mgr.pools[0].release([p.slot for p in staged.pages])
 
 
-def _commit(mgr: CacheManager, records: BlockRecords, staged: _Staged) -> ImportResult:
-    """Insert the staged blocks, parents first. A block that another import added meanwhile (only
-    possible while a held stage waited unlocked) keeps its page; the staged copy is released."""
-    _unhold(mgr, staged)
-    chained = _commit_chain(mgr, records, staged)
-    if chained is not None:
-        return chained
-    tree, add = mgr.tree, mgr.policy.add
-    keys, parents, roots = records.keys, records.parent_keys, records.parent_is_root
-    tokens = records.num_tokens
-    tier = mgr.tier_kinds[0]
-    stored: list[tuple[BlockKey, BlockKey, TierKind, int, int | None]] = []
-    raced: list[PageId] = []
-    for i, page in zip(staged.new, staged.pages):
-        key = cast(BlockKey, keys[i])
-        if key in tree.blocks:
-            raced.append(page.slot)
-            continue
-        parent = tree.parent_node(cast(BlockKey, parents[i]), create_root=bool(roots[i]))
-        assert parent is not None, "a held parent vanished"
-        tree.insert(parent, key, page, tokens[i])
-        add(page)
-        stored.append((key, cast(BlockKey, parents[i]), tier, tokens[i], None))
-    if raced:
-        mgr.pools[0].release(raced)
-    mgr.events.stored_many(stored)
-    mgr.counters.imported_blocks += len(stored)
-    done = {s[0] for s in stored}
-    return ImportResult(tuple(s[0] for s in stored), tuple(cast(BlockKey, k) for k in keys if k not in done))
-
-
-def _commit_chain(mgr: CacheManager, records: BlockRecords, staged: _Staged) -> ImportResult | None:
-    """:func:`_commit` for the usual stage, a chain of records all new and none in the tree yet:
-    inserted as one chain (no lookup per record). None when the stage is not that (nothing done)."""
+def insert_staged(mgr: PageStore, records: BlockRecords, staged: Staged) -> ImportResult:
+    """Cache the staged blocks, parents first (:meth:`PageStore.cache_blocks`; one chain when the
+    stage is a chain of records all new and none in the tree yet, the usual stage). A block
+    that another import added meanwhile (only possible while a held stage waited unlocked)
+    keeps its page; the staged copy is released. Under the lock."""
+    unhold(mgr, staged)
     keys, n = records.keys, len(records.keys)
-    if len(staged.new) != n or n < 2 or not records.is_chain():
-        return None
-    tree = mgr.tree
-    if not tree.blocks.keys().isdisjoint(keys):
-        return None
-    parents, tokens, tier = records.parent_keys, records.num_tokens, mgr.tier_kinds[0]
-    parent = tree.parent_node(cast(BlockKey, parents[0]), create_root=bool(records.parent_is_root[0]))
-    assert parent is not None, "a held parent vanished"
-    tree.insert_chain(parent, cast(Sequence[BlockKey], keys), staged.pages, tokens)
-    mgr.policy.add_many(staged.pages)
-    mgr.events.stored_chain(keys, parents, tier, tokens)  # type: ignore[arg-type]
-    mgr.counters.imported_blocks += n
-    return ImportResult(tuple(keys), ())  # type: ignore[arg-type]  # 32-byte keys
+    keys_ = cast(Sequence[BlockKey], keys)
+    parents = cast(Sequence[BlockKey], records.parent_keys)
+    if len(staged.new) == n and n >= 2 and records.is_chain() and mgr.tree.blocks.keys().isdisjoint(keys):
+        mgr.cache_blocks(
+            keys_,
+            parents,
+            records.parent_is_root,
+            staged.pages,
+            records.num_tokens,
+            imported=True,
+            chain=True,
+        )
+        return ImportResult(tuple(keys_), ())
+    new = staged.new
+    skipped = mgr.cache_blocks(
+        [keys_[i] for i in new],
+        [parents[i] for i in new],
+        [bool(records.parent_is_root[i]) for i in new],
+        staged.pages,
+        [records.num_tokens[i] for i in new],
+        imported=True,
+    )
+    if skipped:
+        mgr.pools[0].release([staged.pages[j].slot for j in skipped])
+    raced = {keys_[new[j]] for j in skipped}
+    done = [keys_[i] for i in new if keys_[i] not in raced]
+    stored = set(done)
+    return ImportResult(tuple(done), tuple(k for k in keys_ if k not in stored))
 
 
 def import_pages(
-    mgr: CacheManager,
+    owner: StoreOwner,
     records: BlockRecords,
     data: npt.NDArray[np.uint8],
     checksums: Sequence[int] | None,
@@ -299,6 +283,7 @@ def import_pages(
     Takes the manager's lock itself: checksums are computed before it (they read only ``data``),
     and ``confirm`` runs without it, between writing the rows and inserting the blocks.
     """
+    mgr = owner.store
     check_arrays(mgr, records, data, checksums, verify)
     bad = first_mismatch(data, checksums) if verify and checksums is not None else None
 
@@ -309,7 +294,7 @@ def import_pages(
 
 
 def import_written(
-    mgr: CacheManager,
+    owner: StoreOwner,
     records: BlockRecords,
     write: PageWriter,
     priority: Priority,
@@ -320,11 +305,11 @@ def import_written(
     completed the copy when it returns. Same rules: the records are validated first (nothing
     changes on a problem), ``write`` runs under the manager's lock, ``confirm`` after it without
     the lock; if either raises, the pages are given back and nothing is inserted."""
-    return _import(mgr, records, None, write, priority, confirm)
+    return _import(owner.store, records, None, write, priority, confirm)
 
 
 def _import(
-    mgr: CacheManager,
+    mgr: PageStore,
     records: BlockRecords,
     bad: int | None,
     write: PageWriter,
@@ -332,30 +317,31 @@ def _import(
     confirm: Callable[[], object] | None,
 ) -> ImportResult:
     with mgr.locked():
-        mgr._check_open()
+        mgr.check_open()
         new = validate(mgr, records, bad)
         if not new:
             return ImportResult((), tuple(BlockKey(k) for k in records.keys))
-        staged = _stage(mgr, records, new, priority, confirm is not None, write)
+        staged = stage(mgr, records, new, priority, confirm is not None, write)
         if confirm is None:
-            return _commit(mgr, records, staged)
+            return insert_staged(mgr, records, staged)
     try:
         confirm()
     except BaseException:
         with mgr.locked():
-            _abort(mgr, staged)
+            abort(mgr, staged)
         raise
     with mgr.locked():
-        return _commit(mgr, records, staged)
+        return insert_staged(mgr, records, staged)
 
 
-def import_blocks(mgr: CacheManager, blocks: list[ExportedBlock], priority: Priority) -> ImportResult:
+def import_blocks(owner: StoreOwner, blocks: list[ExportedBlock], priority: Priority) -> ImportResult:
     """All-or-nothing import of ExportedBlock records; see :meth:`CacheManager.import_blocks`.
 
     Checks each record's type and page size, then hands the well-formed prefix to
     :func:`import_pages` (one array of rows). A malformed record is reported unless an earlier
     record has a problem of its own (record order decides, as everywhere).
     """
+    mgr = owner.store
     page = mgr.layout.page_bytes
     bad = next(
         (

@@ -1,33 +1,38 @@
-"""check_invariants(): a full consistency check of one CacheManager (tests call it after every
-operation). Raises AssertionError naming the first violation found."""
+"""check_invariants(): a full consistency check of one device's PageStore (tests call it after
+every operation through ``CacheManager.check_invariants``). Raises AssertionError naming the
+first violation found."""
 
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING
 
-from raykv.core.kvcache import Status
+from raykv.core.kvcache import KvCache, Status
 from raykv.core.page import Page
+from raykv.core.stats import CacheStats
+from raykv.core.store import PageStore
+from raykv.core.tiers.shm_directory import expected_bindings
+from raykv.core.types import TierKind
 
-if TYPE_CHECKING:
-    from raykv.core.manager import CacheManager
+
+def _caches(mgr: PageStore) -> list[KvCache]:
+    return mgr.open_requests()
 
 
-def _live_pages(mgr: CacheManager) -> dict[int, Page]:
+def _live_pages(mgr: PageStore) -> dict[int, Page]:
     pages: dict[int, Page] = {b.page.uid: b.page for b in mgr.tree.iter_blocks()}
-    for cache in mgr.open_caches():
+    for cache in _caches(mgr):
         for page in cache.pages():
             pages[page.uid] = page
-    for leased in mgr._leases.values():  # includes pages staged by an import awaiting its confirm
+    for leased in mgr.leases.values():  # includes pages staged by an import awaiting its confirm
         for page in leased:
             pages[page.uid] = page
     return pages
 
 
-def _check_refcounts(mgr: CacheManager, pages: dict[int, Page]) -> None:
+def _check_refcounts(mgr: PageStore, pages: dict[int, Page]) -> None:
     pins: collections.Counter[int] = collections.Counter()
     holders: collections.Counter[int] = collections.Counter()
-    for cache in mgr.open_caches():
+    for cache in _caches(mgr):
         assert cache.status is not Status.CLOSED, "closed cache still registered"
         uids = [p.uid for p in cache.pages()]
         assert len(uids) == len(set(uids)), f"{cache!r} lists a page twice"
@@ -43,7 +48,7 @@ def _check_refcounts(mgr: CacheManager, pages: dict[int, Page]) -> None:
                 pins[uid] += 1
         assert cache.num_committed_blocks <= cache.num_tokens // cache.tokens_per_block
     leases: collections.Counter[int] = collections.Counter()
-    for leased in mgr._leases.values():
+    for leased in mgr.leases.values():
         for page in leased:
             leases[page.uid] += 1
     pinned_top = 0
@@ -60,10 +65,10 @@ def _check_refcounts(mgr: CacheManager, pages: dict[int, Page]) -> None:
             assert not page.queued and not page.pins, f"{page!r}: staged page queued or pinned"
             continue
         assert page.queued == (page.pins == 0), f"{page!r}: queued={page.queued} but pins={page.pins}"
-    assert mgr._pinned_top == pinned_top, f"pinned counter {mgr._pinned_top} != {pinned_top}"
+    assert mgr.pinned_top == pinned_top, f"pinned counter {mgr.pinned_top} != {pinned_top}"
 
 
-def _check_slots(mgr: CacheManager, pages: dict[int, Page]) -> None:
+def _check_slots(mgr: PageStore, pages: dict[int, Page]) -> None:
     used: dict[tuple[int, int], int] = {}
     per_level = [0] * len(mgr.pools)
     for uid, page in pages.items():
@@ -83,42 +88,39 @@ def _check_slots(mgr: CacheManager, pages: dict[int, Page]) -> None:
         )
 
 
-def _check_caches_vs_tree(mgr: CacheManager) -> None:
-    for cache in mgr.open_caches():
+def _check_caches_vs_tree(mgr: PageStore) -> None:
+    for cache in _caches(mgr):
         pages = cache.pages()
-        keys = cache._keys
+        keys = cache.committed_keys()
         for i in range(cache.num_committed_blocks):
             page = pages[i]
             if page.block is not None:
                 assert page.block.key == keys[i], f"{cache!r}: block {i} backs the wrong key"
 
 
-def check_manager(mgr: CacheManager) -> None:
-    """Verify tree links, slot ownership, pins, holders, queue membership and counters."""
+def check_store(mgr: PageStore, stats: CacheStats) -> None:
+    """Verify tree links, slot ownership, pins, holders, queue membership and counters (``stats``:
+    the manager's snapshot, taken under the same lock). Under the lock."""
     mgr.tree.check()
     pages = _live_pages(mgr)
     _check_refcounts(mgr, pages)
     _check_slots(mgr, pages)
     _check_caches_vs_tree(mgr)
-    stats = mgr.stats()
     for level, pool in enumerate(mgr.pools):
         assert stats.bytes_in_use[level] == pool.num_used * pool.page_bytes
     assert mgr.events.last_event_id >= len(mgr.events)
     _check_directories(mgr)
 
 
-def _check_directories(mgr: CacheManager) -> None:
+def _check_directories(mgr: PageStore) -> None:
     """A shared host tier's directory binds only committed blocks where they are; with no GPU tier
     (every copy synchronous) it binds every committed block on that tier."""
-    from raykv.core.tiers.shm_directory import expected_bindings
-    from raykv.core.types import TierKind
-
     synchronous = TierKind.GPU not in mgr.tier_kinds
     for level, pool in enumerate(mgr.pools):
         directory = getattr(pool, "slot_directory", None)
         if directory is None:
             continue
-        expected = expected_bindings(mgr, level)
+        expected = expected_bindings(mgr.tree, mgr.copy.host_events, level)
         if synchronous:
             directory.check(expected)
         else:

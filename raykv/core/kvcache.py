@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import math
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -26,12 +26,10 @@ import numpy.typing as npt
 from raykv.core.errors import InvalidArgumentError, StateError
 from raykv.core.keys import MultimodalItem, ReuseScope, TokenSeq, chain_keys, check_mm_items, tokens_to_array
 from raykv.core.page import Page
+from raykv.core.radix import Block
 from raykv.core.stats import StatsDelta
+from raykv.core.store import PageStore
 from raykv.core.types import BlockKey, PageId, Priority, TierKind
-
-if TYPE_CHECKING:
-    from raykv.core.manager import CacheManager
-    from raykv.core.radix import Block, Root
 
 
 class Status(enum.Enum):
@@ -45,7 +43,7 @@ class KvCache:
 
     def __init__(
         self,
-        manager: CacheManager,
+        store: PageStore,
         scope: ReuseScope,
         tokens: TokenSeq,
         priority: Priority,
@@ -55,16 +53,16 @@ class KvCache:
         self.status = Status.CLOSED  # until fully built, so __del__ of a failed init is quiet
         arr = tokens_to_array(tokens)
         self.mm_items = check_mm_items(mm_items, len(arr))
-        self._mgr = manager
+        self._store = store
         self.scope = scope
         self.root_key = scope.root_key()
         self.priority = priority
         self.request_id = request_id
-        self.cache_id = next(manager._cache_ids)
-        tpb = manager.tokens_per_block
+        self.cache_id = store.next_cache_id()
+        tpb = store.tokens_per_block
         self.tokens_per_block = tpb
         input_keys = chain_keys(self.root_key, arr, tpb, 0, self.mm_items)
-        matched = manager.tree.match(self.root_key, input_keys)
+        matched = store.tree.match(self.root_key, input_keys)
         self._keys: list[BlockKey] = [b.key for b in matched]
         self._pages: list[Page] = [b.page for b in matched]
         self._num_committed = len(matched)
@@ -73,13 +71,13 @@ class KvCache:
         self._len = self.num_reused_tokens
         for page in self._pages:
             page.holders += 1
-            manager.policy.touch(page)
+            store.policy.touch(page)
         self._pending: StatsDelta | None = self._lookup_stats(matched, len(input_keys), len(arr))
         self._input = (arr, input_keys)  # reused at commit when the prompt is what was extended
         self.status = Status.SUSPENDED
 
     def _lookup_stats(self, matched: list[Block], n_full: int, n_tokens: int) -> StatsDelta:
-        n = len(self._mgr.pools)
+        n = len(self._store.pools)
         hit_blocks, hit_tokens = [0] * n, [0] * n
         for block in matched:
             hit_blocks[block.page.level] += 1
@@ -125,6 +123,10 @@ class KvCache:
         """This request's lookup stats not yet folded into the manager (None once folded)."""
         return self._pending
 
+    def committed_keys(self) -> list[BlockKey]:
+        """The keys of the committed blocks, in order (a new list)."""
+        return self._keys[: self._num_committed]
+
     def block_key(self, index: int) -> BlockKey:
         """Key of block ``index`` over the tokens it holds now (a partial block's key is private:
         it is never shared; the content oracle uses it to name the page's bytes)."""
@@ -165,14 +167,14 @@ class KvCache:
         config's ``max_util_for_resume`` or room cannot be made. True if already active. Raises
         StateError when closed.
         """
-        mgr = self._mgr
+        mgr = self._store
         with mgr.locked():
             self._check_not_closed()
             if self.status is Status.ACTIVE:
                 return True
             newly_pinned = sum(1 for p in self._pages if p.pins == 0)
             top = mgr.top_pool.num_slots
-            if (mgr._pinned_top + newly_pinned) / top > mgr.config.max_util_for_resume:
+            if (mgr.pinned_top + newly_pinned) / top > mgr.config.max_util_for_resume:
                 return False
             lower = [p for p in self._pages if p.level != 0]
             if lower:
@@ -191,11 +193,11 @@ class KvCache:
     def suspend(self) -> None:
         """ACTIVE -> SUSPENDED: unpin every page (they become evictable, may be demoted).
         No-op when already suspended; StateError when closed."""
-        with self._mgr.locked():
+        with self._store.locked():
             self._check_not_closed()
             if self.status is Status.ACTIVE:
                 for page in self._pages:
-                    self._mgr.unpin(page)
+                    self._store.unpin(page)
                 self.status = Status.SUSPENDED
 
     def extend(self, tokens: TokenSeq) -> None:
@@ -204,7 +206,7 @@ class KvCache:
         Raises ValueError for bad tokens, StateError when not active, OutOfPagesError when no
         page can be evicted; in every case nothing changes.
         """
-        mgr = self._mgr
+        mgr = self._store
         with mgr.locked():
             arr = tokens_to_array(tokens)
             if self.status is not Status.ACTIVE:
@@ -228,11 +230,11 @@ class KvCache:
 
         Their KV must already be written, or queued on the current CUDA stream for a GPU tier
         (an event recorded there orders every later copy or peer read after it). Each newly
-        committed block becomes matchable (a
-        BlockStored event) unless an identical block is already cached. Folds this request's
-        pending stats into the manager. Returns how many blocks were newly committed.
+        committed block becomes matchable (a BlockStored event) unless an identical block is
+        already cached. Folds this request's pending stats into the manager. Returns how many
+        blocks were newly committed.
         """
-        mgr = self._mgr
+        mgr = self._store
         with mgr.locked():
             self._check_not_closed()
             upto = self._len if num_tokens is None else num_tokens
@@ -247,41 +249,34 @@ class KvCache:
                 # gpu_peer readers) after them, before the blocks become visible.
                 slots = [self._pages[i].slot for i in new if self._pages[i].level == 0]
                 mgr.pools[0].record_written(slots)  # type: ignore[attr-defined]
-            stored: list[tuple[BlockKey, BlockKey, TierKind, int, int | None]] = []
-            for i in new:
-                self._insert(i, stored)
-            mgr.events.stored_many(stored)
+            if new:
+                self._insert(new[0], last)
             self._num_committed = max(start, last)
             mgr.counters.committed_blocks += max(0, last - start)
             self._fold_stats()
             return max(0, last - start)
 
-    def _insert(self, index: int, stored: list[tuple[BlockKey, BlockKey, TierKind, int, int | None]]) -> None:
-        """Put block ``index`` in the tree (re-inserting private ancestors whose twin is gone);
-        appends each inserted block's event fields to ``stored``."""
-        mgr = self._mgr
-        missing = [index]
-        while missing[-1] > 0 and self._keys[missing[-1] - 1] not in mgr.tree:
-            missing.append(missing[-1] - 1)
-        for i in reversed(missing):
-            parent_key = self.root_key if i == 0 else self._keys[i - 1]
-            parent: Root | Block | None = mgr.tree.parent_node(parent_key, create_root=i == 0)
-            page = self._pages[i]
-            assert parent is not None and page.block is None
-            mgr.tree.insert(parent, self._keys[i], page, self.tokens_per_block)
-            stored.append(
-                (
-                    self._keys[i],
-                    parent_key,
-                    mgr.tier_kinds[page.level],
-                    self.tokens_per_block,
-                    self.request_id,
-                )
-            )
+    def _insert(self, first: int, last: int) -> None:
+        """Cache blocks ``first .. last - 1`` (``first``: the first new one; any of them cached
+        meanwhile is skipped), after the private ancestors whose twin is gone (the run of
+        uncached blocks just before ``first``), in one :meth:`PageStore.cache_blocks`."""
+        keys, tree = self._keys, self._store.tree
+        while first > 0 and keys[first - 1] not in tree:
+            first -= 1
+        parents = [self.root_key if first == 0 else keys[first - 1], *keys[first : last - 1]]
+        n = last - first
+        self._store.cache_blocks(
+            keys[first:last],
+            parents,
+            [first == 0] + [False] * (n - 1),
+            self._pages[first:last],
+            [self.tokens_per_block] * n,
+            self.request_id,
+        )
 
     def close(self) -> None:
         """Release every page (committed blocks stay cached). Idempotent."""
-        mgr = self._mgr
+        mgr = self._store
         with mgr.locked():
             if self.status is Status.CLOSED:
                 return
@@ -293,7 +288,7 @@ class KvCache:
 
     def _fold_stats(self) -> None:
         if self._pending is not None:
-            self._mgr.counters.fold(self._pending, self.request_id)
+            self._store.counters.fold(self._pending, self.request_id)
             self._pending = None
 
     def _check_not_closed(self) -> None:
@@ -307,24 +302,24 @@ class KvCache:
     # ---- page access ----------------------------------------------------------------------------
     def page_ids(self) -> list[PageId]:
         """Top-tier slot of every block, in order. ACTIVE only; valid until suspend/close."""
-        with self._mgr.locked():
+        with self._store.locked():
             self._check_active()
             return [p.slot for p in self._pages]
 
     def page(self, index: int) -> Any:
         """Writable view of block ``index``'s whole page: numpy uint8 on a host top tier, a
         torch uint8 tensor on a GPU top tier. ACTIVE only; valid until suspend/close."""
-        with self._mgr.locked():
+        with self._store.locked():
             self._check_active()
-            return self._mgr.top_pool.page(self._page_at(index).slot)  # type: ignore[attr-defined]
+            return self._store.top_pool.page(self._page_at(index).slot)  # type: ignore[attr-defined]
 
     def buffer_view(self, index: int, layer_id: int, role: str) -> Any:
         """Typed view ``[tokens_per_block, *shape]`` of one (layer, role) buffer of block
         ``index``. Raises RoleNotFoundError for a (layer, role) the layout lacks."""
-        with self._mgr.locked():
+        with self._store.locked():
             self._check_active()
             slot = self._page_at(index).slot
-            return self._mgr.top_pool.buffer_view(slot, layer_id, role)  # type: ignore[attr-defined]
+            return self._store.top_pool.buffer_view(slot, layer_id, role)  # type: ignore[attr-defined]
 
     def _page_at(self, index: int) -> Page:
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self._pages):
@@ -353,7 +348,9 @@ class KvCache:
         # Only queue the release: a finalizer may run in the middle of another manager call.
         self.status = Status.CLOSED
         pending, self._pending = self._pending, None
-        self._mgr.defer_release(self.cache_id, self._pages, status is Status.ACTIVE, pending, self.request_id)
+        self._store.defer_release(
+            self.cache_id, self._pages, status is Status.ACTIVE, pending, self.request_id
+        )
         self._pages = []
 
     def __repr__(self) -> str:

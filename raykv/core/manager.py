@@ -1,4 +1,9 @@
-"""CacheManager: tiers, block tree, eviction, copies, events and stats of one device.
+"""CacheManager: the facade users call for the cache of one device.
+
+The state and its bookkeeping (tiers, block tree, eviction, pins, leases, events, counters, the
+lock) live in one :class:`~raykv.core.store.PageStore` (``mgr.store``), which requests
+(:class:`~raykv.core.kvcache.KvCache`), export/import and the invariant checks work on; this class
+validates arguments, takes the lock and delegates.
 
 Lifecycle of a request (see :class:`raykv.core.kvcache.KvCache`): ``create`` matches the longest cached
 prefix and holds it; ``resume`` brings its pages to the top tier and pins them; ``extend``
@@ -11,10 +16,7 @@ rejected call raises a typed error and leaves the manager unchanged.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -22,16 +24,14 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.core.config import CacheConfig
-from raykv.core.copy import CopyEngine
-from raykv.core.errors import InvalidArgumentError, OutOfPagesError, ResourceBusyError, StateError
-from raykv.core.events import CacheEvent, EventQueue
-from raykv.core.eviction import EvictionPolicy, PriorityLRU
+from raykv.core.errors import InvalidArgumentError
+from raykv.core.events import CacheEvent
+from raykv.core.eviction import EvictionPolicy
 from raykv.core.export_import import export_blocks, import_blocks, import_pages
+from raykv.core.invariants import check_store
 from raykv.core.keys import DEFAULT_SCOPE, MultimodalItem, ReuseScope, TokenSeq, block_keys
 from raykv.core.kvcache import KvCache, Status
-from raykv.core.page import Page, new_pages
-from raykv.core.placement import RoomPlanner
-from raykv.core.radix import Block, BlockRadixTree, Root
+from raykv.core.radix import Block, Root
 from raykv.core.records import (
     BlockLease,
     BlockRecords,
@@ -41,14 +41,12 @@ from raykv.core.records import (
     LeasedBlock,
     ProbeResult,
 )
-from raykv.core.stats import CacheStats, Counters, RequestStats, StatsDelta
-from raykv.core.tiers import PagePool, make_pool, shm_directory
+from raykv.core.stats import CacheStats, RequestStats
+from raykv.core.store import PageStore, StoreLock
+from raykv.core.tiers import PagePool
 from raykv.core.types import (
     DEFAULT_PRIORITY,
     PageId,
-    Priority,
-    TierKind,
-    TierLevel,
     check_block_key,
     check_block_keys,
     check_priority,
@@ -58,90 +56,41 @@ from raykv.core.types import (
 log = logging.getLogger(__name__)
 
 
-def _close_pools(pools: list[PagePool]) -> None:
-    for pool in pools:
-        pool.close()
-
-
 class CacheManager:
     """The cache of one device. See the module docstring for the request lifecycle."""
 
     def __init__(self, config: CacheConfig, policy: EvictionPolicy | None = None) -> None:
         if not isinstance(config, CacheConfig):
             raise InvalidArgumentError("config", "must be a CacheConfig")
+        self.store = PageStore(config, policy)
+        """The page bookkeeping every part of the cache works on (:mod:`raykv.core.store`)."""
+        store = self.store
+        # The store's objects, for readers (each is the same object as the store's).
         self.config = config
         self.layout = config.layout
         self.tokens_per_block = config.layout.tokens_per_block
-        pin_host = any(t.kind is TierKind.GPU for t in config.tiers)
-        pools: list[PagePool] = []
-        try:
-            for tier in config.tiers:
-                pools.append(make_pool(tier, config.layout, pin_host=pin_host))
-        except BaseException:
-            _close_pools(pools)
-            raise
-        self.pools = pools
-        self.tier_kinds = tuple(p.kind for p in pools)
-        self.copy = CopyEngine(pools)
-        self.tree = BlockRadixTree()
-        self.policy: EvictionPolicy = policy or PriorityLRU(len(pools))
-        self.events = EventQueue(config.max_events)
-        self.counters = Counters(len(pools))
-        self._lock = threading.RLock()
-        self._locked = _Locked(self)
-        self._open: dict[int, weakref.ref[KvCache]] = {}
-        self._leases: dict[int, list[Page]] = {}
-        self._lease_ids = itertools.count(1)
-        self._graveyard: list[tuple[int, list[Page], bool, StatsDelta | None, int | None]] = []
-        self._cache_ids = itertools.count(1)
-        self._pinned_top = 0
-        self._closed = False
-        self._finalizer = weakref.finalize(self, _close_pools, pools)
-        shm_directory.install(self)
+        self.pools = store.pools
+        self.tier_kinds = store.tier_kinds
+        self.copy = store.copy
+        self.tree = store.tree
+        self.policy = store.policy
+        self.events = store.events
+        self.counters = store.counters
+        self._lock_ctx = store.locked()  # one object per store: no call through the store per use
         log.debug(
             "CacheManager up: tiers %s, page %d bytes",
-            [(p.kind.name, p.num_slots) for p in pools],
+            [(p.kind.name, p.num_slots) for p in self.pools],
             self.layout.page_bytes,
         )
 
-    def locked(self) -> _Locked:
+    def locked(self) -> StoreLock:
         """Hold the manager lock (``with mgr.locked():``, re-entrant); first release requests
         that were garbage-collected while open.
 
         (A KvCache finalizer only queues its pages here: it may run at any point, even inside
         another call on this thread, so it must not touch the tree or queues itself.)
         """
-        return self._locked
-
-    def _bury(self) -> None:
-        """Release the requests the finalizers queued (under the lock)."""
-        while self._graveyard:
-            cache_id, pages, active, pending, request_id = self._graveyard.pop()
-            self.release_cache_pages(pages, active)
-            if pending is not None:
-                self.counters.fold(pending, request_id)
-            self._open.pop(cache_id, None)
-
-    def defer_release(
-        self,
-        cache_id: int,
-        pages: list[Page],
-        active: bool,
-        pending: StatsDelta | None,
-        request_id: int | None,
-    ) -> None:
-        """Queue a dead request's pages (and unfolded stats) for release at the next locked call.
-
-        Finalizer-safe: a list append is atomic and touches nothing else."""
-        self._graveyard.append((cache_id, pages, active, pending, request_id))
-
-    def release_cache_pages(self, pages: list[Page], active: bool) -> None:
-        """Unpin (if ``active``) and drop one request's references to ``pages``."""
-        if active:
-            for page in pages:
-                self.unpin(page)
-        for page in pages:
-            self.release_holder(page)
+        return self._lock_ctx
 
     # ---- properties ----------------------------------------------------------------------------
     @property
@@ -152,11 +101,11 @@ class CacheManager:
     @property
     def num_open_requests(self) -> int:
         with self.locked():
-            return len(self._open)
+            return self.store.num_open
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self.store.closed
 
     # ---- requests ------------------------------------------------------------------------------
     def create(
@@ -182,8 +131,8 @@ class CacheManager:
             check_u64("request_id", request_id)
         with self.locked():
             self._check_open()
-            cache = KvCache(self, scope, tokens, prio, request_id, tuple(mm_items))
-            self._open[cache.cache_id] = weakref.ref(cache)
+            cache = KvCache(self.store, scope, tokens, prio, request_id, tuple(mm_items))
+            self.store.track(cache.cache_id, cache)
             return cache
 
     def probe(
@@ -224,7 +173,7 @@ class CacheManager:
         checked = [check_block_key(k) for k in keys]
         with self.locked():
             self._check_open()
-            return export_blocks(self, checked)
+            return export_blocks(self.store, checked)
 
     def import_blocks(
         self, blocks: Sequence[ExportedBlock], priority: int = DEFAULT_PRIORITY
@@ -240,7 +189,7 @@ class CacheManager:
         prio = check_priority(priority)
         with self.locked():
             self._check_open()
-            return import_blocks(self, list(blocks), prio)
+            return import_blocks(self.store, list(blocks), prio)
 
     def import_pages(
         self,
@@ -260,7 +209,7 @@ class CacheManager:
         raises, the pages are given back and the error propagates (evictions made stay made).
         """
         prio = check_priority(priority)
-        return import_pages(self, records, data, checksums, verify, prio, confirm)
+        return import_pages(self.store, records, data, checksums, verify, prio, confirm)
 
     def cool_blocks(self, keys: Sequence[bytes]) -> int:
         """Make the committed blocks among ``keys`` the first to be demoted or evicted within their
@@ -286,7 +235,7 @@ class CacheManager:
         with self.locked():
             self._check_open()
             found = [b for b in (self.tree.get(k) for k in checked) if b is not None]
-            lease_id = self.hold_pages([b.page for b in found])
+            lease_id = self.store.hold_pages([b.page for b in found])
             blocks = tuple(
                 LeasedBlock(
                     b.key,
@@ -322,22 +271,9 @@ class CacheManager:
             return pool.page(PageId(block.slot))
         return self.copy.read(block.level, [PageId(block.slot)])[0]
 
-    def hold_pages(self, pages: list[Page]) -> int:
-        """Lease ``pages`` (the list is kept as given): they neither move nor go until
-        :meth:`release_lease` of the returned id; ``clear_reusable``/``shutdown`` refuse
-        meanwhile. Imports hold the pages they stage this way."""
-        with self.locked():
-            for page in pages:
-                page.leases += 1
-            lease_id = next(self._lease_ids)
-            self._leases[lease_id] = pages
-            return lease_id
-
     def release_lease(self, lease_id: int) -> None:
         """Release a lease (idempotent); its pages become movable again."""
-        with self.locked():
-            for page in self._leases.pop(lease_id, []):
-                page.leases -= 1
+        self.store.release_lease(lease_id)
 
     def committed_blocks(self) -> list[CommittedBlockInfo]:
         """Snapshot of every committed block (parents before children) with its tier."""
@@ -357,8 +293,8 @@ class CacheManager:
                 tiers=self.tier_kinds,
                 bytes_in_use=tuple(p.num_used * p.page_bytes for p in self.pools),
                 capacity_bytes=tuple(p.capacity_bytes for p in self.pools),
-                pinned_pages=self._pinned_top,
-                open_requests=len(self._open),
+                pinned_pages=self.store.pinned_top,
+                open_requests=self.store.num_open,
             )
 
     def request_stats(self) -> list[RequestStats]:
@@ -372,7 +308,7 @@ class CacheManager:
 
     def top_utilization(self) -> float:
         """Fraction of top-tier pages pinned by active requests."""
-        return self._pinned_top / self.top_pool.num_slots
+        return self.store.pinned_top / self.top_pool.num_slots
 
     # ---- global operations ---------------------------------------------------------------------
     def clear_reusable(self) -> int:
@@ -382,17 +318,8 @@ class CacheManager:
         """
         with self.locked():
             self._check_open()
-            self._refuse_if_open("clear_reusable()")
-            return self._clear()
-
-    def _clear(self) -> int:
-        blocks = sorted(self.tree.iter_blocks(), key=lambda b: -b.ordinal)
-        for block in blocks:
-            page = block.page
-            self.tree.remove(block)
-            self._free_page(page)
-        self.events.cleared()
-        return len(blocks)
+            self.store.refuse_if_busy("clear_reusable()")
+            return self.store.clear()
 
     def shutdown(self) -> None:
         """Clear the tree and release every tier (the disk tier's temp files go). Idempotent.
@@ -400,132 +327,23 @@ class CacheManager:
         Raises ResourceBusyError (changing nothing) while requests are open.
         """
         with self.locked():
-            if self._closed:
+            if self.store.closed:
                 return
-            self._refuse_if_open("shutdown()")
-            self._clear()
-            self._closed = True
-            self._finalizer()
-
-    def _refuse_if_open(self, api: str) -> None:
-        if self._leases:
-            n = len(self._leases)
-            raise ResourceBusyError(f"{api} with {n} block lease(s) still open", num_open=n)
-        if self._open:
-            n = len(self._open)
-            raise ResourceBusyError(f"{api} with {n} request(s) still open", num_open=n)
+            self.store.refuse_if_busy("shutdown()")
+            self.store.close()
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise StateError("the CacheManager has been shut down")
-
-    # ---- page machinery (used by KvCache and the block exchange) ------------------------------
-    def plan_room(self, level: int, count: int, exclude: set[int]) -> RoomPlanner | None:
-        """A plan that frees ``count`` slots on ``level`` without touching ``exclude`` pages,
-        or None when impossible. Nothing changes until :meth:`execute` runs the plan."""
-        planner = RoomPlanner([p.num_free for p in self.pools], self.policy, exclude)
-        return planner if planner.make_room(level, count) else None
-
-    def execute(self, planner: RoomPlanner) -> None:
-        """Carry out a plan from :meth:`plan_room`: drops first, then moves, coldest first."""
-        drops, moves = planner.ordered_steps()
-        for step in drops:
-            page = step.page
-            assert page.block is not None
-            self.events.removed(page.block.key, self.tier_kinds[page.level])
-            self.counters.evictions[page.level] += 1
-            self.tree.remove(page.block)
-            self._free_page(page)
-        moves.sort(key=lambda s: (-s.src, s.dst))
-        for (_src, dst), group in itertools.groupby(moves, key=lambda s: (s.src, s.dst)):
-            assert dst is not None
-            self.move_pages([s.page for s in group], dst)
-
-    def allocate_pages(self, count: int, priority: Priority, exclude: set[int]) -> list[Page]:
-        """``count`` new pages on the top tier (unqueued, no holder yet), evicting as needed.
-
-        Raises OutOfPagesError, with nothing changed, when the room cannot be made.
-        """
-        if count == 0:
-            return []
-        planner = self.plan_room(0, count, exclude)
-        if planner is None:
-            raise OutOfPagesError(
-                f"top tier ({self.tier_kinds[0].name}) cannot free {count} page(s): "
-                f"{self._pinned_top} of {self.top_pool.num_slots} pinned, the rest not evictable",
-                tier=self.tier_kinds[0].name,
-                needed=count,
-            )
-        self.execute(planner)
-        slots = self.pools[0].allocate(count)
-        return new_pages(TierLevel(0), slots, priority)
-
-    def move_pages(self, pages: list[Page], dst: int) -> None:
-        """Copy unpinned pages (all on one level) to level ``dst`` and re-point them."""
-        if not pages:
-            return
-        src = pages[0].level
-        dst_slots = self.pools[dst].allocate(len(pages))
-        src_slots: list[PageId] = [p.slot for p in pages]
-        try:
-            self.copy.copy(src, src_slots, dst, dst_slots)
-        except BaseException:
-            self.pools[dst].release(dst_slots)
-            raise
-        self.pools[src].release(src_slots)
-        counter = self.counters.demotions if dst > src else self.counters.promotions
-        for page, slot in zip(pages, dst_slots):
-            queued = page.queued
-            if queued:
-                self.policy.remove(page)
-            page.level, page.slot = TierLevel(dst), slot
-            if queued:
-                self.policy.add(page)
-            counter[src] += 1
-            if page.block is not None:
-                self.events.tier_changed(page.block.key, self.tier_kinds[src], self.tier_kinds[dst])
-
-    def pin(self, page: Page) -> None:
-        """An active request starts using ``page`` (which must be on the top tier)."""
-        if page.level != 0:
-            raise StateError(f"cannot pin {page!r}: not on the top tier")
-        if page.pins == 0:
-            if page.queued:
-                self.policy.remove(page)
-            self._pinned_top += 1
-        page.pins += 1
-
-    def unpin(self, page: Page) -> None:
-        """An active request stops using ``page``; an unpinned page becomes evictable."""
-        page.pins -= 1
-        if page.pins == 0:
-            self._pinned_top -= 1
-            self.policy.add(page)
-
-    def release_holder(self, page: Page) -> None:
-        """A request drops its reference; an unreferenced private page is freed."""
-        page.holders -= 1
-        if page.holders == 0 and page.block is None and page.pins == 0:
-            self._free_page(page)
-
-    def _free_page(self, page: Page) -> None:
-        if page.queued:
-            self.policy.remove(page)
-        self.pools[page.level].release([page.slot])
-
-    def forget_cache(self, cache_id: int) -> None:
-        self._open.pop(cache_id, None)
+        self.store.check_open()
 
     # ---- invariants ----------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Verify tree, pools, pins, holders, queues and counters; AssertionError on a violation."""
-        from raykv.core.invariants import check_manager
-
         with self.locked():
-            check_manager(self)
+            check_store(self.store, self.stats())
 
     def open_caches(self) -> list[KvCache]:
-        return [c for c in (r() for r in self._open.values()) if c is not None]
+        """The open requests (their KvCache objects) still alive."""
+        return self.store.open_requests()
 
     def __enter__(self) -> CacheManager:
         return self
@@ -535,30 +353,7 @@ class CacheManager:
 
     def __repr__(self) -> str:
         tiers = ", ".join(f"{p.kind.name}:{p.num_used}/{p.num_slots}" for p in self.pools)
-        return f"CacheManager({tiers}, blocks={len(self.tree)}, open={len(self._open)})"
+        return f"CacheManager({tiers}, blocks={len(self.tree)}, open={self.store.num_open})"
 
 
 __all__ = ["CacheManager", "KvCache", "Status"]
-
-
-class _Locked:
-    """What :meth:`CacheManager.locked` returns (one per manager; all state is in the lock): a
-    class, not a generator context manager, since every manager call enters it."""
-
-    __slots__ = ("_mgr",)
-
-    def __init__(self, mgr: CacheManager) -> None:
-        self._mgr = mgr
-
-    def __enter__(self) -> None:
-        mgr = self._mgr
-        mgr._lock.acquire()
-        if mgr._graveyard:
-            try:
-                mgr._bury()
-            except BaseException:
-                mgr._lock.release()
-                raise
-
-    def __exit__(self, *exc: object) -> None:
-        self._mgr._lock.release()

@@ -16,16 +16,31 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from raykv import native
-from raykv.core.types import PageId, Priority, TierLevel
-
-if TYPE_CHECKING:
-    from raykv.core.radix import Block
+from raykv.core.types import BlockKey, PageId, Priority, TierLevel
 
 log = logging.getLogger(__name__)
 _uids = itertools.count(1)
+
+
+class BackedBlock(Protocol):
+    """What a page knows of the committed block it backs (:class:`raykv.core.radix.Block` is
+    the one implementation): its key, its parent node, its children and its depth."""
+
+    @property
+    def key(self) -> BlockKey: ...
+
+    @property
+    def parent(self) -> object: ...
+
+    @property
+    def children(self) -> Mapping[BlockKey, object]: ...
+
+    @property
+    def ordinal(self) -> int: ...
 
 
 class Page:
@@ -36,7 +51,7 @@ class Page:
         self.level = level
         self.slot = slot
         self.priority = priority
-        self.block: Block | None = None
+        self.block: BackedBlock | None = None
         self.pins = 0
         self.leases = 0
         self.holders = 0
@@ -50,33 +65,32 @@ class Page:
         )
 
 
-_chain: Any = native.load("_chain")
+compiled_chain: Any = native.load("_chain")
+"""The compiled ``raykv.native._chain`` once bound (:func:`bind_compiled`), or None: then pages
+(:func:`new_pages`), chains of blocks (``BlockRadixTree.insert_chain``) and queued chains
+(``PriorityLRU.add_many``) are built in Python. Each of them reads it at every call, so setting it
+to None (tests do) switches all three to Python."""
 
 
 def bind_compiled(block_type: type) -> Any:
     """Bind ``raykv.native._chain`` to :class:`Page` and ``block_type``
     (:class:`raykv.core.radix.Block`, which calls this once at import); the module, or None when it
-    is not built, turned off, or the classes' slots are not what it stores (then :func:`new_pages`
-    stays Python too)."""
-    global _chain
-    if _chain is None:
+    is not built, turned off, or the classes' slots are not what it stores (then
+    :data:`compiled_chain` becomes None: everything is built in Python)."""
+    global compiled_chain
+    if compiled_chain is None:
         return None
     try:
-        _chain.bind(Page, block_type)
+        compiled_chain.bind(Page, block_type)
     except TypeError as exc:
         log.warning("raykv.native._chain unusable (%s); building pages and blocks in Python", exc)
-        _chain = None
-    return _chain
+        compiled_chain = None
+    return compiled_chain
 
 
 def new_pages(level: TierLevel, slots: list[PageId], priority: Priority) -> list[Page]:
     """``[Page(level, slot, priority) for slot in slots]`` (each with the next uid), built by
     ``raykv.native._chain`` when it is bound. ``slots`` must be a list."""
-    if _chain is not None:
-        return _chain.make_pages(_uids, level, slots, priority)  # type: ignore[no-any-return]
+    if compiled_chain is not None:
+        return compiled_chain.make_pages(_uids, level, slots, priority)  # type: ignore[no-any-return]
     return [Page(level, slot, priority) for slot in slots]
-
-
-def bound_chain() -> Any:
-    """The bound ``raykv.native._chain`` module, or None when pages and blocks are built in Python."""
-    return _chain

@@ -14,17 +14,14 @@ import bisect
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
-from raykv.core.export_import import _abort, _commit, _Staged, _unhold, validate
+from raykv.core.export_import import Staged, abort, insert_staged, unhold, validate
 from raykv.core.gc_pause import collect_if_due, paused
 from raykv.core.page import Page, new_pages
 from raykv.core.records import BlockRecords, ImportResult
+from raykv.core.store import PageStore, StoreOwner
 from raykv.core.types import BlockKey, PageId, Priority, TierLevel
-
-if TYPE_CHECKING:
-    from raykv.core.manager import CacheManager
-
 
 ChunkWriter = Callable[[list[tuple[list[PageId], list[int]]]], list[object]]
 """``write(batches)``: for each ``(slots, new)`` in ``batches``, start copying the pages of records
@@ -53,7 +50,7 @@ class Pipelined:
 
 @paused()  # no collector passes between the copies (raykv.core.gc_pause)
 def import_pipelined(
-    mgr: CacheManager,
+    owner: StoreOwner,
     records: BlockRecords,
     starts: Sequence[int],
     write: ChunkWriter,
@@ -77,12 +74,13 @@ def import_pipelined(
     records: parents always come first). The exception is returned in ``stopped``, not raised.
     The garbage collector is paused meanwhile (:func:`raykv.core.gc_pause.paused`).
     """
+    mgr = owner.store
     if not starts or starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)):
         raise ValueError(f"chunk starts must ascend from 0, got {list(starts)}")
     if starts[-1] >= max(1, len(records)):
         raise ValueError(f"chunk start {starts[-1]} is past the {len(records)} records")
     with mgr.locked():
-        mgr._check_open()
+        mgr.check_open()
         ahead = _start_ahead(mgr, records, starts, write)
         try:
             new = validate(mgr, records, None)
@@ -106,7 +104,7 @@ def import_pipelined(
         mgr.release_lease(outer)
 
 
-def _cached_parents(mgr: CacheManager, records: BlockRecords, new: list[int]) -> dict[int, Page]:
+def _cached_parents(mgr: PageStore, records: BlockRecords, new: list[int]) -> dict[int, Page]:
     """The pages of the cached blocks that new records hang from (to hold while importing). In a
     chain only a new record whose predecessor is not new can have one (C-level check first)."""
     keys, parents, get = records.keys, records.parent_keys, mgr.tree.get
@@ -120,7 +118,7 @@ def _cached_parents(mgr: CacheManager, records: BlockRecords, new: list[int]) ->
 
 
 def _stage_chunks(
-    mgr: CacheManager,
+    mgr: PageStore,
     records: BlockRecords,
     new: list[int],
     firsts: Sequence[int],
@@ -135,7 +133,7 @@ def _stage_chunks(
     ``ahead`` takes those pages when its records are all new (else they are given back and it is
     staged like the others). On an error every chunk staged so far, and every chunk started ahead
     and not adopted, is given back (copies still running are the writer's to fence)."""
-    held = {p.uid for p in mgr._leases[outer]}
+    held = {p.uid for p in mgr.leases[outer]}
     ends = [*firsts[1:], len(records)]
     staged: list[_Chunk] = []
     top = TierLevel(0)
@@ -147,11 +145,11 @@ def _stage_chunks(
                 ahead[k] = _Ahead([], None)  # adopted or given back: not the caller's to drop
                 if mine == list(range(first, end)):
                     pages = new_pages(top, early.slots, priority)
-                    staged.append((_Staged(mine, pages, mgr.hold_pages(pages)), early.handle, first, end))
+                    staged.append((Staged(mine, pages, mgr.hold_pages(pages)), early.handle, first, end))
                     continue
                 mgr.pools[0].release(early.slots)
             pages = mgr.allocate_pages(len(mine), priority, held)
-            part = _Staged(mine, pages, mgr.hold_pages(pages))
+            part = Staged(mine, pages, mgr.hold_pages(pages))
             staged.append((part, None, first, end))
             staged[-1] = (part, write([([p.slot for p in pages], mine)])[0], first, end)
     except BaseException:
@@ -170,7 +168,7 @@ class _Ahead:
 
 
 def _start_ahead(
-    mgr: CacheManager, records: BlockRecords, firsts: Sequence[int], write: ChunkWriter
+    mgr: PageStore, records: BlockRecords, firsts: Sequence[int], write: ChunkWriter
 ) -> list[_Ahead]:
     """Start copying the leading chunks that fit in the free top-tier slots (records ``firsts[k]``
     up to the next start) before the records are validated, so the copies run meanwhile: one
@@ -198,7 +196,7 @@ def _start_ahead(
     return [_Ahead(part, handle) for (part, _), handle in zip(batches, handles)]
 
 
-def _drop_ahead(mgr: CacheManager, ahead: list[_Ahead]) -> None:
+def _drop_ahead(mgr: PageStore, ahead: list[_Ahead]) -> None:
     """Give back the slots of the chunks started ``ahead`` (a copy still running is fenced by the
     slots' events)."""
     slots = [slot for early in ahead for slot in early.slots]
@@ -206,19 +204,19 @@ def _drop_ahead(mgr: CacheManager, ahead: list[_Ahead]) -> None:
         mgr.pools[0].release(slots)
 
 
-_Chunk = tuple[_Staged, object, int, int]  # stage, copy handle, first record, end record
+_Chunk = tuple[Staged, object, int, int]  # stage, copy handle, first record, end record
 
 
-def _abort_from(mgr: CacheManager, staged: list[_Chunk], k: int) -> None:
+def _abort_from(mgr: PageStore, staged: list[_Chunk], k: int) -> None:
     """Give back the pages of chunks ``k..`` and end their leases (under the lock)."""
     for part, *_ in staged[k:]:
-        _abort(mgr, part)
+        abort(mgr, part)
 
 
 def _settle(
-    mgr: CacheManager,
+    mgr: PageStore,
     records: BlockRecords,
-    staged: list[tuple[_Staged, object, int, int]],
+    staged: list[tuple[Staged, object, int, int]],
     confirm: Callable[[object, int, int], object],
 ) -> Pipelined:
     """Confirm and insert each chunk in order. A chunk's lease ends once the next chunk is
@@ -237,14 +235,14 @@ def _settle(
             with mgr.locked():
                 _abort_from(mgr, staged, k)
                 if previous is not None:
-                    _unhold(mgr, previous)
+                    unhold(mgr, previous)
             break
         with mgr.locked():
-            done = _commit(mgr, records.slice(first, end), _shifted(part, first))
+            done = insert_staged(mgr, records.slice(first, end), _shifted(part, first))
             if previous is not None:
-                _unhold(mgr, previous)
+                unhold(mgr, previous)
             if k == len(staged) - 1:
-                _unhold(mgr, part)
+                unhold(mgr, part)
         previous = part
         imported += done.imported
         present += done.already_present
@@ -252,7 +250,7 @@ def _settle(
     return Pipelined(ImportResult(tuple(imported), tuple(present)), settled, stopped)
 
 
-def _shifted(part: _Staged, first: int) -> _Staged:
+def _shifted(part: Staged, first: int) -> Staged:
     """``part`` with record indices relative to ``first`` (for a chunk's records slice), without
     its lease (which :func:`_settle` ends itself)."""
-    return _Staged([i - first for i in part.new], part.pages, None)
+    return Staged([i - first for i in part.new], part.pages, None)

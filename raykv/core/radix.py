@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from raykv.core import page as page_module
 from raykv.core.errors import StateError
 from raykv.core.page import Page, bind_compiled
 from raykv.core.types import BlockKey
@@ -104,9 +105,10 @@ class BlockRadixTree:
             raise StateError("a chain needs one page and one token count per key")
         if len(set(keys)) != len(keys) or not blocks.keys().isdisjoint(keys):
             raise StateError("a chain key is already in the tree")
-        if _chain is not None and all(type(x) in (list, tuple) for x in (keys, pages, tokens)):
+        fast = page_module.compiled_chain
+        if fast is not None and all(type(x) in (list, tuple) for x in (keys, pages, tokens)):
             ordinal = parent.ordinal + 1 if isinstance(parent, Block) else 0
-            made = _chain.link_chain(parent, keys, pages, tokens, ordinal)  # checks the pages
+            made = fast.link_chain(parent, keys, pages, tokens, ordinal)  # checks the pages
             if made is None:
                 raise StateError("page already backs a block")
         else:
@@ -188,4 +190,4 @@ class BlockRadixTree:
         assert seen == len(self.blocks), f"{len(self.blocks) - seen} blocks unreachable from roots"
 
 
-_chain = bind_compiled(Block)  # raykv.native._chain, bound to Page and Block (None: build them in Python)
+bind_compiled(Block)  # raykv.native._chain, bound to Page and Block (page.compiled_chain None: Python)

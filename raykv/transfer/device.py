@@ -38,7 +38,6 @@ import numpy as np
 
 from raykv.core.errors import InvalidArgumentError, TransferError
 from raykv.core.manager import CacheManager
-from raykv.core.radix import Block, Root
 from raykv.core.records import BlockLease
 from raykv.core.types import DEFAULT_PRIORITY, BlockKey, TierKind, check_block_key, check_priority
 from raykv.transfer import wire
@@ -392,21 +391,21 @@ def import_direct(manager: CacheManager, pages: DirectPages, priority: int = DEF
         if new:
             parents = [tree.get(pages.parent_keys[i]) for i in new]
             exclude = {b.page.uid for b in parents if b is not None}
-            allocated = manager.allocate_pages(len(new), prio, exclude)
+            allocated = manager.store.allocate_pages(len(new), prio, exclude)
             slots = [p.slot for p in allocated]
             try:
                 _write_top(manager, slots, pages.data, new)
             except BaseException:
                 manager.pools[0].release(slots)
                 raise
-            for i, page in zip(new, allocated):
-                key, parent_key = pages.keys[i], pages.parent_keys[i]
-                node: Root | Block | None = tree.parent_node(parent_key, create_root=pages.parent_is_root[i])
-                assert node is not None
-                tree.insert(node, key, page, pages.num_tokens[i])
-                manager.policy.add(page)
-                manager.events.stored(key, parent_key, manager.tier_kinds[0], pages.num_tokens[i], None)
-            manager.counters.imported_blocks += len(new)
+            manager.store.cache_blocks(
+                [pages.keys[i] for i in new],
+                [pages.parent_keys[i] for i in new],
+                [pages.parent_is_root[i] for i in new],
+                allocated,
+                [pages.num_tokens[i] for i in new],
+                imported=True,
+            )
     return PullOutcome(
         imported=tuple(pages.keys[i] for i in new),
         already_present=tuple(pages.keys[i] for i in present),

@@ -202,7 +202,7 @@ def test_gpu_peer_owner_gone_after_the_header_imports_nothing(remote: Remote) ->
         remote.server.set_fault(name, "drop_after_header", False)
         fresh.close()
     assert info.value.reason in ("closed", "protocol", "fault")
-    assert not remote.mgr.committed_blocks() and not remote.mgr._leases
+    assert not remote.mgr.committed_blocks() and not remote.mgr.store.leases
     remote.mgr.check_invariants()
     outcome = get_runtime().run(
         pull_gpu_peer_into(remote.client, remote.peers["staged"], remote.mgr, remote.keys), 60
@@ -261,7 +261,7 @@ def test_gpu_read_stale_later_chunk_keeps_the_earlier_ones(
     outcome = get_runtime().run(pull_gpu_peer_into(remote.client, peer, remote.mgr, remote.keys), 60)
     assert outcome.path == "gpu_read+gpu_peer" and outcome.complete
     assert list(outcome.imported) == remote.keys and calls[:2] == sizes[:2]
-    assert not remote.mgr._leases
+    assert not remote.mgr.store.leases
     _verify(remote.mgr, remote.keys)
 
 

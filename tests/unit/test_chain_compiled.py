@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import raykv.core.page as page_mod
-import raykv.core.radix as radix_mod
 from raykv.core.page import Page, new_pages
 from raykv.core.radix import Block, BlockRadixTree, Root
 from raykv.core.types import BlockKey, PageId, Priority, TierLevel
@@ -33,10 +32,9 @@ def builder(request, monkeypatch):
     if request.param == "compiled":
         if _chain is None:
             pytest.skip("raykv.native._chain was not built")
-        assert page_mod.bound_chain() is _chain and radix_mod._chain is _chain
+        assert page_mod.compiled_chain is _chain
     else:
-        monkeypatch.setattr(page_mod, "_chain", None)
-        monkeypatch.setattr(radix_mod, "_chain", None)
+        monkeypatch.setattr(page_mod, "compiled_chain", None)
     return request.param
 
 
@@ -74,8 +72,8 @@ def test_new_pages_are_pages_as_init_makes_them(builder) -> None:
 def test_insert_chain_builds_the_same_tree_either_way(lengths: list[int], under_block: bool) -> None:
     trees = []
     for compiled in (True, False):
-        saved = radix_mod._chain
-        radix_mod._chain = saved if compiled else None
+        saved = page_mod.compiled_chain
+        page_mod.compiled_chain = saved if compiled else None
         try:
             tree = BlockRadixTree()
             root = tree.parent_node(BlockKey(bytes(32)), create_root=True)
@@ -96,7 +94,7 @@ def test_insert_chain_builds_the_same_tree_either_way(lengths: list[int], under_
                 assert all(p.block is tree.blocks[k] for k, p in zip(keys, pages))
             trees.append(tree)
         finally:
-            radix_mod._chain = saved
+            page_mod.compiled_chain = saved
     a, b = trees
     assert list(a.blocks) == list(b.blocks) and list(a.roots) == list(b.roots)
     assert [_shape(x) for x in a.blocks.values()] == [_shape(x) for x in b.blocks.values()]

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from import_support import chain, toks
 
-import raykv.core.radix as radix_mod
+import raykv.core.page as page_mod
 from raykv import ImportRejectedError
 from raykv.core.errors import StateError
 from raykv.core.page import Page
@@ -56,7 +56,7 @@ def test_insert_chain_refuses_bad_chains_changing_nothing(
     """Refused with StateError, the tree (its roots too) and the pages as they were, whichever
     builder links the chain (the compiled one checks the pages itself)."""
     if pure:
-        monkeypatch.setattr(radix_mod, "_chain", None)
+        monkeypatch.setattr(page_mod, "compiled_chain", None)
     tree, keys, pages = BlockRadixTree(), _keys(4), _pages(4)
     root = tree.parent_node(BlockKey(bytes(32)), create_root=True)
     assert root is not None

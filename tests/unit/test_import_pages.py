@@ -178,7 +178,7 @@ def test_confirm_runs_unlocked_before_anything_is_visible(make_manager, oracle, 
 
     result = dst.import_pages(records, data, sums, confirm=confirm)
     assert seen == [1] and result.imported == tuple(records.keys[1:])
-    assert oracle.verify_manager(dst) == 3 and not dst._leases
+    assert oracle.verify_manager(dst) == 3 and not dst.store.leases
     dst.check_invariants()
 
 
@@ -192,7 +192,7 @@ def test_failed_confirm_imports_nothing(make_manager, run_request, state_of):
 
     with pytest.raises(RuntimeError):
         dst.import_pages(records, data, sums, confirm=confirm)
-    assert state_of(dst) == before and not dst._leases
+    assert state_of(dst) == before and not dst.store.leases
 
 
 def test_blocks_added_during_confirm_are_kept(make_manager, oracle, run_request):

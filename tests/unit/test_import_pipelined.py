@@ -60,7 +60,7 @@ def test_all_chunks_imported_in_order(make_manager, oracle, run_request):
     assert len(cp.started) == 4 and cp.confirmed == [(0, 3), (3, 6), (6, 9), (9, 10)]
     assert [e.key for e in dst.drain_events()] == list(records.keys)
     assert oracle.verify_manager(dst) == 10
-    assert not dst._leases
+    assert not dst.store.leases
 
 
 def test_present_blocks_are_skipped(make_manager, oracle, run_request):
@@ -87,7 +87,7 @@ def test_a_failed_confirm_keeps_the_earlier_chunks_only(make_manager, oracle, ru
     assert done.settled == 3 * fail_at
     assert done.result.imported == tuple(records.keys[: 3 * fail_at])
     assert sorted(b.key for b in dst.committed_blocks()) == sorted(records.keys[: 3 * fail_at])
-    assert dst.top_pool.num_used == 3 * fail_at and not dst._leases
+    assert dst.top_pool.num_used == 3 * fail_at and not dst.store.leases
     assert oracle.verify_manager(dst) == 3 * fail_at
 
 
@@ -183,7 +183,7 @@ def test_chunks_started_ahead_but_partly_cached_are_given_back(
     assert cp.started == [[0, 1, 2], [3, 4, 5], [], [5]]
     assert done.result.imported == (records.keys[5],)
     assert done.result.already_present == tuple(records.keys[:5])
-    assert dst.top_pool.num_used == 6 and not dst._leases
+    assert dst.top_pool.num_used == 6 and not dst.store.leases
     assert oracle.verify_manager(dst) == 6
     dst.check_invariants()
 
@@ -249,14 +249,14 @@ def test_chain_scan_agrees_with_the_full_scan(make_manager, run_request, monkeyp
 
     def outcome():
         try:
-            return tb._scan(dst, records)[0], tb._scan(dst, records)[1]
+            return tb.scan(dst.store, records)[0], tb.scan(dst.store, records)[1]
         except Exception as exc:  # a malformed record may raise from either scan the same way
             return type(exc)
 
     fast = outcome()
     if defect in ("none", "present"):
-        assert tb._scan_chain(dst, records) is not None  # the fast path took these
-    monkeypatch.setattr(tb, "_scan_chain", lambda mgr, recs: None)
+        assert tb.scan_chain(dst.store, records) is not None  # the fast path took these
+    monkeypatch.setattr(tb, "scan_chain", lambda mgr, recs: None)
     slow = outcome()
     if isinstance(fast, tuple):
         assert fast[0] == slow[0]
@@ -303,6 +303,6 @@ def test_each_chunk_is_held_until_the_next_one_is_inserted(make_manager, oracle,
     assert seen[1] == [1, 1, 1] + [-1] * 7  # chunk 0 inserted, held until chunk 1 is
     assert seen[2] == [0, 0, 0, 1, 1, 1] + [-1] * 4
     assert seen[3] == [0] * 6 + [1, 1, 1, -1]
-    assert all(dst.tree.blocks[k].page.leases == 0 for k in records.keys) and not dst._leases
+    assert all(dst.tree.blocks[k].page.leases == 0 for k in records.keys) and not dst.store.leases
     oracle.verify_manager(dst)
     dst.check_invariants()

@@ -147,7 +147,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert snapshot(mgr) == before, "resume() returned False but changed the manager"
             pages = cache.pages()
             newly = sum(1 for p in pages if p.pins == 0)
-            if (mgr._pinned_top + newly) / mgr.top_pool.num_slots <= mgr.config.max_util_for_resume:
+            if (mgr.store.pinned_top + newly) / mgr.top_pool.num_slots <= mgr.config.max_util_for_resume:
                 lower = sum(1 for p in pages if p.level != 0)
                 room = achievable_room(mgr, {p.uid for p in pages})
                 assert room < lower, f"resume() refused: {lower} page(s) to promote, room for {room}"

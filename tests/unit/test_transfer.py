@@ -46,9 +46,9 @@ class Pair:
 
     def wait_no_leases(self) -> None:
         deadline = time.monotonic() + 5
-        while (self.server.open_leases or self.src._leases) and time.monotonic() < deadline:
+        while (self.server.open_leases or self.src.store.leases) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert self.server.open_leases == 0 and not self.src._leases
+        assert self.server.open_leases == 0 and not self.src.store.leases
         self.src.check_invariants()
         self.dst.check_invariants()
 
@@ -83,7 +83,7 @@ def make_pair(layout: KVLayout) -> Iterator[Callable[..., Pair]]:
     for pair in made:
         pair.client.close()
         pair.server.close()
-        assert pair.server.open_leases == 0 and not pair.src._leases
+        assert pair.server.open_leases == 0 and not pair.src.store.leases
         pair.src.shutdown()
         pair.dst.shutdown()
 

@@ -56,16 +56,16 @@ def pair() -> Iterator[tuple[CacheManager, CacheManager, PageServer, PageClient]
     yield src, dst, server, client
     client.close()
     server.close()
-    assert server.open_leases == 0 and not src._leases
+    assert server.open_leases == 0 and not src.store.leases
     src.shutdown()
     dst.shutdown()
 
 
 def _no_leases(server: PageServer, src: CacheManager) -> None:
     deadline = time.monotonic() + 5
-    while (server.open_leases or src._leases) and time.monotonic() < deadline:
+    while (server.open_leases or src.store.leases) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert server.open_leases == 0 and not src._leases
+    assert server.open_leases == 0 and not src.store.leases
 
 
 def test_digests_agree_on_numpy_and_torch_and_catch_changes() -> None:

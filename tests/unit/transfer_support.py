@@ -47,9 +47,9 @@ class Pair:
     def settled(self) -> None:
         """No lease left on the source, nothing staged on the destination, invariants hold."""
         deadline = time.monotonic() + 5
-        while self.src._leases and time.monotonic() < deadline:
+        while self.src.store.leases and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert self.server.open_leases == 0 and not self.src._leases and not self.dst._leases
+        assert self.server.open_leases == 0 and not self.src.store.leases and not self.dst.store.leases
         self.src.check_invariants()
         self.dst.check_invariants()
 

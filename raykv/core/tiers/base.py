@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -17,8 +17,14 @@ from raykv.core.config import KVLayout, TierConfig
 from raykv.core.errors import OutOfPagesError, StateError
 from raykv.core.types import PageId, TierKind
 
-if TYPE_CHECKING:
-    from raykv.core.tiers.shm_directory import ShmDirectory
+
+class SlotDirectory(Protocol):
+    """What a pool needs of its slot directory (:class:`raykv.core.tiers.shm_directory.ShmDirectory`
+    is the one implementation): forgetting released slots, and closing."""
+
+    def unbind(self, slots: Sequence[int]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def is_run(slots: Sequence[int]) -> bool:
@@ -50,7 +56,7 @@ class PagePool(abc.ABC):
     """Fixed-size page slots of one tier. Subclasses own the memory (host, disk or GPU)."""
 
     kind: TierKind
-    slot_directory: ShmDirectory | None = None
+    slot_directory: SlotDirectory | None = None
     """Which committed block sits in which slot, for same-node one-sided readers (a shared host
     tier, an exported GPU tier; :mod:`raykv.core.tiers.shm_directory`); None otherwise."""
 

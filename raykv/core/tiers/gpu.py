@@ -306,8 +306,13 @@ class GpuPool(PageViews, PagePool):
         )
         if event is not None:
             self.events.set([*src, *dst], event)
-            if not self.shared:
-                self._torch.cuda.current_stream(self.device).wait_event(event)
+            self.fence_current(event)
+
+    def fence_current(self, event: Any) -> None:
+        """Order the current stream after ``event`` (a copy into this pool); a no-op in a shared
+        pool, whose users wait on the host (:meth:`wait_ready`)."""
+        if not self.shared:
+            self._torch.cuda.current_stream(self.device).wait_event(event)
 
     def synchronize(self) -> None:
         """Block until every copy into or out of this pool completed."""

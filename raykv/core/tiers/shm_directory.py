@@ -31,18 +31,17 @@ import mmap
 import os
 import platform
 import struct
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from raykv.core.errors import StateError
-from raykv.core.events import BlockStored, BlockTierChanged, CacheEvent
-from raykv.core.radix import Block, Root
-
-if TYPE_CHECKING:
-    from raykv.core.manager import CacheManager
+from raykv.core.events import BlockStored, BlockTierChanged, CacheEvent, EventQueue
+from raykv.core.radix import Block, BlockRadixTree, Root
+from raykv.core.tiers.base import PagePool
+from raykv.core.tiers.cuda_util import SlotEvents
 
 MAGIC = b"RAYKVDIR"
 VERSION = 1
@@ -511,12 +510,19 @@ class DirectoryReader(DirectoryView):
 
 
 # ---- the owner's manager ------------------------------------------------------------------------
-def install(manager: CacheManager) -> None:
-    """Bind committed blocks of ``manager``'s shared host tier (if it has one with a directory)
-    as their events are emitted; the tier unbinds slots itself when it releases them."""
+def install(
+    pools: Sequence[PagePool],
+    tree: BlockRadixTree,
+    events: EventQueue,
+    host_events: Mapping[int, SlotEvents],
+) -> None:
+    """Bind the committed blocks of ``tree`` that sit on a shared host tier among ``pools`` (if
+    one has a directory) as ``events`` reports them; the tier unbinds slots itself when it
+    releases them. ``host_events``: the pending copies of host slots per level (the copy engine's),
+    whose blocks are bound only once their bytes are in place."""
     levels: dict[int, ShmDirectory] = {}
-    for level, pool in enumerate(manager.pools):
-        directory = getattr(pool, "slot_directory", None)
+    for level, pool in enumerate(pools):
+        directory = pool.slot_directory
         if isinstance(directory, ShmDirectory):
             levels[level] = directory
     if not levels:
@@ -525,27 +531,30 @@ def install(manager: CacheManager) -> None:
     def on_event(event: CacheEvent) -> None:
         if not isinstance(event, (BlockStored, BlockTierChanged)):
             return
-        block = manager.tree.get(event.key)
+        block = tree.get(event.key)
         if block is None:
             return
         page = block.page
         directory = levels.get(page.level)
-        if directory is None or _copy_pending(manager, page.level, page.slot):
+        if directory is None or _copy_pending(host_events, page.level, page.slot):
             return  # bytes still arriving: the RPC paths settle and serve it
         directory.bind_block(block)
 
-    manager.events.listeners.append(on_event)
+    events.listeners.append(on_event)
 
 
-def _copy_pending(manager: CacheManager, level: int, slot: int) -> bool:
-    events = manager.copy.host_events.get(level)
+def _copy_pending(host_events: Mapping[int, SlotEvents], level: int, slot: int) -> bool:
+    events = host_events.get(level)
     return events is not None and len(events) > 0 and bool(events.pending([slot]))
 
 
-def expected_bindings(manager: CacheManager, level: int) -> dict[int, bytes]:
-    """Slot -> key of the committed blocks on ``level`` whose bytes are in place (for checks)."""
+def expected_bindings(
+    tree: BlockRadixTree, host_events: Mapping[int, SlotEvents], level: int
+) -> dict[int, bytes]:
+    """Slot -> key of the committed blocks of ``tree`` on ``level`` whose bytes are in place
+    (for checks)."""
     return {
         int(b.page.slot): b.key
-        for b in manager.tree.blocks.values()
-        if b.page.level == level and not _copy_pending(manager, level, b.page.slot)
+        for b in tree.blocks.values()
+        if b.page.level == level and not _copy_pending(host_events, level, b.page.slot)
     }
