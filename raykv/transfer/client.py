@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from raykv.core.errors import TransferError
+from raykv.core.errors import TransferError, TransferFailure
 from raykv.core.types import BlockKey
 from raykv.transfer import shm_read, wire
 from raykv.transfer.auth import AuthToken
@@ -206,16 +206,16 @@ class PageClient:
         try:
             return await within(coro, timeout)
         except asyncio.TimeoutError:
-            self.stats.failures["timeout"] += 1
+            self.stats.failures[TransferFailure.TIMEOUT.value] += 1
             raise TransferError(
-                f"pull from {endpoint[0]}:{endpoint[1]} timed out", reason="timeout"
+                f"pull from {endpoint[0]}:{endpoint[1]} timed out", reason=TransferFailure.TIMEOUT
             ) from None
         except TransferError as exc:
-            self.stats.failures[getattr(exc, "reason", "unknown")] += 1
+            self.stats.failures[exc.reason.value] += 1
             raise
         except Exception as exc:
             wrapped = as_transfer_error(exc)
-            self.stats.failures[getattr(wrapped, "reason", "unknown")] += 1
+            self.stats.failures[wrapped.reason.value] += 1
             raise wrapped from None
 
     async def pull_many(
@@ -286,7 +286,7 @@ class PageClient:
             reader, writer = await asyncio.open_connection(*peer, limit=self.config.max_header_bytes + 8)
         except OSError as exc:
             raise TransferError(
-                f"cannot connect to {peer[0]}:{peer[1]} ({exc.strerror})", reason="connect"
+                f"cannot connect to {peer[0]}:{peer[1]} ({exc.strerror})", reason=TransferFailure.CONNECT
             ) from None
         ucx = ucx_address(self._ucx_ctx) if self._ucx_ctx is not None else None
         try:
@@ -584,7 +584,7 @@ class PageClient:
     async def _endpoint(self, conn: _Conn) -> Any:
         if conn.endpoint is None:
             if self._ucx_ctx is None or conn.server_ucx is None:
-                raise TransferError("no UCX path to this peer", reason="unavailable")
+                raise TransferError("no UCX path to this peer", reason=TransferFailure.UNAVAILABLE)
             conn.endpoint = await ucx_endpoint(self._ucx_ctx, conn.server_ucx)
         return conn.endpoint
 

@@ -7,7 +7,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from raykv.core.errors import TransferError
+from raykv.core.errors import TransferError, TransferFailure
 from raykv.transfer import wire
 from raykv.transfer.auth import CLIENT_LABEL, NONCE_BYTES, SERVER_LABEL, AuthToken, new_nonce
 from raykv.transfer.config import TransferConfig
@@ -77,7 +77,7 @@ async def handshake(
     await writer.drain()
     welcome = wire.expect_type(await wire.read_message(reader, config.max_header_bytes), "welcome")
     if not token.check(welcome.get("mac"), SERVER_LABEL, nonce, server_nonce):
-        raise TransferError("the server failed authentication", reason="auth")
+        raise TransferError("the server failed authentication", reason=TransferFailure.AUTH)
     server_ucx = welcome.get("ucx")
     return ClientConn(
         peer,

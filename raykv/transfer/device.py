@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from raykv.core.errors import InvalidArgumentError, TransferError
+from raykv.core.errors import InvalidArgumentError, TransferError, TransferFailure
 from raykv.core.manager import CacheManager
 from raykv.core.radix import Block, Root
 from raykv.core.records import BlockLease
@@ -312,7 +312,7 @@ async def _pull_batch(
         if bad:
             raise TransferError(
                 f"{len(bad)} of {n} page(s) failed their digest; nothing was imported",
-                reason="integrity",
+                reason=TransferFailure.INTEGRITY,
                 bad_keys=tuple(bad),
             )
         await client._send(conn, {"t": "done", "id": rid})
@@ -371,7 +371,9 @@ def import_direct(manager: CacheManager, pages: DirectPages, priority: int = DEF
     with manager.locked():
         manager._check_open()
         if pages.keys and int(pages.data.shape[1]) != manager.layout.page_bytes:
-            raise TransferError("import refused: page size differs from this manager's", reason="rejected")
+            raise TransferError(
+                "import refused: page size differs from this manager's", reason=TransferFailure.REJECTED
+            )
         tree = manager.tree
         seen: set[bytes] = set()
         n = 0
@@ -383,7 +385,7 @@ def import_direct(manager: CacheManager, pages: DirectPages, priority: int = DEF
             if ntok != tpb:
                 raise TransferError(
                     f"import refused: a block of {ntok} tokens (only full blocks are shared)",
-                    reason="rejected",
+                    reason=TransferFailure.REJECTED,
                 )
             seen.add(key)
             n += 1

@@ -40,7 +40,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from raykv.core.errors import CudaError, TransferError
+from raykv.core.errors import CudaError, TransferError, TransferFailure
 from raykv.core.events import BlockStored, BlockTierChanged, CacheEvent
 from raykv.core.export_import import import_written
 from raykv.core.manager import CacheManager
@@ -102,7 +102,8 @@ class GpuPeerExport:
         """Answer one ``gpu_peer`` pull (the caller holds and ends ``lease``)."""
         if not self.available or conn.node != server.node_id:
             raise TransferError(
-                "the gpu_peer path needs a GPU tier and a peer on this node", reason="unavailable"
+                "the gpu_peer path needs a GPU tier and a peer on this node",
+                reason=TransferFailure.UNAVAILABLE,
             )
         run = []
         for block in lease.blocks:
@@ -285,7 +286,9 @@ async def _pull_all(
     conn = await client._checkout(peer)
     if not usable(client, conn, manager):
         client._idle.setdefault(peer, []).append(conn)
-        raise TransferError("the gpu_peer path is not available to this peer", reason="unavailable")
+        raise TransferError(
+            "the gpu_peer path is not available to this peer", reason=TransferFailure.UNAVAILABLE
+        )
     outcomes: list[PullOutcome] = []
     try:
         per_batch = max(1, min(conn.max_keys, conn.max_payload // max(1, conn.page_bytes)))
@@ -317,7 +320,9 @@ async def _pull_batch(
     if header.request_id != rid or header.page_bytes != conn.page_bytes or header.path != PATH:
         raise wire.protocol_error("header does not answer this request")
     if header.page_bytes != manager.layout.page_bytes:
-        raise TransferError("import refused: page size differs from this manager's", reason="rejected")
+        raise TransferError(
+            "import refused: page size differs from this manager's", reason=TransferFailure.REJECTED
+        )
     pool: Any = manager.top_pool
     loop = asyncio.get_running_loop()
     source = client.gpu_pools.cached(info, pool.device.index)
@@ -329,7 +334,9 @@ async def _pull_batch(
             # falls back; closing the connection ends the owner's lease)
             client.gpu_pools.refused.add(conn.peer)
             log.warning("gpu_peer: cannot map the GPU tier of %s (%s); using other paths", conn.peer, exc)
-            raise TransferError(f"cannot map the peer's GPU tier: {exc}", reason="unavailable") from None
+            raise TransferError(
+                f"cannot map the peer's GPU tier: {exc}", reason=TransferFailure.UNAVAILABLE
+            ) from None
     slots = [int(s) for s in header.layout]
     if slots and max(slots) >= source.num_slots:
         raise wire.protocol_error("the peer named a slot outside its GPU tier")
@@ -469,11 +476,13 @@ def _land_local(
             event.synchronize()
             pool.events.completed(event)
         if not shm_read.unchanged(reader, located.part(first, end), keys[first:end]):
-            raise TransferError("a page changed while it was copied; not imported", reason="stale")
+            raise TransferError(
+                "a page changed while it was copied; not imported", reason=TransferFailure.STALE
+            )
 
     done = import_pipelined(manager, records.head(n), chunk_starts(n), write, confirm, priority)
     if done.stopped is not None and not (
-        isinstance(done.stopped, TransferError) and getattr(done.stopped, "reason", "") == "stale"
+        isinstance(done.stopped, TransferError) and done.stopped.reason is TransferFailure.STALE
     ):
         raise done.stopped
     if done.settled == 0 and done.stopped is not None:
@@ -573,7 +582,7 @@ async def pull_best(
         try:
             first = await pull_gpu_peer_into(client, peer, manager, keys)
         except TransferError as exc:
-            if getattr(exc, "reason", "") != "unavailable":
+            if exc.reason is not TransferFailure.UNAVAILABLE:
                 raise
     if first is None:
         return await pull_into(client, peer, manager, keys, prefer_shm, verify)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from raykv.core.errors import ImportRejectedError, IntegrityError, TransferError
+from raykv.core.errors import ImportRejectedError, IntegrityError, TransferError, TransferFailure
 from raykv.core.export_import import import_written, rows_of
 from raykv.core.manager import CacheManager
 from raykv.core.records import BlockRecords, ImportResult
@@ -172,9 +172,11 @@ def _refusals(pulled: PulledPages, n: int) -> Iterator[None]:
     except IntegrityError as exc:
         index = getattr(exc, "index", None)
         bad = (pulled.keys[index],) if isinstance(index, int) and 0 <= index < n else ()
-        raise TransferError(f"import refused: {exc}", reason="integrity", bad_keys=bad) from None
+        raise TransferError(
+            f"import refused: {exc}", reason=TransferFailure.INTEGRITY, bad_keys=bad
+        ) from None
     except ImportRejectedError as exc:
-        raise TransferError(f"import refused: {exc}", reason="rejected") from None
+        raise TransferError(f"import refused: {exc}", reason=TransferFailure.REJECTED) from None
 
 
 def _outcome(pulled: PulledPages, result: ImportResult, n: int, start: float | None) -> PullOutcome:

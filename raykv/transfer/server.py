@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from raykv.core.errors import RayKVError, TransferError
+from raykv.core.errors import RayKVError, TransferError, TransferFailure
 from raykv.core.manager import CacheManager
 from raykv.core.records import BlockLease, LeasedBlock, page_checksum
 from raykv.core.tiers.host import HostPool
@@ -183,7 +183,9 @@ class PageServer:
 
     def close(self) -> None:
         if self.runtime.on_loop:
-            raise TransferError("PageServer.close() from the runtime loop; await aclose()", reason="state")
+            raise TransferError(
+                "PageServer.close() from the runtime loop; await aclose()", reason=TransferFailure.STATE
+            )
         self.runtime.run(self.aclose(), 60)
 
     async def aclose(self) -> None:
@@ -226,12 +228,12 @@ class PageServer:
         except asyncio.CancelledError:
             pass
         except asyncio.TimeoutError:
-            await self._refuse(conn, TransferError("timed out", reason="timeout"))
+            await self._refuse(conn, TransferError("timed out", reason=TransferFailure.TIMEOUT))
         except Exception as exc:
             try:
                 error = as_transfer_error(exc)
             except Exception:
-                self.stats.errors["internal"] += 1
+                self.stats.errors[TransferFailure.INTERNAL.value] += 1
                 log.exception("page server %s: connection from %s failed", self.address, conn.peer)
             else:
                 await self._refuse(conn, error)
@@ -249,7 +251,7 @@ class PageServer:
         if not self._token.check(mac, CLIENT_LABEL, nonce, client_nonce):
             self.stats.auth_failures += 1
             log.warning("page server %s: refused %s (authentication failed)", self.address, conn.peer)
-            raise TransferError("authentication failed", reason="auth")
+            raise TransferError("authentication failed", reason=TransferFailure.AUTH)
         conn.node = wire.field(msg, "node", str)
         ucx = msg.get("ucx")
         conn.ucx_address = ucx if isinstance(ucx, bytes) and 0 < len(ucx) <= MAX_UCX_ADDRESS else None
@@ -270,8 +272,8 @@ class PageServer:
 
     async def _refuse(self, conn: _Conn, error: TransferError) -> None:
         """Count and log a failed connection; tell the peer why unless it has gone."""
-        reason = str(getattr(error, "reason", "unknown"))
-        if reason == "closed":
+        reason = error.reason.value
+        if error.reason is TransferFailure.CLOSED:
             return
         self.stats.errors[reason] += 1
         log.info("page server %s: connection from %s ended: %s", self.address, conn.peer, error)
@@ -301,12 +303,12 @@ class PageServer:
         try:
             lease = self.manager.lease_blocks(keys)
         except RayKVError as exc:
-            raise TransferError(f"cannot lease blocks: {exc}", reason="state") from None
+            raise TransferError(f"cannot lease blocks: {exc}", reason=TransferFailure.STATE) from None
         self._leases.add(lease.lease_id)
         nbytes = len(lease.blocks) * self.manager.layout.page_bytes
         try:
             if nbytes > self.config.max_payload_bytes:
-                raise TransferError(f"{nbytes} payload bytes exceed the limit", reason="limit")
+                raise TransferError(f"{nbytes} payload bytes exceed the limit", reason=TransferFailure.LIMIT)
             assert self._budget is not None
             await self._budget.acquire(nbytes)
             try:
@@ -363,12 +365,14 @@ class PageServer:
     async def _after_header(self, conn: _Conn) -> None:
         """Test hooks between header and payload (a stall ends early when the peer goes)."""
         if self.faults.drop_after_header:
-            raise TransferError("connection dropped after the header (test hook)", reason="fault")
+            raise TransferError(
+                "connection dropped after the header (test hook)", reason=TransferFailure.FAULT
+            )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.faults.stall_after_header_s
         while loop.time() < deadline:
             if _peer_gone(conn):
-                raise TransferError("the peer went away", reason="closed")
+                raise TransferError("the peer went away", reason=TransferFailure.CLOSED)
             await asyncio.sleep(0.01)
 
     async def _send_shm(self, conn: _Conn, rid: int, lease: BlockLease, tag: int) -> None:
@@ -442,7 +446,9 @@ class PageServer:
                 sends.append(asyncio.ensure_future(tag_send(endpoint, buf, tag + i)))
                 if k + 1 == self.faults.drop_after_chunks:  # the test hook
                     await asyncio.gather(*sends)
-                    raise TransferError("connection dropped mid-payload (test hook)", reason="fault")
+                    raise TransferError(
+                        "connection dropped mid-payload (test hook)", reason=TransferFailure.FAULT
+                    )
             if sums is None:
                 await self._send_trailer(conn, rid, lease, payload)
             await self._await_done(conn, rid, asyncio.gather(*sends) if sends else None)
@@ -499,7 +505,7 @@ class PageServer:
     async def _endpoint(self, conn: _Conn) -> Any:
         if conn.endpoint is None:
             if self._ucx_ctx is None or conn.ucx_address is None:
-                raise TransferError("no UCX path to this peer", reason="unavailable")
+                raise TransferError("no UCX path to this peer", reason=TransferFailure.UNAVAILABLE)
             conn.endpoint = await ucx_endpoint(self._ucx_ctx, conn.ucx_address)
         return conn.endpoint
 

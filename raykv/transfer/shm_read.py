@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv import native
-from raykv.core.errors import StateError, TransferError
+from raykv.core.errors import StateError, TransferError, TransferFailure
 from raykv.core.threads import run_rows
 from raykv.core.tiers import shm_directory
 from raykv.core.types import BlockKey
@@ -104,7 +104,9 @@ class LocalPeer:
             self.directory = shm_directory.DirectoryReader(info.path, info.num_slots, info.page_bytes)
         except (OSError, StateError) as exc:
             self.mapping.close()
-            raise TransferError(f"cannot map the peer's tier directory ({exc})", reason="shm") from None
+            raise TransferError(
+                f"cannot map the peer's tier directory ({exc})", reason=TransferFailure.SHM
+            ) from None
         # the mmaps themselves: releasing the views (close) then never meets a live export
         self.compiled = compiled_reader(
             self.directory._mmap, self.mapping._mmap, info.num_slots, info.page_bytes
@@ -184,7 +186,7 @@ def _viewed(
 
 def _raise_unless_stale(exc: TransferError) -> None:
     """Raise ``exc`` unless the landing found a page changed (reason "stale")."""
-    if getattr(exc, "reason", "") != "stale":
+    if exc.reason is not TransferFailure.STALE:
         raise exc
 
 
@@ -338,4 +340,6 @@ class StableCheck(LeaseCheck):
     def __call__(self) -> None:
         self._check()
         if not unchanged(self._peer, self._located, self._keys):
-            raise TransferError("a page changed while it was read; nothing imported", reason="stale")
+            raise TransferError(
+                "a page changed while it was read; nothing imported", reason=TransferFailure.STALE
+            )

@@ -16,6 +16,7 @@ from import_support import chain, toks
 
 import raykv.core.pipelined_import as tb
 from raykv import ImportRejectedError, TransferError
+from raykv.core.errors import TransferFailure
 from raykv.core.pipelined_import import import_pipelined
 from raykv.core.records import BlockRecords
 
@@ -46,7 +47,7 @@ class Copier:
         if self.during is not None:
             self.during(len(self.confirmed) - 1)
         if self.fail_at is not None and len(self.confirmed) - 1 == self.fail_at:
-            raise TransferError("source changed", reason="stale")
+            raise TransferError("source changed", reason=TransferFailure.STALE)
 
 
 def test_all_chunks_imported_in_order(make_manager, oracle, run_request):
