@@ -12,9 +12,9 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+import raykv.transfer.wire as wire
 from raykv.core.errors import TransferError, TransferFailure
 from raykv.core.records import page_checksum
-from raykv.transfer import wire
 from raykv.transfer.payload import split_counts
 from raykv.transfer.runtime import abort_endpoint, cancel_and_wait, map_rows, tag_recv
 from raykv.transfer.shm import ShmMapping

@@ -60,6 +60,11 @@ class ShmMapping:
             num_slots, page_bytes
         )
 
+    @property
+    def buffer(self) -> mmap.mmap:
+        """The mapping itself (for readers that take a buffer; valid until :meth:`close`)."""
+        return self._mmap
+
     def check(self, slots: Sequence[int]) -> None:
         """TransferError unless every slot is one of the mapped tier's."""
         if len(slots) and not (min(slots) >= 0 and max(slots) < len(self.array)):

@@ -26,18 +26,19 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from time import perf_counter
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+import raykv.transfer.wire as wire
 from raykv import native
 from raykv.core.errors import StateError, TransferError, TransferFailure
 from raykv.core.threads import run_rows
 from raykv.core.tiers import shm_directory
 from raykv.core.types import BlockKey
-from raykv.transfer import wire
 from raykv.transfer.landing import Land, LeaseCheck, run_land
+from raykv.transfer.path import TransferPath
 from raykv.transfer.results import PulledPages, check_out
 from raykv.transfer.shm import ShmMapping, copy_rows
 
@@ -109,7 +110,7 @@ class LocalPeer:
             ) from None
         # the mmaps themselves: releasing the views (close) then never meets a live export
         self.compiled = compiled_reader(
-            self.directory._mmap, self.mapping._mmap, info.num_slots, info.page_bytes
+            self.directory._mmap, self.mapping.buffer, info.num_slots, info.page_bytes
         )
         self.tally = tally_python if self.compiled is None else _shmread.tally  # type: ignore[union-attr]
 
@@ -343,3 +344,13 @@ class StableCheck(LeaseCheck):
             raise TransferError(
                 "a page changed while it was read; nothing imported", reason=TransferFailure.STALE
             )
+
+
+class ShmReadPath(TransferPath):
+    """The ``shm_read`` path: one-sided, never asked of a server. Its client side is this module's
+    :func:`register` (on connecting), :func:`read` and :func:`land_on`/:func:`land_on_loop`,
+    called by :class:`raykv.transfer.client.PageClient` before it asks the peer (module functions:
+    a small read costs a few microseconds, so no call goes through an object)."""
+
+    name: ClassVar[str] = PATH
+    one_sided: ClassVar[bool] = True

@@ -18,7 +18,7 @@ from transfer_support import Pair, commit, host_pair, run, seq
 
 from raykv import KVLayout, TransferError
 from raykv.transfer import PageClient, TransferConfig, landing, pull_into
-from raykv.transfer.importer import _Lander, import_pulled
+from raykv.transfer.importer import Lander, import_pulled
 
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
 
@@ -173,7 +173,7 @@ def test_small_quick_ucx_landings_run_on_the_loop_the_rest_in_a_worker(
     pair = make_pair()
     where: list[str] = []
 
-    class Recorded(_Lander):
+    class Recorded(Lander):
         def __call__(self, pulled, confirm):
             where.append(threading.current_thread().name)
             return super().__call__(pulled, confirm)
