@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -50,8 +49,7 @@ class HostClient(Protocol):
     spare: SpareBuffers
 
 
-@dataclass(frozen=True)
-class Batch:
+class Batch(NamedTuple):
     """One batch of a pull, client side, once its header arrived: the connection, the header, the
     payload's base UCX tag, the mapping of the server's shared tier (shm only), the caller's
     ``verify`` and the receives posted with the request (ucx only, else None)."""

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import raykv.transfer.wire as wire
 from raykv.core.errors import TransferError, TransferFailure
@@ -55,8 +55,7 @@ class ServerSite:
     ucx_ctx: Any = None
 
 
-@dataclass(frozen=True)
-class PullRequest:
+class PullRequest(NamedTuple):
     """One pull being served: its id, the lease the server holds for it (ended by the server after
     the path returned or failed) and the base UCX tag of its payload messages."""
 

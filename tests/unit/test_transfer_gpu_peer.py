@@ -20,8 +20,7 @@ from raykv.transfer import (
     pull_gpu_peer_into,
     wire,
 )
-from raykv.transfer.importer import merge_outcomes
-from raykv.transfer.importer import PullOutcome
+from raykv.transfer.importer import PullOutcome, merge_outcomes
 from raykv.transfer.peer_pools import PoolInfo
 
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)

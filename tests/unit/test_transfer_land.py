@@ -43,7 +43,7 @@ def test_shm_pull_carries_checksums_only_when_asked(make_pair, oracle) -> None:
     assert plain.path == "shm" and plain.verified and plain.checksums == ()
     checked = pair.client.pull_sync(pair.server.address, keys, verify=True)
     assert checked.verified and len(checked.checksums) == 6
-    strict = PageClient(pair.server._token, CFG.replace(verify_shm=True))
+    strict = PageClient(pair.token, CFG.replace(verify_shm=True))
     try:
         assert len(strict.pull_sync(pair.server.address, keys).checksums) == 6
     finally:
