@@ -11,13 +11,15 @@ it sees the connection go. Cancelling the calling task cleans up the same way.
 
 Keys the peer does not have are not an error: they are listed in ``PulledPages.missing``.
 
-Paths: ``shm_read`` once this client has connected to a same-node server whose shared host tier
-and slot directory it could map, when the directory lists every key (a one-sided read in the
-calling task's thread, no request: :mod:`raykv.transfer.shm_read`); ``shm`` when the server runs
-on this node (same node id), has a shared host tier that this process can map, and every page is
-on it; ``ucx`` otherwise. ``ClientStats`` counts pulls, pages and bytes per path; each result
-says which path it used. Checksums: always on ``ucx`` (the receiver's pass overlaps with the
-transfer); on ``shm`` only with ``verify`` (default ``TransferConfig.verify_shm``, off): the
+Paths (one :class:`raykv.transfer.path.TransferPath` each): ``shm_read`` once this client has
+connected to a same-node server whose shared host tier and slot directory it could map, when the
+directory lists every key (a one-sided read in the calling task's thread, no request:
+:mod:`raykv.transfer.shm_read`); ``shm`` when the server runs on this node (same node id), has a
+shared host tier that this process can map, and every page is on it; ``ucx`` otherwise. A batch
+is received and landed by the path its header names (:data:`raykv.transfer.paths.REQUEST_PATHS`,
+:mod:`raykv.transfer.host_paths`). ``ClientStats`` counts pulls, pages and bytes per path; each
+result says which path it used. Checksums: always on ``ucx`` (the receiver's pass overlaps with
+the transfer); on ``shm`` only with ``verify`` (default ``TransferConfig.verify_shm``, off): the
 pages are copied straight out of the owner's memory under its lease, and the owner acknowledges
 that the lease lasted (:mod:`raykv.transfer.wire`).
 
