@@ -2,7 +2,8 @@
 
 Counters are fed from stats deltas (so restarts of the exporter never double count); gauges show
 bytes in use per tier, pinned pages and the page server's open leases. Tags: worker, and tier,
-path (``shm_read``/``shm``/``ucx``/``gpu_read``/...) or failure reason.
+path (``shm_read``/``shm``/``ucx``/``gpu_read``/...) or failure reason (exactly the values of
+:class:`raykv.core.errors.TransferFailure`: a count under any other key is not exported).
 
 ``CacheWorker`` exports on its publisher thread every ``METRICS_INTERVAL_S`` (actor mode) and on
 ``export_metrics()``; each pull's duration goes to a histogram as it ends. ``backend`` is
@@ -15,11 +16,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from raykv.core.errors import TransferFailure
 from raykv.core.stats import CacheStats
 
 METRICS_INTERVAL_S = 1.0
 """How often a worker's publisher thread exports its stats (the counters are cumulative, so a
 scrape between two exports only sees the change later)."""
+
+REASON_LABELS = frozenset(reason.value for reason in TransferFailure)
+"""The values the ``reason`` tag takes: the failure enum's, nothing else."""
 
 PULL_SECONDS_BOUNDARIES = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 """Histogram buckets of ``raykv_transfer_pull_seconds`` (100 us to 3 s)."""
@@ -96,17 +101,21 @@ class WorkerMetrics:
         self.pinned.set(stats.pinned_pages, tags={"worker": self.worker})
         self._last = stats
         if transfer is not None:
-            self._update_transfer(transfer)
+            self.update_transfer(transfer)
 
     def observe_pull(self, path: str, seconds: float) -> None:
         """Record one pull's duration (``PullOutcome.path`` and ``.seconds``)."""
         self.pull_seconds.observe(seconds, tags={"worker": self.worker, "path": path})
 
-    def _update_transfer(self, transfer: Mapping[str, Any]) -> None:
+    def update_transfer(self, transfer: Mapping[str, Any]) -> None:
+        """Export the change of the transfer counters since the previous call (reason tags only
+        for :data:`REASON_LABELS`)."""
         for (side, field), (counter, tag) in self.transfer.items():
             now: dict[str, int] = dict(transfer.get(side, {}).get(field, {}))
             before = self._last_transfer.get((side, field), {})
             for key, count in now.items():
+                if tag == "reason" and key not in REASON_LABELS:
+                    continue  # not a TransferFailure: no label of its own
                 delta = count - before.get(key, 0)
                 if delta > 0:
                     counter.inc(delta, tags={"worker": self.worker, tag: key})

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.worker import CacheWorker
-from raykv.core.errors import OutOfPagesError, TransferError
+from raykv.core.errors import OutOfPagesError, TransferError, TransferFailure
 from raykv.core.keys import ReuseScope
 from raykv.core.types import TierKind, WorkerId
 from raykv.testing import ContentOracle
@@ -99,7 +99,7 @@ class TestingCacheWorker(CacheWorker):
         for an unknown field (nothing set then)."""
         server = self.transfer.server
         if server is None:
-            raise TransferError("no page server", reason="unavailable")
+            raise TransferError("no page server", reason=TransferFailure.UNAVAILABLE)
         unknown = [name for name in faults if not hasattr(server.faults, name)]
         if unknown:
             raise ValueError(f"unknown fault {unknown[0]!r}")

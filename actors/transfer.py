@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from actors.ray_util import shutdown_ray
-from raykv.core.errors import TransferError
+from raykv.core.errors import TransferError, TransferFailure
 from raykv.core.manager import CacheManager
 from raykv.core.types import TierKind
 from raykv.transfer import (
@@ -117,7 +117,7 @@ class WorkerTransfer:
             handle = ray.get_actor(peer, namespace=self.namespace)
             address = ray.get(handle.page_server_address.remote(), timeout=30)
             if address is None:
-                raise TransferError(f"worker {peer} runs no page server", reason="unavailable")
+                raise TransferError(f"worker {peer} runs no page server", reason=TransferFailure.UNAVAILABLE)
             self._peers[peer] = address
         return self._peers[peer]
 
@@ -130,12 +130,14 @@ class WorkerTransfer:
         fails; the caller recomputes.
         """
         if self.client is None:
-            raise TransferError(f"{self.worker_id}: page transfers not started", reason="unavailable")
+            raise TransferError(
+                f"{self.worker_id}: page transfers not started", reason=TransferFailure.UNAVAILABLE
+            )
         address = self.resolve(peer)
         try:
             return self._pull(address, keys, prefer_shm, verify)
         except TransferError as exc:
-            if getattr(exc, "reason", "") != "connect" or not isinstance(peer, str):
+            if exc.reason is not TransferFailure.CONNECT or not isinstance(peer, str):
                 raise
         return self._pull(self.resolve(peer, refresh=True), keys, prefer_shm, verify)
 

@@ -27,7 +27,7 @@ import threading
 from typing import Any
 
 from raykv.core.config import BufferSpec, KVLayout, LayerSpec
-from raykv.core.errors import StateError, TransferError
+from raykv.core.errors import StateError, TransferError, TransferFailure
 from raykv.core.tiers.cuda_util import device_by_uuid, device_uuid, ensure_context
 from raykv.core.tiers.gpu import GpuPool, PageViews
 from raykv.core.tiers.vmm import ImportedArena, torch_view
@@ -59,7 +59,7 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     while len(buf) < n:
         chunk = conn.recv(n - len(buf))
         if not chunk:
-            raise TransferError("GPU pool socket closed mid-message")
+            raise TransferError("GPU pool socket closed mid-message", reason=TransferFailure.CLOSED)
         buf += chunk
     return bytes(buf)
 
@@ -210,17 +210,23 @@ def _receive(conn: socket.socket, path: str, fds: list[int]) -> dict[str, Any]:
     try:
         conn.connect(path)
     except OSError as exc:
-        raise TransferError(f"no GPU pool served at {path}: {exc}") from None
+        raise TransferError(
+            f"no GPU pool served at {path}: {exc}", reason=TransferFailure.UNAVAILABLE
+        ) from None
     (size,) = struct.unpack("!I", _recv_exact(conn, 4))
     if size > MAX_HEADER:
-        raise TransferError(f"GPU pool header too large ({size} bytes)")
+        raise TransferError(f"GPU pool header too large ({size} bytes)", reason=TransferFailure.PROTOCOL)
     header: dict[str, Any] = json.loads(_recv_exact(conn, size))
     if header.get("magic") != MAGIC or header.get("version") != VERSION:
-        raise TransferError(f"{path} does not serve a raykv GPU pool (version {VERSION})")
+        raise TransferError(
+            f"{path} does not serve a raykv GPU pool (version {VERSION})", reason=TransferFailure.PROTOCOL
+        )
     while len(fds) < int(header["num_chunks"]):
         _msg, got, _flags, _addr = socket.recv_fds(conn, 1, FDS_PER_MESSAGE)
         if not got:
-            raise TransferError("GPU pool socket closed before every chunk arrived")
+            raise TransferError(
+                "GPU pool socket closed before every chunk arrived", reason=TransferFailure.CLOSED
+            )
         fds.extend(got)
     conn.sendall(b"A")
     return header

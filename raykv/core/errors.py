@@ -7,6 +7,7 @@ capacity problems subclass CapacityError.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 
@@ -102,8 +103,81 @@ class IntegrityError(ImportRejectedError):
     """A page's bytes do not match their checksum; nothing was imported."""
 
 
+class TransferFailure(enum.StrEnum):
+    """Why a page transfer failed: every :class:`TransferError` carries one as ``reason``.
+
+    A ``StrEnum``: each member equals (and formats as) its value, so ``err.reason == "timeout"``
+    holds and the values are the labels of the failure metrics (``ClientStats.failures``,
+    ``ServerStats.errors``, ``raykv_transfer_failures``: no other label exists).
+
+    - ``auth``: a side failed the token's challenge-response (wrong or missing shared token).
+    - ``protocol``: the peer sent something malformed or unexpected (bad framing, a wrong message
+      type or field, a header that does not answer the request, a slot outside the peer's tier).
+    - ``limit``: a message, key list or payload exceeds the configured limits.
+    - ``integrity``: a page failed its checksum or digest (``bad_keys`` names them, when known).
+    - ``timeout``: the pull (or one wait inside it) ran past its deadline.
+    - ``closed``: the peer closed or broke the connection (or went away during a stall).
+    - ``connect``: no connection could be opened to the peer's address.
+    - ``ucx``: a UCX operation failed (endpoint, send or receive).
+    - ``unavailable``: the path asked for cannot be used with this peer (no UCX, no page server,
+      no ``gpu_peer`` between these processes, the peer's GPU tier cannot be mapped); nothing was
+      imported and the caller may take another path.
+    - ``state``: the call is not allowed in the current state (a closed manager cannot lease,
+      a synchronous close from the runtime's own loop).
+    - ``fault``: a test hook (``ServerFaults``) dropped the connection.
+    - ``rejected``: the importing manager refused the batch (page size, partial block, record).
+    - ``cancelled``: the pull was cancelled while its pages were being received or imported.
+    - ``shm``: a same-node shared-memory mapping (the peer's host tier or its slot directory)
+      cannot be used; the caller uses the request paths instead.
+    - ``stale``: a page changed while it was read one-sided (``shm_read``/``gpu_read``); nothing
+      of it was imported and the keys are asked of the owner.
+    - ``refused``: the peer refused the request with a reason this process does not know.
+    - ``internal``: the page server failed on an unexpected exception (logged there with its
+      traceback); only the server's error counters use it.
+    """
+
+    AUTH = "auth"
+    PROTOCOL = "protocol"
+    LIMIT = "limit"
+    INTEGRITY = "integrity"
+    TIMEOUT = "timeout"
+    CLOSED = "closed"
+    CONNECT = "connect"
+    UCX = "ucx"
+    UNAVAILABLE = "unavailable"
+    STATE = "state"
+    FAULT = "fault"
+    REJECTED = "rejected"
+    CANCELLED = "cancelled"
+    SHM = "shm"
+    STALE = "stale"
+    REFUSED = "refused"
+    INTERNAL = "internal"
+
+    @classmethod
+    def from_peer(cls, value: object) -> TransferFailure:
+        """The member a peer's ``error`` message names; ``refused`` for anything else."""
+        if isinstance(value, str) and value in _FAILURE_VALUES:
+            return cls(value)
+        return cls.REFUSED
+
+
+_FAILURE_VALUES = frozenset(member.value for member in TransferFailure)
+
+
 class TransferError(RayKVError):
-    """A page transfer failed; nothing was imported and the caller may recompute."""
+    """A page transfer failed; nothing was imported and the caller may recompute.
+
+    ``reason`` (required, a :class:`TransferFailure`) says why; anything else raises TypeError
+    (a programming error). Further keyword arguments become attributes (``bad_keys``, ...).
+    """
+
+    reason: TransferFailure
+
+    def __init__(self, message: str, *, reason: TransferFailure, **attrs: Any) -> None:
+        if not isinstance(reason, TransferFailure):
+            raise TypeError(f"TransferError reason must be a TransferFailure, got {reason!r}")
+        super().__init__(message, reason=reason, **attrs)
 
 
 class CudaError(RayKVError):

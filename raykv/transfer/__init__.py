@@ -11,37 +11,52 @@ memory (and GPU peer copies) the pages are copied straight out of the owner's me
 lease (no checksums unless asked; the owner confirms the lease instead), see
 :mod:`raykv.transfer.wire`.
 
-Layers: ``config`` (settings, addresses) and ``auth`` (token, challenge-response) and ``wire``
-(control messages and their limits) at the bottom; ``runtime`` (the loop thread that owns UCX,
-transport checks, byte budgets) and ``shm`` (same-node mappings) and ``payload`` (the sender's
-chunks) above; ``server`` and ``client`` (with ``receive`` and ``landing``) on top, ``importer``
-last. Every failure is a :class:`raykv.core.errors.TransferError` with a ``reason`` ("auth",
-"protocol", "limit", "integrity", "timeout", "closed", "ucx", "connect", "unavailable", "state",
-"fault", "rejected", "cancelled"). ucxx is imported lazily, the first time a server or client
-starts.
+Paths: each way pages move is a :class:`raykv.transfer.path.TransferPath` (``shm_read``,
+``gpu_read``, ``shm``, ``ucx``, ``direct``, ``gpu_peer``; :mod:`raykv.transfer.paths` lists them);
+the server and the client dispatch to them by name.
+
+Layers, bottom to top (a module imports only lower ones; none imports this package): ``config``,
+``auth``, ``wire`` (control messages and their limits); ``runtime`` (the loop thread that owns
+UCX, transport checks, byte budgets), ``shm`` (same-node mappings), ``payload`` (the sender's
+chunks), ``results``, ``landing``, ``receive``; ``serving`` and ``connection`` (the server's and
+the client's side of a connection, as the paths use them), ``path`` (the base class),
+``peer_pools``, ``pull_client`` (what paths use of a client), ``importer``; the path modules
+``shm_read``, ``host_paths``, ``device``, ``gpu_read``, ``gpu_peer``; ``paths`` (the registry);
+``server`` and ``client`` on top. Every failure is a :class:`raykv.core.errors.TransferError`
+whose ``reason`` is a :class:`raykv.core.errors.TransferFailure`. ucxx is imported lazily, the
+first time a server or client starts.
 """
 
 from __future__ import annotations
 
+from raykv.core.errors import TransferFailure
 from raykv.transfer.auth import AuthToken
 from raykv.transfer.client import ClientStats, PageClient, PulledPages
 from raykv.transfer.config import PeerAddress, TransferConfig, default_node_id
-from raykv.transfer.gpu_peer import merge_outcomes, pull_best, pull_gpu_local, pull_gpu_peer_into
-from raykv.transfer.importer import PullOutcome, import_pulled, pull_into, pull_into_local
+from raykv.transfer.gpu_peer import pull_best, pull_gpu_peer_into
+from raykv.transfer.gpu_read import pull_gpu_local
+from raykv.transfer.importer import PullOutcome, import_pulled, merge_outcomes, pull_into, pull_into_local
+from raykv.transfer.path import TransferPath
+from raykv.transfer.paths import PATH_CLASSES
 from raykv.transfer.runtime import TransferRuntime, get_runtime
-from raykv.transfer.server import PageServer, ServerFaults, ServerStats
+from raykv.transfer.server import PageServer, ServerStats
+from raykv.transfer.serving import ServerConn, ServerFaults
 
 __all__ = [
     "AuthToken",
     "ClientStats",
     "PageClient",
+    "PATH_CLASSES",
     "PageServer",
     "PeerAddress",
     "PullOutcome",
     "PulledPages",
+    "ServerConn",
     "ServerFaults",
     "ServerStats",
     "TransferConfig",
+    "TransferFailure",
+    "TransferPath",
     "TransferRuntime",
     "default_node_id",
     "get_runtime",

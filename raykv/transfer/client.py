@@ -11,13 +11,15 @@ it sees the connection go. Cancelling the calling task cleans up the same way.
 
 Keys the peer does not have are not an error: they are listed in ``PulledPages.missing``.
 
-Paths: ``shm_read`` once this client has connected to a same-node server whose shared host tier
-and slot directory it could map, when the directory lists every key (a one-sided read in the
-calling task's thread, no request: :mod:`raykv.transfer.shm_read`); ``shm`` when the server runs
-on this node (same node id), has a shared host tier that this process can map, and every page is
-on it; ``ucx`` otherwise. ``ClientStats`` counts pulls, pages and bytes per path; each result
-says which path it used. Checksums: always on ``ucx`` (the receiver's pass overlaps with the
-transfer); on ``shm`` only with ``verify`` (default ``TransferConfig.verify_shm``, off): the
+Paths (one :class:`raykv.transfer.path.TransferPath` each): ``shm_read`` once this client has
+connected to a same-node server whose shared host tier and slot directory it could map, when the
+directory lists every key (a one-sided read in the calling task's thread, no request:
+:mod:`raykv.transfer.shm_read`); ``shm`` when the server runs on this node (same node id), has a
+shared host tier that this process can map, and every page is on it; ``ucx`` otherwise. A batch
+is received and landed by the path its header names (:data:`raykv.transfer.paths.REQUEST_PATHS`,
+:mod:`raykv.transfer.host_paths`). ``ClientStats`` counts pulls, pages and bytes per path; each
+result says which path it used. Checksums: always on ``ucx`` (the receiver's pass overlaps with
+the transfer); on ``shm`` only with ``verify`` (default ``TransferConfig.verify_shm``, off): the
 pages are copied straight out of the owner's memory under its lease, and the owner acknowledges
 that the lease lasted (:mod:`raykv.transfer.wire`).
 
@@ -37,33 +39,25 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from raykv.core.errors import TransferError
+import raykv.transfer.shm_read as shm_read
+from raykv.core.errors import TransferError, TransferFailure
 from raykv.core.types import BlockKey
-from raykv.transfer import shm_read, wire
 from raykv.transfer.auth import AuthToken
 from raykv.transfer.config import Peer, TransferConfig, pull_request
-from raykv.transfer.connection import ClientConn as _Conn
-from raykv.transfer.connection import handshake
-from raykv.transfer.landing import STREAM_THREADS, Arrivals, Land, LeaseCheck, run_land, run_streamed, streams
+from raykv.transfer.connection import ClientConn, handshake
+from raykv.transfer.host_paths import Batch, checks
+from raykv.transfer.landing import Land, LeaseCheck, run_land
+from raykv.transfer.paths import REQUEST_PATHS
 from raykv.transfer.payload import early_split
 from raykv.transfer.peer_pools import PeerPools
-from raykv.transfer.receive import (
-    FirstChunk,
-    SpareBuffers,
-    compare,
-    copy_shm,
-    post_first,
-    read_header,
-    read_sums,
-    receive_ucx,
-)
+from raykv.transfer.receive import SpareBuffers, post_first, read_header
 from raykv.transfer.results import ClientStats, Part, PulledPages, check_out, merge
 from raykv.transfer.runtime import (
     ByteBudget,
@@ -71,9 +65,7 @@ from raykv.transfer.runtime import (
     as_transfer_error,
     configure_ucx,
     get_runtime,
-    ucx_address,
     ucx_context,
-    ucx_endpoint,
     within,
 )
 from raykv.transfer.shm import ShmMapping
@@ -116,10 +108,11 @@ class PageClient:
         self.runtime = runtime or get_runtime()
         self.node_id = self.config.node
         self.stats = ClientStats()
-        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._idle: dict[tuple[str, int], list[ClientConn]] = {}
         self._maps: dict[str, ShmMapping | None] = {}
         self._budget: ByteBudget | None = None
-        self._spare = SpareBuffers(min(SPARE_BYTES, self.config.client_inflight_bytes))
+        self.spare = SpareBuffers(min(SPARE_BYTES, self.config.client_inflight_bytes))
+        """Receive buffers kept for reuse by landings (see :class:`SpareBuffers`)."""
         self._ucx_ctx: Any = None
         self._ids = 0
         self._local: dict[tuple[str, int], shm_read.LocalPeer] = {}
@@ -159,7 +152,7 @@ class PageClient:
             fast = self._read_local(endpoint, checked, out)
             if fast is not None:
                 return fast
-        parts, _ = await self._guarded(
+        parts, _ = await self.guard(
             endpoint, timeout_s, self._pull_all(endpoint, checked, _Options(prefer_shm, verify, out))
         )
         return merge(parts, checked, time.perf_counter() - start, out)
@@ -190,15 +183,15 @@ class PageClient:
         if prefer_shm and verify is not True:
             local = await shm_read.land_on_loop(self._local.get(endpoint), checked, land)
             if local is not None:
-                self._count(shm_read.PATH, endpoint, len(checked), local[1])
+                self.count(shm_read.PATH, endpoint, len(checked), local[1])
                 return local[0]
         opts = _Options(prefer_shm, verify, None, land)
-        parts, landed = await self._guarded(endpoint, timeout_s, self._pull_all(endpoint, checked, opts))
+        parts, landed = await self.guard(endpoint, timeout_s, self._pull_all(endpoint, checked, opts))
         if landed is not None:
             return landed.value  # type: ignore[no-any-return]
         return await run_land(land, merge(parts, checked, time.perf_counter() - start), LeaseCheck(loop))
 
-    async def _guarded(
+    async def guard(
         self, endpoint: tuple[str, int], timeout_s: float | None, coro: Coroutine[Any, Any, T]
     ) -> T:
         """``coro`` under the pull timeout; every failure counted and raised as a TransferError."""
@@ -206,16 +199,16 @@ class PageClient:
         try:
             return await within(coro, timeout)
         except asyncio.TimeoutError:
-            self.stats.failures["timeout"] += 1
+            self.stats.failures[TransferFailure.TIMEOUT.value] += 1
             raise TransferError(
-                f"pull from {endpoint[0]}:{endpoint[1]} timed out", reason="timeout"
+                f"pull from {endpoint[0]}:{endpoint[1]} timed out", reason=TransferFailure.TIMEOUT
             ) from None
         except TransferError as exc:
-            self.stats.failures[getattr(exc, "reason", "unknown")] += 1
+            self.stats.failures[exc.reason.value] += 1
             raise
         except Exception as exc:
             wrapped = as_transfer_error(exc)
-            self.stats.failures[getattr(wrapped, "reason", "unknown")] += 1
+            self.stats.failures[wrapped.reason.value] += 1
             raise wrapped from None
 
     async def pull_many(
@@ -276,7 +269,7 @@ class PageClient:
         self.runtime.run(self.aclose(), 30)
 
     # ---- connections -----------------------------------------------------------------------------
-    async def _connect(self, peer: tuple[str, int]) -> _Conn:
+    async def _connect(self, peer: tuple[str, int]) -> ClientConn:
         """Open and authenticate a connection (mutual challenge-response, module auth)."""
         if self._ucx_ctx is None:
             configure_ucx(self.config.ucx_net_devices, self.config.ucx_tls, self.config.ucx_progress)
@@ -286,29 +279,65 @@ class PageClient:
             reader, writer = await asyncio.open_connection(*peer, limit=self.config.max_header_bytes + 8)
         except OSError as exc:
             raise TransferError(
-                f"cannot connect to {peer[0]}:{peer[1]} ({exc.strerror})", reason="connect"
+                f"cannot connect to {peer[0]}:{peer[1]} ({exc.strerror})", reason=TransferFailure.CONNECT
             ) from None
-        ucx = ucx_address(self._ucx_ctx) if self._ucx_ctx is not None else None
         try:
-            return await handshake(self._token, self.config, self.node_id, ucx, peer, reader, writer)
+            return await handshake(
+                self._token, self.config, self.node_id, self._ucx_ctx, peer, reader, writer
+            )
         except BaseException:
             writer.close()
             raise
 
-    async def _checkout(self, peer: tuple[str, int]) -> _Conn:
-        """An idle connection to ``peer`` that is still open, or a new one."""
+    async def checkout(self, peer: tuple[str, int]) -> ClientConn:
+        """An idle authenticated connection to ``peer`` that is still open, or a new one
+        (TransferError "connect"/"auth"/"timeout"/... when none can be made). Give it back with
+        :meth:`checkin` after a clean exchange, else ``close()`` it."""
         idle = self._idle.get(peer, [])
         while idle:
             conn = idle.pop()
-            if not (conn.reader.at_eof() or conn.writer.is_closing()):
+            if not conn.closed():
                 return conn
             conn.close()  # the server closed it meanwhile (restart, shutdown)
         conn = await asyncio.wait_for(self._connect(peer), self.config.connect_timeout_s)
         self._register_local(peer, conn)
         return conn
 
+    def checkin(self, peer: tuple[str, int], conn: ClientConn) -> None:
+        """Keep ``conn`` for later pulls from ``peer`` (no request may be in flight on it)."""
+        self._idle.setdefault(peer, []).append(conn)
+
+    @contextlib.asynccontextmanager
+    async def connection(self, peer: tuple[str, int]) -> AsyncIterator[ClientConn]:
+        """:meth:`checkout` for the block: checked in when it ends normally, closed when it
+        raises (a failed exchange leaves the stream in an unknown state)."""
+        conn = await self.checkout(peer)
+        try:
+            yield conn
+        except BaseException:
+            conn.close()
+            raise
+        self.checkin(peer, conn)
+
+    def new_request(self) -> int:
+        """A request id not used before on this client."""
+        self._ids += 1
+        return self._ids
+
+    @property
+    def budget(self) -> ByteBudget:
+        """The byte budget of this client's receive buffers, over all peers (made on first use)."""
+        if self._budget is None:
+            self._budget = ByteBudget(self.config.client_inflight_bytes)
+        return self._budget
+
+    @property
+    def peak_inflight_bytes(self) -> int:
+        """The most receive-buffer bytes held at once so far (0 before the first request)."""
+        return self._budget.peak if self._budget is not None else 0
+
     # ---- one-sided same-node reads (raykv.transfer.shm_read) -----------------------------------
-    def _register_local(self, peer: tuple[str, int], conn: _Conn) -> None:
+    def _register_local(self, peer: tuple[str, int], conn: ClientConn) -> None:
         """Map a same-node peer's shared tier and directory for one-sided reads (once per file)."""
         config = self.config
         allowed = conn.node == self.node_id and config.use_shm and config.use_shm_read
@@ -337,10 +366,11 @@ class PageClient:
         landed = shm_read.land_on(self._local.get(endpoint), checked, land)
         if landed is None:
             return None
-        self._count(shm_read.PATH, endpoint, len(checked), landed[1])
+        self.count(shm_read.PATH, endpoint, len(checked), landed[1])
         return landed[0]
 
-    def _count(self, path: str, peer: tuple[str, int], pages: int, nbytes: int) -> None:
+    def count(self, path: str, peer: tuple[str, int], pages: int, nbytes: int) -> None:
+        """Count one pull of ``pages`` pages (``nbytes``) on ``path`` from ``peer`` (stats)."""
         stats = self.stats
         stats.pulls[path] += 1
         stats.pages[path] += pages
@@ -356,7 +386,7 @@ class PageClient:
     ) -> tuple[list[Part], _Landed | None]:
         """Pull ``keys`` in batches that respect the server's key and payload limits; a
         ``pull_land`` that fits in one batch lands it (its result comes back as ``_Landed``)."""
-        conn = await self._checkout(peer)
+        conn = await self.checkout(peer)
         parts: list[Part] = []
         landed = None
         try:
@@ -376,143 +406,66 @@ class PageClient:
         except BaseException:
             conn.close()
             raise
-        self._idle.setdefault(peer, []).append(conn)
+        self.checkin(peer, conn)
         return parts, landed
 
     async def _pull_batch(
         self,
-        conn: _Conn,
+        conn: ClientConn,
         keys: list[BlockKey],
         opts: _Options,
         dest: npt.NDArray[np.uint8] | None,
         whole: bool,
     ) -> Part | _Landed:
         """One request/response on ``conn``: header, payload (verified or confirmed), done."""
-        self._ids += 1
-        rid, tag = self._ids, secrets.randbits(48) << 12
+        rid, tag = self.new_request(), secrets.randbits(48) << 12
         mapping = self._mapping(conn) if opts.prefer_shm else None
         land = opts.land if whole else None
-        sums = self._verify("shm", opts.verify)  # checksums over shm; else the server acknowledges
+        sums = checks("shm", opts.verify, self.config)  # checksums over shm; else the server acknowledges
         request = {"t": "pull", "id": rid, "keys": list(keys), "tag": tag, "sums": sums}
         request.update(path="shm" if mapping is not None else "ucx", ack=land is not None or not sums)
-        if self._budget is None:
-            self._budget = ByteBudget(self.config.client_inflight_bytes)
+        budget = self.budget
         early = mapping is None and self.config.post_receives and self._ucx_ctx is not None
         early = early and conn.server_ucx is not None  # else no endpoint: the pull says so later
         # Held before asking, for every requested page (a posted receive may take them all), the
         # unfound ones given back with the header: a pull never waits for this budget while its
         # server holds its own for it, so pulls and servers cannot wait on each other in a cycle.
         held = len(keys) * conn.page_bytes
-        await self._budget.acquire(held)
+        await budget.acquire(held)
         try:
-            endpoint = await self._endpoint(conn) if early else None
+            endpoint = await conn.open_endpoint() if early else None
             config, split = self.config, 0
             if early:
                 split = early_split(len(keys), conn.page_bytes, config.early_split_bytes, config.chunk_bytes)
             request.update(posted=early, **({"split": split} if split else {}))
-            await self._send(conn, request)  # first: UCX keeps chunk 0 if it comes before its receive
+            await conn.send(request)  # first: UCX keeps chunk 0 if it comes before its receive
             first = None
             if early:  # into rows for every requested page
-                flat, data = self._spare.rows(len(keys), conn.page_bytes, dest, land is not None)
+                flat, data = self.spare.rows(len(keys), conn.page_bytes, dest, land is not None)
                 first = post_first(endpoint, data, flat, tag, split)
             limits = (min(conn.max_payload, self.config.max_payload_bytes), self.config.max_header_bytes)
             header = await read_header(conn, rid, keys, conn.page_bytes, limits, mapping is not None, first)
             n = len(header.keys)
-            self._budget.release(held - n * header.page_bytes)
+            budget.release(held - n * header.page_bytes)
             held = n * header.page_bytes
+            path = REQUEST_PATHS[header.path]  # read_header took only these
+            batch = Batch(conn, header, tag, mapping, opts.verify, first)
             got: Part | _Landed
             if land is not None:
-                got = await self._land(conn, header, tag, mapping, opts.verify, land, keys, first)
+                got = _Landed(await path.land(self, batch, land, keys))
             else:
-                got = await self._receive(conn, header, tag, mapping, opts.verify, dest, first)
+                data = (
+                    first.data[:n]
+                    if first is not None
+                    else self.spare.rows(n, header.page_bytes, dest, False)[1]
+                )
+                got = await path.receive(self, batch, data)
         finally:
-            self._budget.release(held)
-        self._count(header.path, conn.peer, n, n * header.page_bytes)
+            budget.release(held)
+        self.count(header.path, conn.peer, n, n * header.page_bytes)
         return got
 
-    def _verify(self, path: str, verify: bool | None) -> bool:
-        """Whether this process checks the pages of ``path`` against the sender's checksums."""
-        if verify is not None:
-            return verify
-        return path != "shm" or self.config.verify_shm
-
-    async def _receive(
-        self,
-        conn: _Conn,
-        header: wire.Header,
-        tag: int,
-        mapping: ShmMapping | None,
-        verify: bool | None,
-        dest: npt.NDArray[np.uint8] | None,
-        first: FirstChunk | None = None,
-    ) -> Part:
-        """The pages of ``header`` in ``dest`` (or a new array, or ``first``'s rows); see
-        :meth:`pull`."""
-        n = len(header.keys)
-        data = first.data[:n] if first is not None else self._spare.rows(n, header.page_bytes, dest, False)[1]
-        if header.path == "shm":
-            assert mapping is not None
-            sums = self._verify("shm", verify)
-            return Part(header, data, await self._receive_shm(conn, header, mapping, data, sums), True)
-        check = self._verify("ucx", verify)
-        theirs = await self._receive_ucx(conn, header, tag, data, check, first, defer=True)
-        return Part(header, data, theirs, check)
-
-    async def _land(
-        self,
-        conn: _Conn,
-        header: wire.Header,
-        tag: int,
-        mapping: ShmMapping | None,
-        verify: bool | None,
-        land: Land[Any],
-        keys: list[BlockKey],
-        first: FirstChunk | None = None,
-    ) -> _Landed:
-        """``land`` the pages of ``header``: over shm straight from the mapping, confirmed by the
-        server's ``ack``; over ucx from the buffer they were received (and verified) into."""
-        start = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        flat = None
-        if header.path == "ucx":
-            if first is not None:
-                flat, data = first.flat, first.data[: len(header.keys)]
-            else:
-                flat, data = self._spare.take(len(header.keys), header.page_bytes)
-            check = self._verify("ucx", verify)
-            stream = getattr(land, "stream", None) if check else None
-            if stream is not None and streams(header, self._spare.limit) and STREAM_THREADS.take():
-                arrivals = Arrivals(len(header.keys), self.config.timeout_s)
-                receive = self._receive_ucx(conn, header, tag, data, True, first, arrivals.arrived)
-                pulled = merge([Part(header, data, None, True)], keys, time.perf_counter() - start)
-                result = await run_streamed(stream, pulled, arrivals, receive)  # failed: `flat` dropped
-                if flat is not None:
-                    self._spare.give(flat)
-                return _Landed(result)
-            theirs = await self._receive_ucx(conn, header, tag, data, check, first)  # failed: `flat` dropped
-            pulled = merge([Part(header, data, theirs, check)], keys, time.perf_counter() - start)
-            lease = LeaseCheck(loop)
-        else:
-            assert mapping is not None
-            rows = mapping.run(list(header.layout))
-            if rows is None:  # not one run of slots: gather them first
-                flat, rows = self._spare.take(len(header.keys), header.page_bytes)
-                await copy_shm(mapping, header, rows, False)
-            sums: list[int] | None = None
-            if self._verify("shm", verify):  # the import checks them (it reads the rows itself)
-                sums = await self._server_sums(conn, header)
-            pulled = merge([Part(header, rows, sums, sums is None)], keys, time.perf_counter() - start)
-            lease = LeaseCheck(loop, lambda: self._finish_shm(conn, header), self.config.timeout_s)
-        try:
-            result = await run_land(land, pulled, lease)  # returns once the worker thread is done
-        finally:
-            if flat is not None:
-                self._spare.give(flat)
-        if not lease.done:
-            await self._finish_shm(conn, header)
-        return _Landed(result)
-
-    def _mapping(self, conn: _Conn) -> ShmMapping | None:
+    def _mapping(self, conn: ClientConn) -> ShmMapping | None:
         """A read-only mapping of the peer's shared tier when the shm path is possible."""
         info = conn.shm
         if info is None or not self.config.use_shm or conn.node != self.node_id:
@@ -524,70 +477,3 @@ class PageClient:
                 log.warning("shared-memory path to %s unavailable (%s); using UCX", conn.peer, exc)
                 self._maps[info.path] = None
         return self._maps[info.path]
-
-    async def _receive_shm(
-        self, conn: _Conn, header: wire.Header, mapping: ShmMapping, data: npt.NDArray[np.uint8], sums: bool
-    ) -> list[int] | None:
-        """Copy the leased slots from the mapping, then either compare them with the server's
-        checksums (``sums``) or have the server acknowledge that the lease lasted."""
-        mine = await copy_shm(mapping, header, data, sums)
-        if not sums:
-            await self._finish_shm(conn, header)
-            return None
-        theirs = await self._server_sums(conn, header)
-        await self._send(conn, {"t": "done", "id": header.request_id})  # the lease may end now
-        return compare(header, mine, theirs)
-
-    async def _server_sums(self, conn: _Conn, header: wire.Header) -> list[int]:
-        """The server's checksums: from the header, or the ``sums`` message that follows it."""
-        if header.sums is not None:
-            return list(header.sums)
-        return await read_sums(conn, header, self.config.max_header_bytes)
-
-    async def _finish_shm(self, conn: _Conn, header: wire.Header) -> None:
-        """Say ``done`` and wait for the server's ``ack``: the lease lasted until we stopped
-        reading (an error or EOF instead raises: the pages read may not be the leased ones)."""
-        await self._send(conn, {"t": "done", "id": header.request_id})
-        msg = wire.expect_type(await wire.read_message(conn.reader, self.config.max_header_bytes), "ack")
-        if msg.get("id") != header.request_id:
-            raise wire.protocol_error("'ack' for another request")
-
-    async def _receive_ucx(
-        self,
-        conn: _Conn,
-        header: wire.Header,
-        tag: int,
-        data: npt.NDArray[np.uint8],
-        verify: bool,
-        first: FirstChunk | None = None,
-        on_rows: Callable[[int], object] | None = None,
-        defer: bool = False,
-    ) -> list[int]:
-        """Receive the payload into ``data`` (checksummed as it lands when ``verify``; chunk 0
-        through ``first``'s receive when posted early; ``on_rows`` as in :func:`receive_ucx`),
-        say ``done`` (``defer``: two loop turns later, so the caller gets the pages first; the
-        server's lease lasts until then); the server's checksums (compared with ours when
-        ``verify``)."""
-        limit = self.config.max_header_bytes
-        posted = first.recvs if first is not None else ()
-        endpoint = lambda: self._endpoint(conn)  # noqa: E731
-        mine, theirs = await receive_ucx(conn, endpoint, header, tag, data, verify, limit, posted, on_rows)
-        done = {"t": "done", "id": header.request_id}
-        if defer:  # written once the caller has the pages, or before the next message on conn
-            conn.pending = wire.encode(done, limit)
-            loop = asyncio.get_running_loop()
-            loop.call_soon(loop.call_soon, conn.flush)  # after the pull's result is set
-        else:
-            await self._send(conn, done)
-        return compare(header, mine, theirs)
-
-    async def _endpoint(self, conn: _Conn) -> Any:
-        if conn.endpoint is None:
-            if self._ucx_ctx is None or conn.server_ucx is None:
-                raise TransferError("no UCX path to this peer", reason="unavailable")
-            conn.endpoint = await ucx_endpoint(self._ucx_ctx, conn.server_ucx)
-        return conn.endpoint
-
-    async def _send(self, conn: _Conn, msg: dict[str, Any]) -> None:
-        conn.write(wire.encode(msg, self.config.max_header_bytes))  # a pending ``done`` goes first
-        await conn.writer.drain()

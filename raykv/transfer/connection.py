@@ -1,5 +1,7 @@
 """A client's authenticated control connection to one page server (see :mod:`raykv.transfer.auth`
-for the challenge-response and :mod:`raykv.transfer.wire` for the messages)."""
+for the challenge-response and :mod:`raykv.transfer.wire` for the messages): what the client's
+transfer paths use to talk to the server (:meth:`ClientConn.send`, :meth:`ClientConn.finish`,
+:meth:`ClientConn.open_endpoint`)."""
 
 from __future__ import annotations
 
@@ -7,16 +9,19 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from raykv.core.errors import TransferError
-from raykv.transfer import wire
+import raykv.transfer.wire as wire
+from raykv.core.errors import TransferError, TransferFailure
 from raykv.transfer.auth import CLIENT_LABEL, NONCE_BYTES, SERVER_LABEL, AuthToken, new_nonce
 from raykv.transfer.config import TransferConfig
-from raykv.transfer.runtime import abort_endpoint
+from raykv.transfer.runtime import abort_endpoint, ucx_address, ucx_endpoint
 
 
 @dataclass
 class ClientConn:
-    """One connection and what the server's ``welcome`` said (limits already capped by ours)."""
+    """One connection and what the server's ``welcome`` said (limits already capped by ours).
+
+    ``max_header_bytes``: this client's control-message limit; ``ucx_ctx``: its UCX context
+    (None without UCX); ``endpoint``: the UCX endpoint to the server once opened."""
 
     peer: tuple[str, int]
     reader: asyncio.StreamReader
@@ -30,6 +35,8 @@ class ClientConn:
     endpoint: Any = None
     gpu: bool = False  # the server offers the gpu_peer path (raykv.transfer.gpu_peer)
     pending: bytes = b""  # a framed ``done`` not written yet: goes before the next message
+    max_header_bytes: int = 1 << 16
+    ucx_ctx: Any = None
 
     def write(self, data: bytes) -> None:
         """Write ``data`` to the stream, after a ``done`` still pending (in the same write)."""
@@ -44,23 +51,64 @@ class ClientConn:
 
     def close(self) -> None:
         """Abort the UCX endpoint (cancelling its receives) and close the stream."""
+        self.drop_endpoint()
+        self.writer.close()
+
+    def drop_endpoint(self) -> None:
+        """Abort the UCX endpoint (its posted receives are cancelled: nothing lands afterwards);
+        the next :meth:`open_endpoint` opens a new one."""
         abort_endpoint(self.endpoint)
         self.endpoint = None
-        self.writer.close()
+
+    def closed(self) -> bool:
+        """Whether the server closed the stream (EOF) or it is closing."""
+        return self.reader.at_eof() or self.writer.is_closing()
+
+    async def send(self, msg: dict[str, Any]) -> None:
+        """Write one control message (after a pending ``done``) and wait until the stream took it;
+        TransferError "limit" for a message over ``max_header_bytes``."""
+        self.write(wire.encode(msg, self.max_header_bytes))
+        await self.writer.drain()
+
+    async def read(self, kind: str | None = None) -> dict[str, Any]:
+        """The next control message (of type ``kind`` when given: a peer ``error`` raises its
+        TransferError, another type "protocol"); EOF raises "closed"."""
+        msg = await wire.read_message(self.reader, self.max_header_bytes)
+        return msg if kind is None else wire.expect_type(msg, kind)
+
+    async def finish(self, request_id: int) -> None:
+        """Say ``done`` for ``request_id`` and wait for the server's ``ack``: the lease lasted
+        until we stopped reading (an error or EOF instead raises: the pages read may not be the
+        leased ones)."""
+        await self.send({"t": "done", "id": request_id})
+        msg = await self.read("ack")
+        if msg.get("id") != request_id:
+            raise wire.protocol_error("'ack' for another request")
+
+    async def open_endpoint(self) -> Any:
+        """The UCX endpoint to the server, opened on first use (TransferError "unavailable" when
+        either side has no UCX); valid until :meth:`drop_endpoint` or :meth:`close`."""
+        if self.endpoint is None:
+            if self.ucx_ctx is None or self.server_ucx is None:
+                raise TransferError("no UCX path to this peer", reason=TransferFailure.UNAVAILABLE)
+            self.endpoint = await ucx_endpoint(self.ucx_ctx, self.server_ucx)
+        return self.endpoint
 
 
 async def handshake(
     token: AuthToken,
     config: TransferConfig,
     node_id: str,
-    ucx: bytes | None,
+    ucx_ctx: Any,
     peer: tuple[str, int],
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
 ) -> ClientConn:
     """Run the client side of the mutual challenge-response on a fresh stream; TransferError
     ("protocol", "auth", "closed") when the server does not speak it or fails to prove the token.
-    ``ucx``: this process's UCX worker address (None without UCX)."""
+    ``ucx_ctx``: this process's UCX context (None without UCX), whose worker address the server
+    gets."""
+    ucx = ucx_address(ucx_ctx) if ucx_ctx is not None else None
     hello = wire.expect_type(await wire.read_message(reader, 4096), "hello")
     if hello.get("v") != wire.VERSION:
         raise wire.protocol_error(f"unsupported protocol version {str(hello.get('v'))[:10]}")
@@ -77,7 +125,7 @@ async def handshake(
     await writer.drain()
     welcome = wire.expect_type(await wire.read_message(reader, config.max_header_bytes), "welcome")
     if not token.check(welcome.get("mac"), SERVER_LABEL, nonce, server_nonce):
-        raise TransferError("the server failed authentication", reason="auth")
+        raise TransferError("the server failed authentication", reason=TransferFailure.AUTH)
     server_ucx = welcome.get("ucx")
     return ClientConn(
         peer,
@@ -90,4 +138,6 @@ async def handshake(
         wire.ShmInfo.from_msg(welcome.get("shm")),
         server_ucx if isinstance(server_ucx, bytes) and server_ucx else None,
         gpu=welcome.get("gpu") is True,
+        max_header_bytes=config.max_header_bytes,
+        ucx_ctx=ucx_ctx,
     )

@@ -4,8 +4,8 @@ The ``ucx`` path lands every page in host memory and checks it with a host CRC-3
 so a GPU-to-GPU pull is bounded by device-to-host copies and CRC speed. The ``direct`` path keeps
 the bytes where the tiers keep them:
 
-- sender (:func:`send_direct`, served by :class:`~raykv.transfer.server.PageServer` when a client
-  asks for ``"direct"``): the leased pages in place (one consecutive run on one tier) or gathered
+- sender (:meth:`DirectPath.serve`, called by :class:`~raykv.transfer.server.PageServer` when a
+  client asks for ``"direct"``): the leased pages in place (one consecutive run on one tier) or gathered
   into one staging buffer on the tier's device, sent as at most ``MAX_PIECES`` large UCX messages
   (UCX's per-message cost is high; GPU buffers go over cuda_ipc / NVLink). The header carries a
   :func:`page_digests` value per page, computed where the bytes are (on the GPU for GPU pages).
@@ -32,23 +32,23 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from raykv.core.errors import InvalidArgumentError, TransferError
+import raykv.transfer.wire as wire
+from raykv.core.errors import InvalidArgumentError, TransferError, TransferFailure
 from raykv.core.manager import CacheManager
 from raykv.core.records import BlockLease
 from raykv.core.types import DEFAULT_PRIORITY, BlockKey, TierKind, check_block_key, check_priority
-from raykv.transfer import wire
-from raykv.transfer.client import PageClient, Peer
-from raykv.transfer.config import PeerAddress
+from raykv.transfer.config import Peer, PeerAddress
+from raykv.transfer.connection import ClientConn
 from raykv.transfer.importer import PullOutcome
+from raykv.transfer.path import TransferPath
 from raykv.transfer.payload import LeasedPayload
-from raykv.transfer.runtime import ByteBudget, abort_endpoint, cancel_and_wait
-
-if TYPE_CHECKING:
-    from raykv.transfer.server import PageServer
+from raykv.transfer.pull_client import PullClient
+from raykv.transfer.runtime import cancel_and_wait
+from raykv.transfer.serving import PullRequest, ServerConn
 
 PATH = "direct"
 SPLIT_BYTES = 64 << 20
@@ -157,33 +157,63 @@ class _DirectPayload(LeasedPayload):
         return self._buf
 
 
-async def send_direct(server: PageServer, conn: Any, rid: int, lease: BlockLease, tag: int) -> None:
-    """Serve one ``direct`` pull (called by the page server; the lease is held by the caller)."""
-    payload = _DirectPayload(
-        server.manager,
-        lease,
-        server.faults.corrupt_payload,
-        getattr(server, "direct_in_place", None),  # test and benchmark knobs
-        getattr(server, "direct_pieces", MAX_PIECES),
-    )
-    device = getattr(payload.true_rows(), "device", None)
-    _bind(device)
-    endpoint: Any = await server._endpoint(conn) if lease.blocks else None
-    chunks = [payload.chunk(i) for i in range(len(payload.counts))]
-    sums = page_digests(payload.true_rows()) if lease.blocks else []  # syncs the device
-    await server._send(conn, server._header(rid, PATH, lease, payload.counts, sums))
-    await server._after_header(conn)
-    sends: list[asyncio.Future[Any]] = []
-    try:
-        for i, buf in enumerate(chunks):
-            sends.append(asyncio.ensure_future(endpoint.send(_ucx_buffer(buf), tag=tag + i, force_tag=True)))
-        await server._await_done(conn, rid, asyncio.gather(*sends) if sends else None)
-    except BaseException:
-        abort_endpoint(conn.endpoint)  # UCX stops reading the pages before the lease ends
-        conn.endpoint = None
-        for s in sends:
-            s.cancel()
-        raise
+class DirectPath(TransferPath):
+    """The ``direct`` path (see the module docstring). ``in_place`` and ``pieces``: the sender's
+    knobs for tests and benchmarks (see :class:`_DirectPayload`; default: in place for host tiers
+    only, :data:`MAX_PIECES`)."""
+
+    name: ClassVar[str] = PATH
+
+    def __init__(self, in_place: bool | None = None, pieces: int = MAX_PIECES) -> None:
+        self.in_place = in_place
+        self.pieces = pieces
+
+    async def serve(self, conn: ServerConn, pull: PullRequest) -> None:
+        """Serve one ``direct`` pull (the server holds the lease): digests in the header, then
+        at most ``pieces`` UCX messages from the pages' own device."""
+        lease, rid, tag = pull.lease, pull.request_id, pull.tag
+        corrupt = conn.site.faults.corrupt_payload
+        payload = _DirectPayload(conn.site.manager, lease, corrupt, self.in_place, self.pieces)
+        device = getattr(payload.true_rows(), "device", None)
+        _bind(device)
+        endpoint: Any = await conn.open_endpoint() if lease.blocks else None
+        chunks = [payload.chunk(i) for i in range(len(payload.counts))]
+        sums = page_digests(payload.true_rows()) if lease.blocks else []  # syncs the device
+        await conn.send_header(pull, PATH, payload.counts, sums)
+        await conn.after_header()
+        sends: list[asyncio.Future[Any]] = []
+        try:
+            for i, buf in enumerate(chunks):
+                send = endpoint.send(_ucx_buffer(buf), tag=tag + i, force_tag=True)
+                sends.append(asyncio.ensure_future(send))
+            await conn.await_done(rid, asyncio.gather(*sends) if sends else None)
+        except BaseException:
+            conn.drop_endpoint()  # UCX stops reading the pages before the lease ends
+            for s in sends:
+                s.cancel()
+            raise
+
+    async def pull(
+        self,
+        client: PullClient,
+        peer: Peer,
+        keys: Sequence[bytes],
+        device: Any,
+        timeout_s: float | None = None,
+    ) -> DirectPages:
+        """:func:`pull_direct`."""
+        return await pull_direct(client, peer, keys, device, timeout_s)
+
+    async def pull_into(
+        self,
+        client: PullClient,
+        peer: Peer,
+        manager: CacheManager,
+        keys: Sequence[bytes],
+        timeout_s: float | None = None,
+    ) -> PullOutcome:
+        """:func:`pull_direct_into`."""
+        return await pull_direct_into(client, peer, manager, keys, timeout_s)
 
 
 # ---- receiver ---------------------------------------------------------------------------------
@@ -218,7 +248,7 @@ def top_device(manager: CacheManager) -> Any:
 
 
 async def pull_direct(
-    client: PageClient, peer: Peer, keys: Sequence[bytes], device: Any, timeout_s: float | None = None
+    client: PullClient, peer: Peer, keys: Sequence[bytes], device: Any, timeout_s: float | None = None
 ) -> DirectPages:
     """Pull the committed blocks among ``keys`` from ``peer`` into one buffer on ``device``.
 
@@ -237,7 +267,7 @@ async def pull_direct(
     if checked:
         _bind(device)
         # the client's guard: timeout, failure counting, errors wrapped as TransferError
-        parts = await client._guarded(endpoint, timeout_s, _pull_all(client, endpoint, checked, device))
+        parts = await client.guard(endpoint, timeout_s, _pull_all(client, endpoint, checked, device))
     headers = [h for h, _, _ in parts]
     found = [BlockKey(k) for h in headers for k in h.keys]
     have = set(found)
@@ -266,78 +296,68 @@ async def pull_direct(
 
 
 async def _pull_all(
-    client: PageClient, peer: tuple[str, int], keys: list[BlockKey], device: Any
+    client: PullClient, peer: tuple[str, int], keys: list[BlockKey], device: Any
 ) -> list[tuple[wire.Header, Any, tuple[float, float, float]]]:
-    conn = await client._checkout(peer)
     parts = []
-    try:
+    async with client.connection(peer) as conn:
         per_batch = max(1, min(conn.max_keys, conn.max_payload // max(1, conn.page_bytes)))
         for first in range(0, len(keys), per_batch):
             parts.append(await _pull_batch(client, conn, keys[first : first + per_batch], device))
-    except BaseException:
-        conn.close()
-        raise
-    client._idle.setdefault(peer, []).append(conn)
     return parts
 
 
 async def _pull_batch(
-    client: PageClient, conn: Any, keys: list[BlockKey], device: Any
+    client: PullClient, conn: ClientConn, keys: list[BlockKey], device: Any
 ) -> tuple[wire.Header, Any, tuple[float, float, float]]:
     import torch
 
     t0 = time.perf_counter()
-    client._ids += 1
-    rid, tag = client._ids, secrets.randbits(48) << 12
-    await client._send(conn, {"t": "pull", "id": rid, "keys": list(keys), "path": PATH, "tag": tag})
+    rid, tag = client.new_request(), secrets.randbits(48) << 12
+    await conn.send({"t": "pull", "id": rid, "keys": list(keys), "path": PATH, "tag": tag})
     limit = min(conn.max_payload, client.config.max_payload_bytes)
-    msg = await wire.read_message(conn.reader, client.config.max_header_bytes)
+    msg = await conn.read()
     header = wire.Header.from_msg(msg, list(keys), limit)
     if header.request_id != rid or header.page_bytes != conn.page_bytes:
         raise wire.protocol_error("header does not answer this request")
     if header.path != PATH or header.sums is None:
         raise wire.protocol_error("the server did not answer on the direct path")
     n = len(header.keys)
-    if client._budget is None:
-        client._budget = ByteBudget(client.config.client_inflight_bytes)
-    await client._budget.acquire(n * header.page_bytes)
+    budget = client.budget
+    await budget.acquire(n * header.page_bytes)
     try:
         data = torch.empty((n, header.page_bytes), dtype=torch.uint8, device=device)
         t1 = time.perf_counter()
-        await _receive(client, conn, header, tag, data)
+        await _receive(conn, header, tag, data)
         t2 = time.perf_counter()
         mine = page_digests(data)
         bad = [header.keys[i] for i, (a, b) in enumerate(zip(mine, header.sums)) if a != b]
         if bad:
             raise TransferError(
                 f"{len(bad)} of {n} page(s) failed their digest; nothing was imported",
-                reason="integrity",
+                reason=TransferFailure.INTEGRITY,
                 bad_keys=tuple(bad),
             )
-        await client._send(conn, {"t": "done", "id": rid})
+        await conn.send({"t": "done", "id": rid})
         t3 = time.perf_counter()
     finally:
-        client._budget.release(n * header.page_bytes)
-    client.stats.pulls[PATH] += 1
-    client.stats.pages[PATH] += n
-    client.stats.bytes[PATH] += n * header.page_bytes
-    client.stats.last_path[f"{conn.peer[0]}:{conn.peer[1]}"] = PATH
+        budget.release(n * header.page_bytes)
+    client.count(PATH, conn.peer, n, n * header.page_bytes)
     return header, data, (t1 - t0, t2 - t1, t3 - t2)
 
 
-async def _receive(client: PageClient, conn: Any, header: wire.Header, tag: int, data: Any) -> None:
+async def _receive(conn: ClientConn, header: wire.Header, tag: int, data: Any) -> None:
     """Post one receive per message into ``data``; a peer that errs or goes fails it at once."""
     recvs: list[asyncio.Future[Any]] = []
     watch: asyncio.Future[Any] | None = None
     try:
         if header.keys:
-            endpoint = await client._endpoint(conn)
+            endpoint = await conn.open_endpoint()
             first = 0
             for i, count in enumerate(header.layout):
                 rows = _ucx_buffer(data[first : first + count])
                 recvs.append(asyncio.ensure_future(endpoint.recv(rows, tag=tag + i, force_tag=True)))
                 first += count
-            watch = asyncio.ensure_future(wire.read_message(conn.reader, client.config.max_header_bytes))
+            watch = asyncio.ensure_future(conn.read())
             for recv in recvs:
                 while not recv.done():
                     await asyncio.wait({recv, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -346,8 +366,7 @@ async def _receive(client: PageClient, conn: Any, header: wire.Header, tag: int,
                         raise wire.protocol_error("unexpected message during the payload")
                 recv.result()
     except BaseException:
-        abort_endpoint(conn.endpoint)  # cancels the posted receives: nothing lands in `data` later
-        conn.endpoint = None
+        conn.drop_endpoint()  # cancels the posted receives: nothing lands in `data` later
         for fut in recvs:
             fut.cancel()
         raise
@@ -368,9 +387,11 @@ def import_direct(manager: CacheManager, pages: DirectPages, priority: int = DEF
     prio = check_priority(priority)
     tpb = manager.tokens_per_block
     with manager.locked():
-        manager._check_open()
+        manager.store.check_open()
         if pages.keys and int(pages.data.shape[1]) != manager.layout.page_bytes:
-            raise TransferError("import refused: page size differs from this manager's", reason="rejected")
+            raise TransferError(
+                "import refused: page size differs from this manager's", reason=TransferFailure.REJECTED
+            )
         tree = manager.tree
         seen: set[bytes] = set()
         n = 0
@@ -382,7 +403,7 @@ def import_direct(manager: CacheManager, pages: DirectPages, priority: int = DEF
             if ntok != tpb:
                 raise TransferError(
                     f"import refused: a block of {ntok} tokens (only full blocks are shared)",
-                    reason="rejected",
+                    reason=TransferFailure.REJECTED,
                 )
             seen.add(key)
             n += 1
@@ -440,7 +461,7 @@ def _write_top(manager: CacheManager, slots: list[Any], data: Any, rows: list[in
 
 
 async def pull_direct_into(
-    client: PageClient,
+    client: PullClient,
     peer: Peer,
     manager: CacheManager,
     keys: Sequence[bytes],

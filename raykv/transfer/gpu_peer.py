@@ -37,30 +37,32 @@ import secrets
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from raykv.core.errors import CudaError, TransferError
+import raykv.transfer.wire as wire
+from raykv.core.errors import CudaError, TransferError, TransferFailure
 from raykv.core.events import BlockStored, BlockTierChanged, CacheEvent
 from raykv.core.export_import import import_written
 from raykv.core.manager import CacheManager
-from raykv.core.pipelined_import import import_pipelined
 from raykv.core.radix import Block
-from raykv.core.records import BlockLease, BlockRecords
+from raykv.core.records import BlockRecords
 from raykv.core.tiers import shm_directory
 from raykv.core.tiers.host import SHM_DIR, SHM_PREFIX
 from raykv.core.types import DEFAULT_PRIORITY, BlockKey, PageId, Priority, TierKind, check_priority
-from raykv.transfer import shm_read, wire
-from raykv.transfer.client import PageClient
 from raykv.transfer.config import Peer, pull_request
 from raykv.transfer.connection import ClientConn
-from raykv.transfer.importer import PullOutcome, importable_prefix, pull_into
+from raykv.transfer.gpu_read import LOCAL_PATH, copy_from, pull_local
+from raykv.transfer.importer import PullOutcome, importable_prefix, merge_outcomes, pull_into
 from raykv.transfer.landing import LeaseCheck, run_checked
+from raykv.transfer.path import TransferPath
 from raykv.transfer.peer_pools import PoolInfo
+from raykv.transfer.pull_client import PullClient
+from raykv.transfer.serving import PullRequest, ServerConn
 
 if TYPE_CHECKING:
-    from raykv.ipc import AttachedPool, PoolExporter
-    from raykv.transfer.server import PageServer
+    from raykv.ipc import PoolExporter
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +100,13 @@ class GpuPeerExport:
                     self.directory = GpuDirectory.acquire(self.manager)
             return self._exporter
 
-    async def serve(self, server: PageServer, conn: Any, rid: int, lease: BlockLease) -> None:
-        """Answer one ``gpu_peer`` pull (the caller holds and ends ``lease``)."""
-        if not self.available or conn.node != server.node_id:
+    async def serve(self, conn: ServerConn, pull: PullRequest) -> None:
+        """Answer one ``gpu_peer`` pull (the server holds and ends its lease)."""
+        rid, lease = pull.request_id, pull.lease
+        if not self.available or conn.node != conn.site.node_id:
             raise TransferError(
-                "the gpu_peer path needs a GPU tier and a peer on this node", reason="unavailable"
+                "the gpu_peer path needs a GPU tier and a peer on this node",
+                reason=TransferFailure.UNAVAILABLE,
             )
         run = []
         for block in lease.blocks:
@@ -129,11 +133,11 @@ class GpuPeerExport:
             "dir": directory.path if directory is not None else None,
             "dir_slots": directory.num_slots if directory is not None else 0,
         }
-        await server._send(conn, info)
-        await server._send(conn, server._header(rid, PATH, lease, slots, blocks=run))
-        await server._after_header(conn)
-        await server._await_done(conn, rid, None)
-        await server._send(conn, {"t": "ack", "id": rid})
+        await conn.send(info)
+        await conn.send_header(pull, PATH, slots, blocks=run)
+        await conn.after_header()
+        await conn.await_done(rid, None)
+        await conn.send({"t": "ack", "id": rid})
 
     def close(self) -> None:
         """Stop exporting (peers keep the mappings they have; their one-sided reads stop
@@ -159,10 +163,9 @@ class GpuDirectory:
         """The tier's directory, created on first use; :meth:`release` once per acquire."""
         with manager.locked():
             pool: Any = manager.top_pool
-            have: GpuDirectory | None = getattr(pool, "_gpu_directory", None)
+            have = _DIRECTORIES.get(pool)
             if have is None:
-                have = cls(manager)
-                pool._gpu_directory = have
+                have = _DIRECTORIES[pool] = cls(manager)
             have.refs += 1
             return have
 
@@ -171,7 +174,7 @@ class GpuDirectory:
         with self.manager.locked():
             self.refs -= 1
             if self.refs == 0:
-                self.pool._gpu_directory = None
+                _DIRECTORIES.pop(self.pool, None)
                 self.close()
 
     def __init__(self, manager: CacheManager) -> None:
@@ -229,6 +232,10 @@ class GpuDirectory:
             self._directory.close()
 
 
+_DIRECTORIES: weakref.WeakKeyDictionary[Any, GpuDirectory] = weakref.WeakKeyDictionary()
+"""Each GPU tier's directory while one is acquired (see :meth:`GpuDirectory.acquire`)."""
+
+
 def _fresh_directory(num_slots: int, page_bytes: int) -> shm_directory.ShmDirectory:
     base = SHM_DIR if os.path.isdir(SHM_DIR) else tempfile.gettempdir()
     name = f"{SHM_PREFIX}gpu-{os.getpid()}-{secrets.token_hex(6)}"
@@ -236,7 +243,7 @@ def _fresh_directory(num_slots: int, page_bytes: int) -> shm_directory.ShmDirect
 
 
 # ---- client -----------------------------------------------------------------------------------
-def usable(client: PageClient, conn: ClientConn, manager: CacheManager) -> bool:
+def usable(client: PullClient, conn: ClientConn, manager: CacheManager) -> bool:
     """Whether a pull over ``conn`` into ``manager`` can take the gpu_peer path."""
     return bool(
         client.config.use_gpu_peer
@@ -248,7 +255,7 @@ def usable(client: PageClient, conn: ClientConn, manager: CacheManager) -> bool:
 
 
 async def pull_gpu_peer_into(
-    client: PageClient,
+    client: PullClient,
     peer: Peer,
     manager: CacheManager,
     keys: Sequence[bytes],
@@ -269,23 +276,25 @@ async def pull_gpu_peer_into(
     start = time.perf_counter()
     if not checked:
         return PullOutcome((), (), (), (), PATH, 0, 0.0)
-    local = await _pull_local(client, endpoint, checked, manager, prio, start)
+    local = await pull_local(client, endpoint, checked, manager, prio, start)
     if local is not None and not local[1]:
         return local[0]
     rest = checked if local is None else local[1]
-    outcome = await client._guarded(endpoint, timeout_s, _pull_all(client, endpoint, rest, manager, prio))
+    outcome = await client.guard(endpoint, timeout_s, _pull_all(client, endpoint, rest, manager, prio))
     if local is not None:
         outcome = merge_outcomes([local[0], outcome], f"{LOCAL_PATH}+{PATH}")
     return dataclasses.replace(outcome, seconds=time.perf_counter() - start)
 
 
 async def _pull_all(
-    client: PageClient, peer: tuple[str, int], keys: list[BlockKey], manager: CacheManager, priority: Priority
+    client: PullClient, peer: tuple[str, int], keys: list[BlockKey], manager: CacheManager, priority: Priority
 ) -> PullOutcome:
-    conn = await client._checkout(peer)
+    conn = await client.checkout(peer)
     if not usable(client, conn, manager):
-        client._idle.setdefault(peer, []).append(conn)
-        raise TransferError("the gpu_peer path is not available to this peer", reason="unavailable")
+        client.checkin(peer, conn)
+        raise TransferError(
+            "the gpu_peer path is not available to this peer", reason=TransferFailure.UNAVAILABLE
+        )
     outcomes: list[PullOutcome] = []
     try:
         per_batch = max(1, min(conn.max_keys, conn.max_payload // max(1, conn.page_bytes)))
@@ -296,28 +305,25 @@ async def _pull_all(
     except BaseException:
         conn.close()
         raise
-    client._idle.setdefault(peer, []).append(conn)
+    client.checkin(peer, conn)
     return merge_outcomes(outcomes, PATH)
 
 
 async def _pull_batch(
-    client: PageClient, conn: ClientConn, keys: list[BlockKey], manager: CacheManager, priority: Priority
+    client: PullClient, conn: ClientConn, keys: list[BlockKey], manager: CacheManager, priority: Priority
 ) -> PullOutcome:
-    client._ids += 1
-    rid = client._ids
-    await client._send(
-        conn, {"t": "pull", "id": rid, "keys": list(keys), "path": PATH, "tag": 0, "ack": True}
-    )
+    rid = client.new_request()
+    await conn.send({"t": "pull", "id": rid, "keys": list(keys), "path": PATH, "tag": 0, "ack": True})
     limit = min(conn.max_payload, client.config.max_payload_bytes)
-    info = PoolInfo.from_msg(await wire.read_message(conn.reader, client.config.max_header_bytes), rid)
+    info = PoolInfo.from_msg(await conn.read(), rid)
     client.gpu_pools.known[conn.peer] = info
-    header = wire.Header.from_msg(
-        await wire.read_message(conn.reader, client.config.max_header_bytes), list[bytes](keys), limit
-    )
+    header = wire.Header.from_msg(await conn.read(), list[bytes](keys), limit)
     if header.request_id != rid or header.page_bytes != conn.page_bytes or header.path != PATH:
         raise wire.protocol_error("header does not answer this request")
     if header.page_bytes != manager.layout.page_bytes:
-        raise TransferError("import refused: page size differs from this manager's", reason="rejected")
+        raise TransferError(
+            "import refused: page size differs from this manager's", reason=TransferFailure.REJECTED
+        )
     pool: Any = manager.top_pool
     loop = asyncio.get_running_loop()
     source = client.gpu_pools.cached(info, pool.device.index)
@@ -329,13 +335,15 @@ async def _pull_batch(
             # falls back; closing the connection ends the owner's lease)
             client.gpu_pools.refused.add(conn.peer)
             log.warning("gpu_peer: cannot map the GPU tier of %s (%s); using other paths", conn.peer, exc)
-            raise TransferError(f"cannot map the peer's GPU tier: {exc}", reason="unavailable") from None
+            raise TransferError(
+                f"cannot map the peer's GPU tier: {exc}", reason=TransferFailure.UNAVAILABLE
+            ) from None
     slots = [int(s) for s in header.layout]
     if slots and max(slots) >= source.num_slots:
         raise wire.protocol_error("the peer named a slot outside its GPU tier")
     records = BlockRecords(header.keys, header.parents, header.roots, header.tokens)
     n = importable_prefix(manager, records)
-    check = LeaseCheck(loop, lambda: client._finish_shm(conn, header), client.config.timeout_s)
+    check = LeaseCheck(loop, lambda: conn.finish(header.request_id), client.config.timeout_s)
 
     def write(dst: list[PageId], new: list[int]) -> None:
         copy_from(source, [slots[i] for i in new], pool, dst)
@@ -344,12 +352,9 @@ async def _pull_batch(
         lambda confirm: import_written(manager, records.head(n), write, priority, confirm), check
     )
     if not check.done:  # nothing new to import: the lease still ends with done/ack
-        await client._finish_shm(conn, header)
+        await conn.finish(header.request_id)
     have = set(header.keys)
-    client.stats.pulls[PATH] += 1
-    client.stats.pages[PATH] += len(result.imported)
-    client.stats.bytes[PATH] += len(result.imported) * header.page_bytes
-    client.stats.last_path[f"{conn.peer[0]}:{conn.peer[1]}"] = PATH
+    client.count(PATH, conn.peer, len(result.imported), len(result.imported) * header.page_bytes)
     return PullOutcome(
         imported=result.imported,
         already_present=result.already_present,
@@ -361,203 +366,9 @@ async def _pull_batch(
     )
 
 
-# ---- one-sided: no request at all ----------------------------------------------------------------
-LOCAL_PATH = "gpu_read"
-PIPELINE_SHARES = (8, 8, 8, 7, 1)
-"""Chunk sizes of a pipelined import. The copies of every chunk that fits in free slots start
-before validation, in one batch (:func:`raykv.core.pipelined_import.import_pipelined`), so the GPU
-copies back to back while the chunks are staged and inserted; the small last one (8 of 256) keeps
-the insert that nothing overlaps short. On 2x H200, 256 x 2 MiB, medians of 60 pulls in one run:
-(8, 8, 8, 7, 1) 1.70 ms, (8, 8, 8, 5, 2, 1) 1.73 ms, (8, 8, 6, 4, 3, 2, 1) 1.67 ms: within the
-noise, so the fewer chunks stay."""
-PIPELINE_MIN_CHUNK = 8
-
-
-async def _pull_local(
-    client: PageClient,
-    peer: tuple[str, int],
-    keys: list[BlockKey],
-    manager: CacheManager,
-    priority: Priority,
-    start: float,
-) -> tuple[PullOutcome, list[BlockKey]] | None:
-    """Import ``keys`` straight from a same-node owner's mapped GPU tier when its slot directory
-    lists every one (after a first ``gpu_peer`` request to it): the outcome and the keys still to
-    ask the owner for (see :func:`_land_local`); None when it cannot (nothing imported then: the
-    caller asks the owner for every key)."""
-    plan = _local_plan(client, peer, keys, manager)
-    if plan is None:
-        return None
-    loop = asyncio.get_running_loop()
-    landed = await loop.run_in_executor(None, _land_local, manager, keys, *plan, priority, start)
-    if landed is not None:
-        client._count(LOCAL_PATH, peer, len(landed[0].imported), landed[0].nbytes)
-    return landed
-
-
-def pull_gpu_local(
-    client: PageClient,
-    peer: Peer,
-    manager: CacheManager,
-    keys: Sequence[bytes],
-    priority: int = DEFAULT_PRIORITY,
-) -> tuple[PullOutcome, list[BlockKey]] | None:
-    """The one-sided ``gpu_read`` import in the calling thread (no event loop, no request): the
-    outcome and the keys the owner must still serve (a chunk changed while it was copied; the
-    earlier chunks are imported), or None, with nothing imported, when the path cannot serve the
-    keys (not connected yet, a key not in the owner's directory, the first chunk changed). The
-    caller then uses :func:`pull_best` for the keys left. ValueError for malformed or duplicate
-    keys; import errors raise as for :func:`pull_gpu_peer_into`."""
-    checked, endpoint = pull_request(peer, keys)
-    prio = check_priority(priority)
-    start = time.perf_counter()
-    plan = _local_plan(client, endpoint, checked, manager) if checked else None
-    if plan is None:
-        return None
-    landed = _land_local(manager, checked, *plan, prio, start)
-    if landed is not None:
-        client._count(LOCAL_PATH, endpoint, len(landed[0].imported), landed[0].nbytes)
-    return landed
-
-
-def _local_plan(
-    client: PageClient, peer: tuple[str, int], keys: list[BlockKey], manager: CacheManager
-) -> tuple[shm_directory.Located, shm_read.DirectoryLookup, AttachedPool] | None:
-    """Where the owner's directory has every key, with the mapped pool to copy from; None when
-    the one-sided path cannot be used for these keys."""
-    info = client.gpu_pools.known.get(peer)
-    pool: Any = manager.top_pool
-    if (
-        info is None
-        or info.directory is None
-        or pool.kind is not TierKind.GPU
-        or not (client.config.use_gpu_peer and client.config.use_shm_read)
-    ):
-        return None
-    source = client.gpu_pools.cached(info, pool.device.index)
-    reader = client.gpu_pools.reader(info, manager.layout.page_bytes)
-    if source is None or reader is None:
-        return None
-    located = shm_read.locate(reader, keys)
-    if located is None or max(located.slots) >= source.num_slots:
-        return None
-    return located, reader, source
-
-
-def _land_local(
-    manager: CacheManager,
-    keys: list[BlockKey],
-    located: shm_directory.Located,
-    reader: shm_read.DirectoryLookup,
-    source: AttachedPool,
-    priority: Priority,
-    start: float,
-) -> tuple[PullOutcome, list[BlockKey]] | None:
-    """Copy and import the located pages in overlapping chunks (:func:`chunk_starts`); the
-    outcome (``seconds`` since ``start``) and the keys left for the owner to serve (a chunk's
-    slot changed while it was copied: that chunk and the later ones were not imported). None
-    when nothing was imported because the first chunk changed."""
-    records = BlockRecords(keys, located.parents, located.roots, located.tokens)  # parents: keys' bytes
-    n = importable_prefix(manager, records)
-    pool: Any = manager.top_pool
-
-    def write(batches: list[tuple[list[PageId], list[int]]]) -> list[Any]:
-        return start_copies(source, [(_pick(located.slots, new), dst) for dst, new in batches], pool)
-
-    def confirm(event: Any, first: int, end: int) -> None:
-        if event is not None:
-            event.synchronize()
-            pool.events.completed(event)
-        if not shm_read.unchanged(reader, located.part(first, end), keys[first:end]):
-            raise TransferError("a page changed while it was copied; not imported", reason="stale")
-
-    done = import_pipelined(manager, records.head(n), chunk_starts(n), write, confirm, priority)
-    if done.stopped is not None and not (
-        isinstance(done.stopped, TransferError) and getattr(done.stopped, "reason", "") == "stale"
-    ):
-        raise done.stopped
-    if done.settled == 0 and done.stopped is not None:
-        return None
-    outcome = PullOutcome(
-        imported=done.result.imported,
-        already_present=done.result.already_present,
-        missing=(),
-        dropped=tuple(keys[n:]) if done.stopped is None else (),
-        path=LOCAL_PATH,
-        nbytes=len(done.result.imported) * manager.layout.page_bytes,
-        seconds=time.perf_counter() - start,
-    )
-    return outcome, keys[done.settled :] if done.stopped is not None else []
-
-
-def _pick(slots: list[int], new: list[int]) -> list[int]:
-    """``[slots[i] for i in new]`` for ascending distinct ``new``: one slice when it is a run."""
-    if new and new[-1] - new[0] == len(new) - 1:
-        return slots[new[0] : new[-1] + 1]
-    return [slots[i] for i in new]
-
-
-def chunk_starts(count: int) -> list[int]:
-    """Where the chunks of a pipelined local import of ``count`` blocks start: sized by
-    :data:`PIPELINE_SHARES` (inserting a chunk overlaps copying the next; the last one's insert,
-    which nothing overlaps, should be short), none under :data:`PIPELINE_MIN_CHUNK` blocks (the
-    last one takes what is left); one chunk under 4 times that (each chunk costs a copy launch
-    and an event wait, more than a short copy it could hide)."""
-    total = sum(PIPELINE_SHARES)
-    starts, at = [0], 0
-    if count < 4 * PIPELINE_MIN_CHUNK:
-        return starts
-    for share in PIPELINE_SHARES[:-1]:
-        at += max(PIPELINE_MIN_CHUNK, count * share // total)
-        if at > count - PIPELINE_MIN_CHUNK:
-            break
-        starts.append(at)
-    return starts
-
-
-def start_copies(source: AttachedPool, batches: list[tuple[list[int], list[PageId]]], pool: Any) -> list[Any]:
-    """Start copying, for each ``(src, dst)`` batch, pages ``src`` of a mapped peer pool onto
-    pages ``dst`` of ``pool`` (a GpuPool), queued in order on the pool's copy stream after one
-    wait (:meth:`raykv.core.tiers.cuda_copy.CudaCopier.copy_many`): one event per batch (None for an
-    empty one), which becomes the pending event of that batch's ``dst``, so those slots are not
-    reused or read before their copy ends.
-
-    Each ``dst`` must come from ``pool.allocate`` (directly or through the manager), which ordered
-    the current stream after the slots' earlier copies; the copies wait for the current stream, so
-    they need no wait of their own for them."""
-    events = pool.copier.copy_many("d2d", source.base_address, pool.base_address, pool.page_bytes, batches)
-    for (_, dst), event in zip(batches, events):
-        if event is not None:
-            pool.events.set(dst, event)
-    return events
-
-
-def copy_from(source: AttachedPool, src: list[int], pool: Any, dst: list[PageId]) -> None:
-    """:func:`start_copies` of one batch that returns once the copy completed (the caller's lease
-    may end then)."""
-    (event,) = start_copies(source, [(src, dst)], pool)
-    if event is not None:
-        event.synchronize()
-
-
 # ---- both paths ---------------------------------------------------------------------------------
-def merge_outcomes(outcomes: Sequence[PullOutcome], path: str) -> PullOutcome:
-    """One outcome for consecutive pulls of one request (``missing``/``dropped`` of the last)."""
-    if len(outcomes) == 1:
-        return outcomes[0]
-    return PullOutcome(
-        imported=tuple(k for o in outcomes for k in o.imported),
-        already_present=tuple(k for o in outcomes for k in o.already_present),
-        missing=tuple(k for o in outcomes for k in o.missing),
-        dropped=tuple(k for o in outcomes for k in o.dropped),
-        path=path,
-        nbytes=sum(o.nbytes for o in outcomes),
-        seconds=sum(o.seconds for o in outcomes),
-    )
-
-
 async def pull_best(
-    client: PageClient,
+    client: PullClient,
     peer: Peer,
     manager: CacheManager,
     keys: Sequence[bytes],
@@ -573,7 +384,7 @@ async def pull_best(
         try:
             first = await pull_gpu_peer_into(client, peer, manager, keys)
         except TransferError as exc:
-            if getattr(exc, "reason", "") != "unavailable":
+            if exc.reason is not TransferFailure.UNAVAILABLE:
                 raise
     if first is None:
         return await pull_into(client, peer, manager, keys, prefer_shm, verify)
@@ -585,3 +396,31 @@ async def pull_best(
     second = await pull_into(client, peer, manager, rest, prefer_shm, verify)
     merged = merge_outcomes([first, second], f"{PATH}+{second.path}")
     return dataclasses.replace(merged, missing=second.missing, dropped=second.dropped)
+
+
+class GpuPeerPath(TransferPath):
+    """The ``gpu_peer`` path (see the module docstring): served by ``export`` (the owner's
+    :class:`GpuPeerExport`; None on a client, which only pulls)."""
+
+    name: ClassVar[str] = PATH
+
+    def __init__(self, export: GpuPeerExport | None = None) -> None:
+        self.export = export
+
+    async def serve(self, conn: ServerConn, pull: PullRequest) -> None:
+        """:meth:`GpuPeerExport.serve` (TransferError "unavailable" without an export)."""
+        if self.export is None:
+            raise TransferError("this server exports no GPU tier", reason=TransferFailure.UNAVAILABLE)
+        await self.export.serve(conn, pull)
+
+    async def pull_into(
+        self,
+        client: PullClient,
+        peer: Peer,
+        manager: CacheManager,
+        keys: Sequence[bytes],
+        timeout_s: float | None = None,
+        priority: int = DEFAULT_PRIORITY,
+    ) -> PullOutcome:
+        """:func:`pull_gpu_peer_into`."""
+        return await pull_gpu_peer_into(client, peer, manager, keys, timeout_s, priority)

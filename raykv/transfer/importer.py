@@ -12,7 +12,7 @@ problem.
 pages are copied once, from the peer's shared tier straight into this manager's top tier, and
 become visible only after the peer confirmed its lease lasted; over ``ucx`` they are copied once,
 from the buffer they were received (and verified) into: a payload of several chunks chunk by chunk
-as they arrive, the blocks inserted once all arrived verified (``_Lander.stream``, see
+as they arrive, the blocks inserted once all arrived verified (``Lander.stream``, see
 :mod:`raykv.transfer.landing`).
 """
 
@@ -27,13 +27,15 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from raykv.core.errors import ImportRejectedError, IntegrityError, TransferError
+from raykv.core.errors import ImportRejectedError, IntegrityError, TransferError, TransferFailure
 from raykv.core.export_import import import_written, rows_of
 from raykv.core.manager import CacheManager
 from raykv.core.records import BlockRecords, ImportResult
 from raykv.core.types import DEFAULT_PRIORITY, BlockKey, PageId
-from raykv.transfer.client import PageClient, Peer, PulledPages
+from raykv.transfer.config import Peer
 from raykv.transfer.landing import Arrivals
+from raykv.transfer.pull_client import PullClient
+from raykv.transfer.results import PulledPages
 
 
 @dataclass(frozen=True)
@@ -172,9 +174,11 @@ def _refusals(pulled: PulledPages, n: int) -> Iterator[None]:
     except IntegrityError as exc:
         index = getattr(exc, "index", None)
         bad = (pulled.keys[index],) if isinstance(index, int) and 0 <= index < n else ()
-        raise TransferError(f"import refused: {exc}", reason="integrity", bad_keys=bad) from None
+        raise TransferError(
+            f"import refused: {exc}", reason=TransferFailure.INTEGRITY, bad_keys=bad
+        ) from None
     except ImportRejectedError as exc:
-        raise TransferError(f"import refused: {exc}", reason="rejected") from None
+        raise TransferError(f"import refused: {exc}", reason=TransferFailure.REJECTED) from None
 
 
 def _outcome(pulled: PulledPages, result: ImportResult, n: int, start: float | None) -> PullOutcome:
@@ -191,7 +195,7 @@ def _outcome(pulled: PulledPages, result: ImportResult, n: int, start: float | N
     )
 
 
-class _Lander:
+class Lander:
     """The ``land`` of a pull into ``manager``: :func:`import_pulled`, its ``seconds`` counted
     from its creation (the pull and the import). ``quick``: it never blocks for long, so a small
     landing may run on the loop (:data:`raykv.transfer.landing.INLINE_LAND_BYTES`)."""
@@ -211,7 +215,7 @@ class _Lander:
 
 
 async def pull_into(
-    client: PageClient,
+    client: PullClient,
     peer: Peer,
     manager: CacheManager,
     keys: Sequence[bytes],
@@ -226,14 +230,29 @@ async def pull_into(
     A pull cancelled (or timed out) while its import is underway waits for the import to stop;
     only an import already past the peer's confirmation stands.
     """
-    return await client.pull_land(peer, keys, _Lander(manager), prefer_shm, verify=verify)
+    return await client.pull_land(peer, keys, Lander(manager), prefer_shm, verify=verify)
 
 
 def pull_into_local(
-    client: PageClient, peer: Peer, manager: CacheManager, keys: Sequence[bytes]
+    client: PullClient, peer: Peer, manager: CacheManager, keys: Sequence[bytes]
 ) -> PullOutcome | None:
     """:func:`pull_into` over a one-sided same-node read, in the calling thread (no event loop,
     no request: :mod:`raykv.transfer.shm_read`). None, with nothing imported, when that path
     cannot serve every key or a page changed meanwhile; the caller then uses :func:`pull_into`.
     Import errors raise as for :func:`pull_into`."""
-    return client.land_local(peer, keys, _Lander(manager))
+    return client.land_local(peer, keys, Lander(manager))
+
+
+def merge_outcomes(outcomes: Sequence[PullOutcome], path: str) -> PullOutcome:
+    """One outcome for consecutive pulls of one request (``missing``/``dropped`` of the last)."""
+    if len(outcomes) == 1:
+        return outcomes[0]
+    return PullOutcome(
+        imported=tuple(k for o in outcomes for k in o.imported),
+        already_present=tuple(k for o in outcomes for k in o.already_present),
+        missing=tuple(k for o in outcomes for k in o.missing),
+        dropped=tuple(k for o in outcomes for k in o.dropped),
+        path=path,
+        nbytes=sum(o.nbytes for o in outcomes),
+        seconds=sum(o.seconds for o in outcomes),
+    )

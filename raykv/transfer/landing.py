@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from raykv.core.errors import TransferError
+from raykv.core.errors import TransferError, TransferFailure
 from raykv.transfer.payload import usable_cores
 from raykv.transfer.results import PulledPages
 
@@ -77,7 +77,9 @@ class LeaseCheck:
 
     def _check(self) -> None:
         if self.cancelled:
-            raise TransferError("the pull was cancelled while its pages were imported", reason="cancelled")
+            raise TransferError(
+                "the pull was cancelled while its pages were imported", reason=TransferFailure.CANCELLED
+            )
 
     def cancel(self) -> None:
         """The pull was cancelled: make the next (or the pending) confirmation fail."""
@@ -141,7 +143,7 @@ class Arrivals:
                     raise _as_transfer_error(self.error)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TransferError("the payload did not arrive in time", reason="timeout")
+                    raise TransferError("the payload did not arrive in time", reason=TransferFailure.TIMEOUT)
                 self._cond.wait(left)
 
 
@@ -149,7 +151,7 @@ def _as_transfer_error(error: BaseException) -> TransferError:
     """A new error for the landing's thread (the loop raises ``error`` itself to the caller)."""
     if isinstance(error, TransferError):
         return TransferError(str(error), **error.__dict__)
-    return TransferError("the pull stopped before its pages arrived", reason="cancelled")
+    return TransferError("the pull stopped before its pages arrived", reason=TransferFailure.CANCELLED)
 
 
 INLINE_LAND_BYTES = 1 << 20

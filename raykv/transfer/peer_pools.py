@@ -7,8 +7,8 @@ import dataclasses
 import threading
 from typing import TYPE_CHECKING, Any
 
+import raykv.transfer.wire as wire
 from raykv.core.errors import StateError
-from raykv.transfer import wire
 
 if TYPE_CHECKING:
     from raykv.ipc import AttachedPool

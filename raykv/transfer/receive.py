@@ -12,9 +12,9 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from raykv.core.errors import TransferError
+import raykv.transfer.wire as wire
+from raykv.core.errors import TransferError, TransferFailure
 from raykv.core.records import page_checksum
-from raykv.transfer import wire
 from raykv.transfer.payload import split_counts
 from raykv.transfer.runtime import abort_endpoint, cancel_and_wait, map_rows, tag_recv
 from raykv.transfer.shm import ShmMapping
@@ -131,7 +131,7 @@ def compare(header: wire.Header, mine: list[int] | None, theirs: list[int]) -> l
     if bad:
         raise TransferError(
             f"{len(bad)} of {len(mine)} page(s) failed their checksum; nothing was imported",
-            reason="integrity",
+            reason=TransferFailure.INTEGRITY,
             bad_keys=tuple(bad),
         )
     return theirs
@@ -256,5 +256,5 @@ def _next_watch(
     if sums is None:
         return result, asyncio.ensure_future(conn.reader.read(1))
     if result == b"":
-        raise TransferError("the peer closed the connection mid-transfer", reason="closed")
+        raise TransferError("the peer closed the connection mid-transfer", reason=TransferFailure.CLOSED)
     raise wire.protocol_error("unexpected bytes from the peer during the payload")

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+import raykv.transfer.wire as wire
 from raykv.core.errors import InvalidArgumentError
 from raykv.core.records import BlockRecords, ExportedBlock, page_checksum
 from raykv.core.types import BlockKey
-from raykv.transfer import wire
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from raykv.core.errors import StateError, TransferError
+from raykv.core.errors import StateError, TransferError, TransferFailure
 from raykv.core.threads import copy_threads, pieces
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,9 @@ class TransferRuntime:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
-            raise TransferError(f"transfer did not finish within {timeout}s", reason="timeout") from None
+            raise TransferError(
+                f"transfer did not finish within {timeout}s", reason=TransferFailure.TIMEOUT
+            ) from None
 
 
 _runtime: TransferRuntime | None = None
@@ -217,7 +219,7 @@ def ucx_context(device_memory: bool = False) -> Any:
     try:
         import ucxx
     except ImportError as exc:
-        raise TransferError(f"UCX transfers need ucxx ({exc})", reason="unavailable") from None
+        raise TransferError(f"UCX transfers need ucxx ({exc})", reason=TransferFailure.UNAVAILABLE) from None
     ctx = ucxx.core._get_ctx()
     transports = active_transports(ctx.ucp_context_info)
     if not _ucx_ready:
@@ -288,11 +290,13 @@ def as_transfer_error(exc: Exception) -> TransferError:
     if isinstance(exc, TransferError):
         return exc
     if isinstance(exc, TimeoutError):
-        return TransferError("timed out", reason="timeout")
+        return TransferError("timed out", reason=TransferFailure.TIMEOUT)
     if isinstance(exc, (OSError, ConnectionError)):
-        return TransferError(f"connection failed ({type(exc).__name__})", reason="closed")
+        return TransferError(f"connection failed ({type(exc).__name__})", reason=TransferFailure.CLOSED)
     if type(exc).__module__.startswith("ucxx"):
-        return TransferError(f"UCX transfer failed ({type(exc).__name__}: {str(exc)[:200]})", reason="ucx")
+        return TransferError(
+            f"UCX transfer failed ({type(exc).__name__}: {str(exc)[:200]})", reason=TransferFailure.UCX
+        )
     raise exc
 
 

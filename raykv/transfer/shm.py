@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from raykv.core.errors import TransferError
+from raykv.core.errors import TransferError, TransferFailure
 from raykv.core.tiers.base import copy_rows, is_run
 from raykv.core.tiers.host import SHM_PREFIX
 
@@ -35,20 +35,24 @@ class ShmMapping:
 
     def __init__(self, path: str, num_slots: int, page_bytes: int) -> None:
         if not os.path.basename(path).startswith(SHM_PREFIX):
-            raise TransferError("shared tier path is not a raykv host-tier file", reason="shm")
+            raise TransferError("shared tier path is not a raykv host-tier file", reason=TransferFailure.SHM)
         size = num_slots * page_bytes
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
             message = f"cannot open the peer's shared tier ({exc.strerror})"
-            raise TransferError(message, reason="shm") from None
+            raise TransferError(message, reason=TransferFailure.SHM) from None
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size != size:
-                raise TransferError("the peer's shared tier has an unexpected size", reason="shm")
+                raise TransferError(
+                    "the peer's shared tier has an unexpected size", reason=TransferFailure.SHM
+                )
             self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         except OSError as exc:
-            raise TransferError(f"cannot map the peer's shared tier ({exc.strerror})", reason="shm") from None
+            raise TransferError(
+                f"cannot map the peer's shared tier ({exc.strerror})", reason=TransferFailure.SHM
+            ) from None
         finally:
             os.close(fd)
         self.path = path
@@ -56,10 +60,17 @@ class ShmMapping:
             num_slots, page_bytes
         )
 
+    @property
+    def buffer(self) -> mmap.mmap:
+        """The mapping itself (for readers that take a buffer; valid until :meth:`close`)."""
+        return self._mmap
+
     def check(self, slots: Sequence[int]) -> None:
         """TransferError unless every slot is one of the mapped tier's."""
         if len(slots) and not (min(slots) >= 0 and max(slots) < len(self.array)):
-            raise TransferError("the peer named a slot outside its shared tier", reason="protocol")
+            raise TransferError(
+                "the peer named a slot outside its shared tier", reason=TransferFailure.PROTOCOL
+            )
 
     def copy(self, slots: Sequence[int], out: npt.NDArray[np.uint8]) -> None:
         """Copy the pages at ``slots`` into the rows of ``out`` (TransferError on a bad slot)."""

@@ -26,18 +26,19 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from time import perf_counter
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+import raykv.transfer.wire as wire
 from raykv import native
-from raykv.core.errors import StateError, TransferError
+from raykv.core.errors import StateError, TransferError, TransferFailure
 from raykv.core.threads import run_rows
 from raykv.core.tiers import shm_directory
 from raykv.core.types import BlockKey
-from raykv.transfer import wire
 from raykv.transfer.landing import Land, LeaseCheck, run_land
+from raykv.transfer.path import TransferPath
 from raykv.transfer.results import PulledPages, check_out
 from raykv.transfer.shm import ShmMapping, copy_rows
 
@@ -104,10 +105,12 @@ class LocalPeer:
             self.directory = shm_directory.DirectoryReader(info.path, info.num_slots, info.page_bytes)
         except (OSError, StateError) as exc:
             self.mapping.close()
-            raise TransferError(f"cannot map the peer's tier directory ({exc})", reason="shm") from None
+            raise TransferError(
+                f"cannot map the peer's tier directory ({exc})", reason=TransferFailure.SHM
+            ) from None
         # the mmaps themselves: releasing the views (close) then never meets a live export
         self.compiled = compiled_reader(
-            self.directory._mmap, self.mapping._mmap, info.num_slots, info.page_bytes
+            self.directory.buffer, self.mapping.buffer, info.num_slots, info.page_bytes
         )
         self.tally = tally_python if self.compiled is None else _shmread.tally  # type: ignore[union-attr]
 
@@ -184,7 +187,7 @@ def _viewed(
 
 def _raise_unless_stale(exc: TransferError) -> None:
     """Raise ``exc`` unless the landing found a page changed (reason "stale")."""
-    if getattr(exc, "reason", "") != "stale":
+    if exc.reason is not TransferFailure.STALE:
         raise exc
 
 
@@ -267,7 +270,7 @@ class DirectoryLookup:
 
     def __init__(self, tier_path: str, num_slots: int, page_bytes: int) -> None:
         self.directory = shm_directory.DirectoryReader(tier_path, num_slots, page_bytes)
-        self.compiled = compiled_reader(self.directory._mmap, None, num_slots, page_bytes)
+        self.compiled = compiled_reader(self.directory.buffer, None, num_slots, page_bytes)
 
     def close(self) -> None:
         if self.compiled is not None:
@@ -338,4 +341,16 @@ class StableCheck(LeaseCheck):
     def __call__(self) -> None:
         self._check()
         if not unchanged(self._peer, self._located, self._keys):
-            raise TransferError("a page changed while it was read; nothing imported", reason="stale")
+            raise TransferError(
+                "a page changed while it was read; nothing imported", reason=TransferFailure.STALE
+            )
+
+
+class ShmReadPath(TransferPath):
+    """The ``shm_read`` path: one-sided, never asked of a server. Its client side is this module's
+    :func:`register` (on connecting), :func:`read` and :func:`land_on`/:func:`land_on_loop`,
+    called by :class:`raykv.transfer.client.PageClient` before it asks the peer (module functions:
+    a small read costs a few microseconds, so no call goes through an object)."""
+
+    name: ClassVar[str] = PATH
+    one_sided: ClassVar[bool] = True

@@ -57,7 +57,7 @@ from typing import Any
 
 import msgpack
 
-from raykv.core.errors import TransferError
+from raykv.core.errors import TransferError, TransferFailure
 
 VERSION = 4  # 3: ucx pulls may post their first receive with the request (``posted``); 4: ``split``
 PATHS = ("shm", "ucx", "direct", "gpu_peer")
@@ -65,14 +65,16 @@ _LEN = struct.Struct(">I")
 
 
 def protocol_error(message: str) -> TransferError:
-    return TransferError(message, reason="protocol")
+    return TransferError(message, reason=TransferFailure.PROTOCOL)
 
 
 def encode(msg: dict[str, Any], max_bytes: int) -> bytes:
     """Frame one message; ValueError-free: raises TransferError if it exceeds ``max_bytes``."""
     body: bytes = msgpack.packb(msg, use_bin_type=True)
     if len(body) > max_bytes:
-        raise TransferError(f"control message of {len(body)} bytes exceeds {max_bytes}", reason="limit")
+        raise TransferError(
+            f"control message of {len(body)} bytes exceeds {max_bytes}", reason=TransferFailure.LIMIT
+        )
     return _LEN.pack(len(body)) + body
 
 
@@ -96,15 +98,17 @@ async def read_message(reader: asyncio.StreamReader, max_bytes: int) -> dict[str
             raise protocol_error(f"control message of {length} bytes exceeds the {max_bytes}-byte limit")
         body = await reader.readexactly(length)
     except (asyncio.IncompleteReadError, ConnectionError) as exc:
-        raise TransferError(f"connection closed by peer ({type(exc).__name__})", reason="closed") from None
+        raise TransferError(
+            f"connection closed by peer ({type(exc).__name__})", reason=TransferFailure.CLOSED
+        ) from None
     return decode(body)
 
 
 def expect_type(msg: dict[str, Any], kind: str) -> dict[str, Any]:
     """``msg`` if its type is ``kind``; a peer ``error`` message becomes a TransferError."""
     if msg["t"] == "error":
-        reason = msg.get("reason") if isinstance(msg.get("reason"), str) else "peer"
         text = msg.get("message") if isinstance(msg.get("message"), str) else "peer error"
+        reason = TransferFailure.from_peer(msg.get("reason"))
         raise TransferError(f"peer refused: {str(text)[:200]}", reason=reason)
     if msg["t"] != kind:
         raise protocol_error(f"expected a {kind!r} message, got {str(msg['t'])[:20]!r}")
@@ -138,7 +142,9 @@ def key_list(msg: dict[str, Any], name: str, max_keys: int) -> list[bytes]:
     """A list of at most ``max_keys`` 32-byte keys."""
     values = field(msg, name, list)
     if len(values) > max_keys:
-        raise TransferError(f"{len(values)} keys exceed the limit of {max_keys}", reason="limit")
+        raise TransferError(
+            f"{len(values)} keys exceed the limit of {max_keys}", reason=TransferFailure.LIMIT
+        )
     if not all(type(v) is bytes and len(v) == 32 for v in values):
         raise protocol_error(f"field {name!r} must hold 32-byte keys")
     return values
@@ -209,7 +215,9 @@ class Header:
         _check_subsequence(keys, requested)
         n = len(keys)
         if n * page > max_payload:
-            raise TransferError(f"payload of {n * page} bytes exceeds {max_payload}", reason="limit")
+            raise TransferError(
+                f"payload of {n * page} bytes exceeds {max_payload}", reason=TransferFailure.LIMIT
+            )
         parents = key_list(msg, "parents", n)
         if len(parents) != n:
             raise protocol_error("header lists a parent per key")

@@ -241,7 +241,7 @@ def test_gpu_read_stale_later_chunk_keeps_the_earlier_ones(
     changed during its copy (simulated), the chunks before it stay imported and the owner is asked
     for the rest: every key arrives, every byte matches, no lease or page is left over."""
     from raykv.transfer import shm_read
-    from raykv.transfer.gpu_peer import chunk_starts
+    from raykv.transfer.gpu_read import chunk_starts
 
     peer = remote.peers["staged"]
     remote.mgr.clear_reusable()

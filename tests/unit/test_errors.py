@@ -25,6 +25,7 @@ from raykv.core.errors import (
     RoleNotFoundError,
     StateError,
     TransferError,
+    TransferFailure,
 )
 
 ALL_ERROR_CLASSES = sorted(
@@ -83,9 +84,9 @@ SAMPLES: dict[type, tuple[RayKVError, str, dict]] = {
     ),
     IntegrityError: (IntegrityError("checksum mismatch", index=4), "checksum mismatch", {"index": 4}),
     TransferError: (
-        TransferError("peer closed the connection", peer="10.0.0.1:1234"),
+        TransferError("peer closed the connection", reason=TransferFailure.CLOSED, peer="10.0.0.1:1234"),
         "peer closed the connection",
-        {"peer": "10.0.0.1:1234"},
+        {"reason": TransferFailure.CLOSED, "peer": "10.0.0.1:1234"},
     ),
     CudaError: (
         CudaError("cudaMemcpyAsync failed", cuda_error="cudaErrorIllegalAddress"),
@@ -217,3 +218,36 @@ def test_key_errors_str_is_plain_message():
         raise err
     except KeyError as caught:
         assert str(caught) == "layout has no layer 7"
+
+
+@pytest.mark.parametrize("reason", list(TransferFailure), ids=lambda r: r.value)
+def test_every_transfer_failure_makes_an_error_that_pickles(reason):
+    err = TransferError(f"failed: {reason}", reason=reason, bad_keys=(b"k" * 32,))
+    assert err.reason is reason and err.reason == reason.value and f"{err.reason}" == reason.value
+    for proto in range(pickle.HIGHEST_PROTOCOL + 1):
+        back = pickle.loads(pickle.dumps(err, protocol=proto))
+        assert type(back) is TransferError and back == err
+        assert back.reason is reason and back.bad_keys == (b"k" * 32,)
+
+
+def test_transfer_error_needs_an_enum_reason():
+    with pytest.raises(TypeError):
+        TransferError("no reason")  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        TransferError("a plain string", reason="timeout")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        TransferError("None", reason=None)  # type: ignore[arg-type]
+
+
+def test_transfer_failure_values_are_unique_and_documented():
+    values = [r.value for r in TransferFailure]
+    assert len(set(values)) == len(values)
+    doc = TransferFailure.__doc__ or ""
+    for value in values:
+        assert f"``{value}``:" in doc, value
+
+
+def test_a_peer_reason_maps_onto_the_enum():
+    assert TransferFailure.from_peer("limit") is TransferFailure.LIMIT
+    for other in ("nonsense", None, 3, b"limit"):
+        assert TransferFailure.from_peer(other) is TransferFailure.REFUSED

@@ -16,6 +16,7 @@ from import_support import chain, toks
 
 import raykv.core.pipelined_import as tb
 from raykv import ImportRejectedError, TransferError
+from raykv.core.errors import TransferFailure
 from raykv.core.pipelined_import import import_pipelined
 from raykv.core.records import BlockRecords
 
@@ -46,7 +47,7 @@ class Copier:
         if self.during is not None:
             self.during(len(self.confirmed) - 1)
         if self.fail_at is not None and len(self.confirmed) - 1 == self.fail_at:
-            raise TransferError("source changed", reason="stale")
+            raise TransferError("source changed", reason=TransferFailure.STALE)
 
 
 def test_all_chunks_imported_in_order(make_manager, oracle, run_request):
@@ -273,7 +274,7 @@ def test_chain_scan_agrees_with_the_full_scan(make_manager, run_request, monkeyp
 def test_gpu_read_chunks_cover_the_records_with_a_short_last_chunk(count: int) -> None:
     """gpu_read's chunks: ascending from 0, none shorter than the minimum, one chunk when the
     records are few, and for 256 a last chunk of 8 (its insert is the one nothing overlaps)."""
-    from raykv.transfer.gpu_peer import PIPELINE_MIN_CHUNK, chunk_starts
+    from raykv.transfer.gpu_read import PIPELINE_MIN_CHUNK, chunk_starts
 
     starts = chunk_starts(count)
     sizes = [b - a for a, b in zip(starts, [*starts[1:], count])]

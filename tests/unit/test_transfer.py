@@ -227,7 +227,7 @@ def test_concurrent_pulls_from_two_peers_with_backpressure(
         for pulled, keys in zip(results, [keys_one[:4], keys_one[4:], keys_two[:4], keys_two[4:], keys_one]):
             check_pages(oracle, pulled, keys)
         assert one.server.peak_inflight_bytes <= 4 * page and two.server.peak_inflight_bytes <= 4 * page
-        assert b._budget is not None and b._budget.peak <= 4 * page
+        assert 0 < b.peak_inflight_bytes <= 4 * page
         c.close()
     finally:
         client.close()
@@ -373,10 +373,10 @@ def test_server_survives_oversized_and_malformed_requests(
     with pytest.raises(TransferError) as info:  # more keys than the server allows in one request
         bad = PageClient(pair.token, CFG.replace(max_keys=8, use_shm_read=False))
         try:
-            bad.runtime.run(bad._checkout(pair.server.address.endpoint), 10)  # type: ignore[union-attr]
-            conn = bad.runtime.run(bad._checkout(pair.server.address.endpoint), 10)  # type: ignore[union-attr]
+            bad.runtime.run(bad.checkout(pair.server.address.endpoint), 10)  # type: ignore[union-attr]
+            conn = bad.runtime.run(bad.checkout(pair.server.address.endpoint), 10)  # type: ignore[union-attr]
             conn.max_keys = 8  # pretend the server allowed 8
-            bad._idle[conn.peer] = [conn]
+            bad.checkin(conn.peer, conn)
             bad.pull_sync(pair.server.address, keys)  # type: ignore[arg-type]
         finally:
             bad.close()
@@ -445,7 +445,7 @@ def test_bench_rows_come_from_a_peer_process() -> None:
 def test_server_sees_a_peer_gone_by_eof_reset_or_closing_transport() -> None:
     """A reset while the server wrote leaves its reader an exception, not EOF: a stalled pull must
     still notice the peer is gone and end its lease (this once kept a lease for 30 s)."""
-    from raykv.transfer.server import _Conn, _peer_gone
+    from raykv.transfer.serving import ServerConn
 
     class Writer:
         def __init__(self, closing: bool) -> None:
@@ -462,8 +462,8 @@ def test_server_sees_a_peer_gone_by_eof_reset_or_closing_transport() -> None:
                 reader.feed_eof()
             elif what == "reset":
                 reader.set_exception(ConnectionResetError())
-            conn = _Conn(reader, Writer(what == "closing"), "peer")  # type: ignore[arg-type]
-            out.append(_peer_gone(conn))
+            conn = ServerConn(reader, Writer(what == "closing"), "peer", None)  # type: ignore[arg-type]
+            out.append(conn.peer_gone())
         return out
 
     assert get_runtime().run(states(), 5) == [False, True, True, True]

@@ -20,8 +20,7 @@ from raykv.transfer import (
     pull_gpu_peer_into,
     wire,
 )
-from raykv.transfer.gpu_peer import merge_outcomes
-from raykv.transfer.importer import PullOutcome
+from raykv.transfer.importer import PullOutcome, merge_outcomes
 from raykv.transfer.peer_pools import PoolInfo
 
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
@@ -38,8 +37,8 @@ def test_host_only_server_does_not_offer_the_path(pair: Pair) -> None:
     assert not pair.server.gpu_peer.available
 
     async def welcome() -> bool:
-        conn = await pair.client._checkout(pair.server.address.endpoint)  # type: ignore[union-attr]
-        pair.client._idle.setdefault(conn.peer, []).append(conn)
+        conn = await pair.client.checkout(pair.server.address.endpoint)  # type: ignore[union-attr]
+        pair.client.checkin(conn.peer, conn)
         return conn.gpu
 
     assert run(welcome()) is False
@@ -73,9 +72,9 @@ def test_server_refuses_a_gpu_peer_request_it_cannot_serve(pair: Pair, oracle: C
     keys = commit(pair.src, oracle, seq(3, 3))
 
     async def ask() -> None:
-        conn = await pair.client._checkout(pair.server.address.endpoint)  # type: ignore[union-attr]
+        conn = await pair.client.checkout(pair.server.address.endpoint)  # type: ignore[union-attr]
         try:
-            await pair.client._send(conn, {"t": "pull", "id": 1, "keys": keys, "path": "gpu_peer", "tag": 0})
+            await conn.send({"t": "pull", "id": 1, "keys": keys, "path": "gpu_peer", "tag": 0})
             wire.expect_type(await wire.read_message(conn.reader, 1 << 20), "gpu_pool")
         finally:
             conn.close()

@@ -18,7 +18,7 @@ from transfer_support import Pair, commit, host_pair, run, seq
 
 from raykv import KVLayout, TransferError
 from raykv.transfer import PageClient, TransferConfig, landing, pull_into
-from raykv.transfer.importer import _Lander, import_pulled
+from raykv.transfer.importer import Lander, import_pulled
 
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
 
@@ -43,7 +43,7 @@ def test_shm_pull_carries_checksums_only_when_asked(make_pair, oracle) -> None:
     assert plain.path == "shm" and plain.verified and plain.checksums == ()
     checked = pair.client.pull_sync(pair.server.address, keys, verify=True)
     assert checked.verified and len(checked.checksums) == 6
-    strict = PageClient(pair.server._token, CFG.replace(verify_shm=True))
+    strict = PageClient(pair.token, CFG.replace(verify_shm=True))
     try:
         assert len(strict.pull_sync(pair.server.address, keys).checksums) == 6
     finally:
@@ -173,7 +173,7 @@ def test_small_quick_ucx_landings_run_on_the_loop_the_rest_in_a_worker(
     pair = make_pair()
     where: list[str] = []
 
-    class Recorded(_Lander):
+    class Recorded(Lander):
         def __call__(self, pulled, confirm):
             where.append(threading.current_thread().name)
             return super().__call__(pulled, confirm)

@@ -16,7 +16,7 @@ import pytest
 from transfer_support import Pair, commit, host_pair, run, seq
 
 from raykv import ContentOracle, KVLayout, TransferError
-from raykv.core.errors import OutOfPagesError
+from raykv.core.errors import OutOfPagesError, TransferFailure
 from raykv.transfer import TransferConfig, landing, pull_into
 from raykv.transfer.landing import Arrivals
 
@@ -270,7 +270,7 @@ def test_arrivals_wake_waiters_in_order() -> None:
 def test_arrivals_failure_and_timeout_raise_transfer_errors() -> None:
     arrivals = Arrivals(4, timeout=5)
     thread, got = in_thread(lambda: arrivals.wait_rows(0))
-    error = TransferError("bad page", reason="integrity", bad_keys=(b"k",))
+    error = TransferError("bad page", reason=TransferFailure.INTEGRITY, bad_keys=(b"k",))
     arrivals.fail(error)
     thread.join(5)
     (raised,) = got

@@ -18,7 +18,7 @@ from raykv.transfer import AuthToken, TransferConfig, wire
 from raykv.transfer.auth import CLIENT_LABEL, SERVER_LABEL
 from raykv.transfer.payload import AUTO_SPLIT_CORES, chunk_counts, early_split, payload_counts, usable_cores
 from raykv.transfer.runtime import ByteBudget, active_transports, cancel_and_wait, transport_warnings
-from raykv.transfer.server import _split as server_split
+from raykv.transfer.server import split_field as server_split
 from raykv.transfer.shm import ShmMapping, consecutive, copy_rows
 
 KEY = bytes(range(32))

@@ -107,3 +107,18 @@ def test_cache_and_transfer_series_follow_the_stats(workers, layout: KVLayout) -
         assert rb.get("raykv_transfer_pulled_bytes", worker="b", path="ucx") == nbytes
         assert rb.named("raykv_transfer_failures") == {(("reason", "connect"), ("worker", "b")): 1}
         assert rb.get("raykv_bytes_in_use", worker="b", tier="host") == nbytes
+
+
+def test_failure_labels_are_exactly_the_enum_values() -> None:
+    from actors.metrics import REASON_LABELS, WorkerMetrics
+    from raykv.core.errors import TransferFailure
+
+    assert {r.value for r in TransferFailure} == REASON_LABELS
+    rec = Recorder()
+    metrics = WorkerMetrics("w", rec)
+    failures = {r.value: 1 for r in TransferFailure} | {"unknown": 5, "peer": 2}
+    transfer = {"client": {"failures": failures}, "server": {"errors": {"internal": 1, "bogus": 3}}}
+    metrics.update_transfer(transfer)
+    labels = {dict(tags)["reason"] for tags in rec.named("raykv_transfer_failures")}
+    assert labels == REASON_LABELS
+    assert {dict(tags)["reason"] for tags in rec.named("raykv_transfer_server_errors")} == {"internal"}

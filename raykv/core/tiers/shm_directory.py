@@ -501,6 +501,12 @@ class DirectoryReader(DirectoryView):
             raise StateError("the peer's tier directory does not match its tier")
         super().__init__(self._mmap, num_slots)
 
+    @property
+    def buffer(self) -> mmap.mmap:
+        """The read-only mapping of the owner's directory (what a compiled reader scans); valid
+        until :meth:`close`."""
+        return self._mmap
+
     def close(self) -> None:
         self.release()
         try:
