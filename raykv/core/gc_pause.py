@@ -2,7 +2,7 @@
 
 A pull's import builds a few hundred pages and blocks (and their lists and tuples) in a couple of
 milliseconds while a copy runs. Those allocations trigger the collector's young-generation passes
-in the middle of it (about 60 us a pull on a 2-core box, about a fifth of the import's Python), and
+in the middle of it (about a fifth of the import's Python time), and
 now and then a full pass (milliseconds). :func:`paused` holds collection off for the section, and
 :func:`collect_if_due` runs the young pass that has come due at a moment the section would wait
 anyway (a copy still running), so it neither interrupts the work nor lands right after it.

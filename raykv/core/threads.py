@@ -1,10 +1,10 @@
 """The copy threads: row-wise work (copies, checksums) of several MiB split over a few threads.
 
-One memcpy thread moves a fraction of what the memory can (on the 2-core box one copy of 128 MiB
-moves ~7.5 GB/s, two in parallel ~14.7 GB/s), and numpy copies and zlib/ISA-L checksums release
-the GIL, so large row ranges are cut into pieces of at least :data:`PIECE_BYTES`, one per thread.
-:func:`run_rows` is for a caller that may block; ``raykv.transfer.runtime.map_rows`` is its
-event-loop twin over the same threads.
+One memcpy thread moves a fraction of what the memory can (two copies in parallel move about
+twice what one does: docs/benchmarks.md, "Transfers: same node, host pages"), and numpy copies
+and zlib/ISA-L checksums release the GIL, so large row ranges are cut into pieces of at least
+:data:`PIECE_BYTES`, one per thread. :func:`run_rows` is for a caller that may block;
+``raykv.transfer.runtime.map_rows`` is its event-loop twin over the same threads.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ extension was built (optional; see :mod:`raykv.native`), else
 ``prefetch(keys)`` (no result; before a batch of stores).
 
 Why a compiled table: a route looks up ~100 keys; at a million keys each dict lookup is SipHash
-plus three dependent cache misses (~0.2 us here), and CPython runs them one after another. The
+plus three dependent cache misses (docs/benchmarks.md, "Index"), and CPython runs them one after another. The
 compiled table keeps each key's bytes next to its value, takes the slot from the digest's own bits
 and prefetches every slot of a batch before resolving any, so the misses overlap.
 

@@ -69,10 +69,11 @@ class TransferConfig:
     ``ucx_net_devices`` / ``ucx_tls``: UCX_NET_DEVICES / UCX_TLS for this process when UCX starts
     (None: leave UCX's default or the environment). ``ucx_progress``: ucxx's progress mode for this
     process when UCX starts (UCXPY_PROGRESS_MODE; None: the environment, else ucxx's "thread"):
-    "thread" (a UCX thread progresses and wakes the event loop per completion: ~0.3-0.45 ms per
-    small round trip on a 2-core host) or "blocking" (the event loop progresses UCX and polls while
-    a request is pending: ~31 us per round trip there and faster pulls, but a busy core during
-    transfers; not tried with CUDA transports). ``node_id``: see :func:`default_node_id`.
+    "thread" (a UCX thread progresses and wakes the event loop per completion: about ten times
+    slower small round trips than "blocking", docs/benchmarks.md "Transfers: ucx") or "blocking"
+    (the event loop progresses UCX and polls while a request is pending: faster round trips and
+    pulls, but a busy core during transfers; not tried with CUDA transports). ``node_id``: see
+    :func:`default_node_id`.
     ``use_shm``: allow the same-node shared-memory path. ``verify_shm``: check every page read
     over that path against a CRC-32 computed by the owner (off by default: the client copies the
     bytes straight out of the owner's memory while the owner holds a lease on them, so nothing

@@ -58,7 +58,7 @@ def early_split(num_pages: int, page_bytes: int, split_bytes: int | None, chunk_
 
     Payloads of 4 pages or more, of at least ``split_bytes`` and at most ``chunk_bytes``, are split
     three quarters, then a quarter. ``split_bytes`` None: :data:`AUTO_SPLIT_BYTES` when this
-    process may use :data:`AUTO_SPLIT_CORES` cores or more, else never (on a 2-core host both
+    process may use :data:`AUTO_SPLIT_CORES` cores or more, else never (with fewer cores both
     sides' kernel copies keep every core busy, and the extra message costs more than the overlap
     saves); 0: never."""
     if split_bytes is None:

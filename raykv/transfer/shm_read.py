@@ -218,8 +218,8 @@ def read(
 
 SPLIT_READ_BYTES = 8 << 20
 """A one-sided read of at least this many bytes runs step by step (:func:`_read_steps`), its copy
-in pieces over this thread and the copy threads (:func:`raykv.core.threads.run_rows`): on the
-2-core box one memcpy of 128 MiB moves ~7.5 GB/s and two in parallel ~14.7 GB/s. Smaller ones
+in pieces over this thread and the copy threads (:func:`raykv.core.threads.run_rows`): parallel
+copies move about twice what one does (docs/benchmarks.md, "Transfers: same node, host pages"). Smaller ones
 are one C call."""
 
 
