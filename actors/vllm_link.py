@@ -19,6 +19,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,17 +64,16 @@ class RayDeploymentLink:
         self.layout: KVLayout = self.cluster.config.layout
         self.timeout_s = float(extra.get("timeout_s", 10.0))
         self.use_index = bool(extra.get("use_index", True))
-        self.address: PeerAddress | None = ray.get(
-            self.handle.page_server_address.remote(), timeout=self.timeout_s
-        )
+        self.address: Any = ray.get(self.handle.page_server_address.remote(), timeout=self.timeout_s)
         if self.address is None:
             raise StateError(f"{self.worker} runs no page server")
         self._queue: queue.Queue[tuple[PeerAddress, list[bytes]] | None] = queue.Queue()
         self._done: collections.Counter[str] = collections.Counter()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._store_loop, daemon=True, name="raykv-vllm-stores")
+        self._lock: Any = threading.Lock()
+        self._thread: Any = threading.Thread(target=self._store_loop, daemon=True, name="raykv-vllm-stores")
         self._thread.start()
         self.counters: collections.Counter[str] = collections.Counter()
+        self._waits: dict[bytes, float] = {}
 
     def engine_link(self, staging_bytes: int, listen_host: str) -> EngineLink:
         assert self.address is not None
@@ -83,39 +83,73 @@ class RayDeploymentLink:
         token = self.cluster.spec.token
         return EngineLink(str(self.worker), self.address, node, token, staging_bytes, listen_host)
 
-    def lookup(self, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes], hint: Any) -> int:
+    def lookup(
+        self, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes], hint: Mapping[str, Any]
+    ) -> int | None:
         try:
-            held = self._held(tokens, scope)
-            if held < len(keys) and self.use_index:
-                held = self._bring(tokens, scope, keys, held, hint)
-            return held
+            held = self._held(self.handle, tokens, scope)
+            if held >= len(keys):
+                return held
+            source = self._source(tokens, scope, keys, held, hint)
+            if source is None:
+                return held
+            peer, most = source
+            if most <= held:
+                return None if most < 0 else held
+            return self._pull_from(peer, tokens, scope, keys[held:most])
         except Exception as exc:
             self.counters["lookup_errors"] += 1
             log.warning("raykv lookup on %s failed: %s", self.worker, exc)
             return 0
 
-    def _held(self, tokens: Sequence[int], scope: ReuseScope) -> int:
-        probe = self.handle.probe.remote(list(tokens), scope.lora_id, scope.salt)
+    def _held(self, handle: Any, tokens: Sequence[int], scope: ReuseScope) -> int:
+        probe = handle.probe.remote(list(tokens), scope.lora_id, scope.salt)
         return int(ray.get(probe, timeout=self.timeout_s).num_blocks)
 
-    def _bring(
-        self, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes], held: int, hint: Any
-    ) -> int:
-        """Pull the blocks another worker holds beyond ``held`` into the paired worker."""
+    def _source(
+        self,
+        tokens: Sequence[int],
+        scope: ReuseScope,
+        keys: Sequence[bytes],
+        held: int,
+        hint: Mapping[str, Any],
+    ) -> tuple[WorkerId, int] | None:
+        """The worker to pull from and how many leading blocks it holds (-1: the hinted worker
+        does not hold the hinted blocks yet, wait); None when no other worker holds more. The
+        hinted worker is asked directly (the index may credit blocks a routing decision only
+        predicted)."""
+        named = hint.get("worker")
+        if isinstance(named, str) and named != self.worker and WorkerId(named) in self.cluster.workers:
+            peer = WorkerId(named)
+            want = min(len(keys), int(hint.get("blocks", len(keys))))
+            have = self._held(self.cluster.workers[peer], tokens, scope)
+            if have < want and not self._waited_enough(keys[0]):
+                return peer, -1
+            self._waits.pop(keys[0], None)
+            return peer, have
+        if not self.use_index:
+            return None
         best, most = None, held
-        if isinstance(hint, Mapping) and hint.get("worker") and hint.get("worker") != self.worker:
-            best, most = WorkerId(str(hint["worker"])), len(keys)
-        else:
-            for worker, match in self.cluster.route_keys(list(keys)).items():
-                if worker != self.worker and match.blocks > most:
-                    best, most = worker, match.blocks
-        if best is None:
-            return held
-        pull = self.handle.pull.remote(str(best), list(keys[held:most]))
-        outcome = ray.get(pull, timeout=self.timeout_s)
+        for worker, match in self.cluster.route_keys(list(keys)).items():
+            if worker != self.worker and match.blocks > most:
+                best, most = worker, match.blocks
+        return None if best is None else (best, most)
+
+    def _waited_enough(self, first_key: bytes) -> bool:
+        """Whether the wait for a hinted prefix (named by its first key) has run out."""
+        since = self._waits.setdefault(first_key, time.monotonic())
+        if len(self._waits) > 10_000:
+            self._waits.pop(next(iter(self._waits)))
+        return time.monotonic() - since > self.timeout_s
+
+    def _pull_from(
+        self, peer: WorkerId, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes]
+    ) -> int:
+        """Have the paired worker pull ``keys`` from ``peer``; its count afterwards."""
+        outcome: Any = ray.get(self.handle.pull.remote(str(peer), list(keys)), timeout=self.timeout_s)
         self.counters["peer_pulls"] += 1
         self.counters["peer_pulled_blocks"] += len(outcome.imported)
-        return self._held(tokens, scope)
+        return self._held(self.handle, tokens, scope)
 
     def store(self, staging: PeerAddress, keys: Sequence[bytes]) -> None:
         self._queue.put((staging, list(keys)))
@@ -127,7 +161,7 @@ class RayDeploymentLink:
                 return
             staging, keys = item
             try:
-                outcome = ray.get(self.handle.pull.remote(staging, keys), timeout=self.timeout_s)
+                outcome: Any = ray.get(self.handle.pull.remote(staging, keys), timeout=self.timeout_s)
                 counts = {"stored_blocks": len(outcome.imported) + len(outcome.already_present)}
             except Exception as exc:
                 counts = {"store_errors": 1}
@@ -147,7 +181,8 @@ class RayDeploymentLink:
         self._queue.join()
 
     def drop_cached(self) -> int:
-        return int(ray.get(self.handle.clear.remote(), timeout=self.timeout_s))
+        dropped: Any = ray.get(self.handle.clear.remote(), timeout=self.timeout_s)
+        return int(dropped)
 
     def close(self) -> None:
         self._queue.put(None)

@@ -86,7 +86,7 @@ class _ConnectorImpl:
             self._scheduler.close()
 
     # ---- scheduler side --------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.lookup(request, num_computed_tokens), False
 

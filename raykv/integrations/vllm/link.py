@@ -33,10 +33,14 @@ class DeploymentLink(Protocol):
     def engine_link(self, staging_bytes: int, listen_host: str) -> EngineLink:
         """The worker side's :class:`EngineLink` (address, node id, token)."""
 
-    def lookup(self, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes], hint: Any) -> int:
+    def lookup(
+        self, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes], hint: Mapping[str, Any]
+    ) -> int | None:
         """How many leading blocks of ``keys`` (the full blocks of ``tokens`` in ``scope``) the
-        paired CacheWorker holds now, after bringing them from another worker when the index
-        (or ``hint``, a producer's ``kv_transfer_params``) says one holds more. 0 on any failure."""
+        paired CacheWorker holds now, after bringing them from another worker when the index, or
+        ``hint`` (a producer's ``kv_transfer_params["raykv"]``: ``worker``, ``blocks``), says one
+        holds more. None while the hinted worker holds fewer than ``blocks`` and the wait for them
+        has not timed out (the caller asks again). 0 on any failure."""
 
     def store(self, staging: PeerAddress, keys: Sequence[bytes]) -> None:
         """Have the paired CacheWorker pull ``keys`` from the engine's staging page server

@@ -85,6 +85,7 @@ class SchedulerSide:
         self.link = link
         self.loads, self.stores = loads, stores
         self.faults = dict(extra.get("faults") or {})
+        self.allow_request_faults = bool(extra.get("allow_request_faults", False))
         self._engine_link: EngineLink | None = None
         if link is not None:
             staging = int(extra.get("staging_bytes", 256 << 20))
@@ -93,9 +94,10 @@ class SchedulerSide:
         self.counters: collections.Counter[str] = collections.Counter()
 
     # ---- lookups ---------------------------------------------------------------------------------
-    def lookup(self, request: Any, num_computed_tokens: int) -> int:
+    def lookup(self, request: Any, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` the deployment can supply (a multiple of the
-        block size; 0 when it holds no more, or when disabled)."""
+        block size; 0 when it holds no more, or when disabled); None while a producer's blocks
+        named in the request's ``kv_transfer_params`` are still on their way (ask again)."""
         state = self._state(request)
         if self.link is None or not self.loads or not state.keys:
             return 0
@@ -103,15 +105,27 @@ class SchedulerSide:
         if usable <= num_computed_tokens // self.tpb:
             return 0
         tokens = state.prompt[: usable * self.tpb]
-        hint = (getattr(request, "kv_transfer_params", None) or {}).get(PARAMS_KEY)
-        state.hit = min(usable, self.link.lookup(tokens, state.scope, state.keys[:usable], hint))
+        params = (getattr(request, "kv_transfer_params", None) or {}).get(PARAMS_KEY) or {}
+        held = self.link.lookup(tokens, state.scope, state.keys[:usable], params)
+        if held is None:
+            return None
+        state.hit = min(usable, held)
         state.stored = max(state.stored, state.hit)
         state.counts["hit_blocks"] = state.hit
         self.counters["lookups"] += 1
         self.counters["hit_blocks"] += state.hit
-        if state.hit and self.faults.get("drop_after_lookup"):
-            self.counters["faults_dropped"] += self.link.drop_cached()
+        if state.hit and self._faults(params).get("drop_after_lookup"):
+            state.counts["fault_dropped_blocks"] += self.link.drop_cached()
         return max(0, state.hit * self.tpb - num_computed_tokens)
+
+    def _faults(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The configured faults, plus a request's own (``kv_transfer_params["raykv"]["faults"]``)
+        when the extra config sets ``allow_request_faults`` (never in production: any client
+        could then drop the cache)."""
+        faults = dict(self.faults)
+        if self.allow_request_faults and isinstance(params.get("faults"), Mapping):
+            faults.update(params["faults"])
+        return faults
 
     def _state(self, request: Any) -> _Request:
         state = self._requests.get(request.request_id)
@@ -185,12 +199,16 @@ class SchedulerSide:
             self.counters.update(self.link.poll())
 
     def finished(self, request: Any) -> dict[str, Any] | None:
-        """The request's results for its output's ``kv_transfer_params`` (None when unknown)."""
+        """The request's results for its output's ``kv_transfer_params`` (None when unknown):
+        its counters, the paired ``worker`` and ``blocks``, the prompt blocks the deployment holds
+        or was offered (a PD proxy passes these to the decode engine's request, whose lookup then
+        waits for those blocks on that worker and pulls them)."""
         state = self._requests.pop(request.request_id, None)
         if state is None or self.link is None:
             return None
         result: dict[str, Any] = {k: int(v) for k, v in state.counts.items()}
         result["worker"] = self.link.worker
+        result["blocks"] = state.stored
         return {PARAMS_KEY: result}
 
     def close(self) -> None:
