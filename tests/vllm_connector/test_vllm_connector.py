@@ -119,3 +119,13 @@ def test_no_deployment_one_warning_and_no_op(ray_address: str, caplog: pytest.Lo
     meta = side.build(out, lambda rid: list(range(7)))
     assert meta.link is None and meta.loads == [] and meta.stores == []
     assert side.finished(request) is None
+
+
+def test_generated_blocks_stored_for_the_next_turn(engine_a: Any, deployment: RayKVCluster) -> None:
+    tokens = prompt(61, 200)
+    first = generate(engine_a, tokens, max_tokens=40)  # KV of 239 tokens: 7 full blocks
+    assert first.raykv["offered_blocks"] == 7
+    turn = tokens + list(first.tokens) + prompt(62, 20)
+    wait_held(deployment, 0, turn, 7)
+    following = generate(engine_a, turn)
+    assert following.raykv["hit_blocks"] == following.raykv["loaded_blocks_ok"] == 7

@@ -37,12 +37,18 @@ Process topology (one engine, one CacheWorker on the same node):
 Extra config: ``namespace``, ``ray_address``, ``worker``, ``link`` (``"module:attr"`` of the
 deployment link factory, default ``actors.vllm_link:RayDeploymentLink``), ``use_index`` (pull a
 longer prefix from another worker, default True), ``staging_bytes`` (default 256 MiB),
-``listen_host`` (staging page server, default 127.0.0.1), ``timeout_s`` (per deployment call,
-default 10), ``faults`` (tests: ``{"drop_after_lookup": True}``).
+``listen_host`` (staging page server, default 127.0.0.1), ``store_generated`` (store blocks of
+generated tokens too, default True; see :mod:`~raykv.integrations.vllm.scheduler`),
+``timeout_s`` (per deployment call, default 10), ``faults`` (tests:
+``{"drop_after_lookup": True}``), ``allow_request_faults`` (tests: a request's own
+``kv_transfer_params["raykv"]["faults"]``).
 
 Results per request land in ``RequestOutput.kv_transfer_params["raykv"]``: ``hit_blocks``,
-``loaded_blocks``, ``loaded_blocks_ok``, ``load_errors``, ``offered_blocks``, ``staged_blocks``,
-``worker``.
+``loaded_blocks`` (planned), ``loaded_blocks_ok``, ``load_errors``, ``load_us`` (the load's wall
+time in the worker process: pull plus copy into the engine's blocks), ``path_<path>`` (how the
+pages came: ``shm_read``, ``shm``, ``ucx``), ``offered_blocks``, ``staged_blocks``, ``worker`` and
+``blocks`` (prompt blocks the deployment holds or was offered; a PD proxy hands these to the
+decode engine's request as ``kv_transfer_params``), ``fault_dropped_blocks``.
 """
 
 from __future__ import annotations

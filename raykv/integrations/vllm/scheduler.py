@@ -7,10 +7,12 @@ offered (``stored``). Each step it plans:
 
 - loads: after vLLM allocated blocks for an external hit, copy those blocks' pages in
   (``LoadOp``), once;
-- stores: every prompt block that becomes fully computed this step and that the deployment does
-  not hold yet (``StoreOp``). Only prompt blocks are stored: the KV of generated tokens comes
-  from one-token decode steps, whose last bits differ from a prefill of the same tokens, so a
-  later request reusing them would not be bit-exact.
+- stores: every block that becomes fully computed this step (prompt blocks, and with
+  ``store_generated``, the default, blocks of generated tokens too) and that the deployment does
+  not hold yet (``StoreOp``). Blocks of generated tokens hold KV from one-token decode steps,
+  whose last bits differ from a prefill of the same tokens on CPU: a later request reusing them
+  (a conversation's next turn) is exact up to those bits, as with vLLM's own prefix cache; set
+  ``store_generated`` False to store prompt blocks only.
 
 A lookup never counts the prompt's last token (vLLM must compute at least one token for its
 logits), so at most ``(len(prompt) - 1) // block_size`` blocks are loaded.
@@ -45,6 +47,7 @@ class _Request:
     stored: int = 0
     load: LoadOp | None = None
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
+    request: Any = None  # vLLM's Request (its all_token_ids, for generated blocks)
 
 
 def request_scope(request: Any) -> ReuseScope:
@@ -86,6 +89,7 @@ class SchedulerSide:
         self.loads, self.stores = loads, stores
         self.faults = dict(extra.get("faults") or {})
         self.allow_request_faults = bool(extra.get("allow_request_faults", False))
+        self.store_generated = bool(extra.get("store_generated", True))
         self._engine_link: EngineLink | None = None
         if link is not None:
             staging = int(extra.get("staging_bytes", 256 << 20))
@@ -134,7 +138,7 @@ class SchedulerSide:
             scope = request_scope(request)
             full = len(prompt) // self.tpb
             keys = [bytes(k) for k in block_keys(prompt[: full * self.tpb], self.tpb, scope)]
-            state = self._requests[request.request_id] = _Request(prompt, scope, keys)
+            state = self._requests[request.request_id] = _Request(prompt, scope, keys, request=request)
         return state
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
@@ -172,7 +176,10 @@ class SchedulerSide:
     def _store_op(
         self, req_id: str, state: _Request, computed: int, block_ids_of: Callable[[str], list[int]]
     ) -> StoreOp | None:
-        end = min(computed, len(state.prompt)) // self.tpb
+        tokens = state.prompt
+        if self.store_generated and computed > len(tokens) and state.request is not None:
+            tokens = tuple(state.request.all_token_ids[:computed])
+        end = min(computed, len(tokens)) // self.tpb
         if not self.stores or end <= state.stored:
             return None
         blocks = block_ids_of(req_id)
@@ -180,7 +187,7 @@ class SchedulerSide:
             return None
         first, state.stored = state.stored, end
         state.counts["offered_blocks"] += end - first
-        tokens = state.prompt[: end * self.tpb]
+        tokens = tokens[: end * self.tpb]
         scope = state.scope
         return StoreOp(req_id, tokens, scope.lora_id, scope.salt, tuple(blocks[:end]), first)
 

@@ -4,8 +4,9 @@ greedy request with its logprobs.
 
 Exactness: CPU kernels are not batch-invariant (a row's result depends on the row count), so the
 engines here prefill in chunks of one block (``max_num_batched_tokens = block_size``), run one
-request at a time, and use one torch thread each (:func:`pin_engine_threads`). A chunk then has the same shapes whether the blocks before it were computed
-or loaded, and generation over loaded blocks equals a full recompute bit for bit (as in
+request at a time, and use one torch thread each (:func:`pin_engine_threads`). A chunk then has
+the same shapes whether the blocks before it were computed or loaded, and generation over
+loaded blocks equals a full recompute bit for bit (as in
 :mod:`raykv.integrations.hf`).
 
 torch, transformers and vllm are imported inside functions only.
@@ -33,15 +34,16 @@ MODEL_FIELDS: dict[str, Any] = dict(
 )
 
 
-def save_tiny_llama(path: str, seed: int = 0) -> str:
-    """Write a random-weight LlamaForCausalLM (:data:`MODEL_FIELDS`, float32) to ``path``
-    (created) unless one is already there; returns ``path``. Same weights for a given seed."""
+def save_tiny_llama(path: str, seed: int = 0, **fields: Any) -> str:
+    """Write a random-weight LlamaForCausalLM (:data:`MODEL_FIELDS` updated with ``fields``,
+    float32) to ``path`` (created) unless one is already there; returns ``path``. Same weights
+    for a given seed and fields."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**MODEL_FIELDS, torch_dtype="float32")
+    config = LlamaConfig(**{**MODEL_FIELDS, **fields, "torch_dtype": "float32"})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).eval()
@@ -49,9 +51,10 @@ def save_tiny_llama(path: str, seed: int = 0) -> str:
     return path
 
 
-def tiny_layout(block_size: int = BLOCK_SIZE) -> KVLayout:
-    """The raykv page layout of :func:`save_tiny_llama`'s model (what the engine derives)."""
-    fields = MODEL_FIELDS
+def tiny_layout(block_size: int = BLOCK_SIZE, **changes: Any) -> KVLayout:
+    """The raykv page layout of :func:`save_tiny_llama`'s model with ``changes`` to its fields
+    (what the engine derives)."""
+    fields = {**MODEL_FIELDS, **changes}
     return KVLayout.uniform(
         fields["num_hidden_layers"], fields["num_key_value_heads"], fields["head_dim"], block_size, "float32"
     )
@@ -117,7 +120,7 @@ def connector_config(
     return KVTransferConfig(
         kv_connector="RaykvConnector",
         kv_connector_module_path="raykv.integrations.vllm",
-        kv_role=role,
+        kv_role=role,  # type: ignore[arg-type]
         kv_load_failure_policy="recompute",
         kv_connector_extra_config={
             "namespace": namespace,

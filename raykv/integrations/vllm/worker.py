@@ -20,6 +20,7 @@ every step's metadata; on first sight the worker side opens:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -80,7 +81,9 @@ class WorkerSide:
         if meta.link is not None:
             self._open(meta.link)
         for op in meta.loads:
+            start = time.perf_counter()
             loaded = self._load(op) if self.copier is not None and self.client is not None else 0
+            self._report.count(op.req_id, "load_us", int((time.perf_counter() - start) * 1e6))
             self._report.count(op.req_id, "loaded_blocks_ok", loaded)
             if loaded < len(op.keys):
                 self._failed.update(op.block_ids[loaded:])
