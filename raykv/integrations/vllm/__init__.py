@@ -48,7 +48,11 @@ Results per request land in ``RequestOutput.kv_transfer_params["raykv"]``: ``hit
 time in the worker process: pull plus copy into the engine's blocks), ``path_<path>`` (how the
 pages came: ``shm_read``, ``shm``, ``ucx``), ``offered_blocks``, ``staged_blocks``, ``worker`` and
 ``blocks`` (prompt blocks the deployment holds or was offered; a PD proxy hands these to the
-decode engine's request as ``kv_transfer_params``), ``fault_dropped_blocks``.
+decode engine's request as ``kv_transfer_params``), ``fault_dropped_blocks``. The worker side's
+figures of a step reach the scheduler after the requests finishing in that step are freed, so a
+request that ends in the step that loaded it (``max_tokens=1``) lacks ``loaded_blocks_ok``,
+``load_us`` and ``path_*``; vLLM's ``RequestOutput.num_cached_tokens`` still counts the loaded
+tokens.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ torch is imported inside functions only; this module never imports vllm or ray.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -109,7 +110,9 @@ class BlockCopier:
         """Per layer, the (k, v) regions of ``rows`` as ``[n, tokens, heads, head]`` tensors."""
         import torch
 
-        flat = torch.from_numpy(rows)
+        with warnings.catch_warnings():  # read-only rows (a peer's mapped tier) are only read
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(rows)
         out = []
         for k, v in self._regions:
             pair = []
@@ -120,34 +123,43 @@ class BlockCopier:
             out.append((pair[0], pair[1]))
         return out
 
-    def _check(self, rows: npt.NDArray[np.uint8], block_ids: Sequence[int]) -> Any:
-        import torch
-
+    def _check(self, rows: npt.NDArray[np.uint8], block_ids: Sequence[int]) -> None:
         if rows.ndim != 2 or rows.shape[1] != self.page_bytes or len(rows) < len(block_ids):
             raise InvalidArgumentError("rows", f"need {len(block_ids)} rows of {self.page_bytes} bytes")
         if any(not 0 <= b < self.num_blocks for b in block_ids):
             raise InvalidArgumentError("block_ids", f"block ids must be in 0..{self.num_blocks - 1}")
-        return torch.as_tensor(list(block_ids), dtype=torch.long)
 
     def save(self, block_ids: Sequence[int], rows: npt.NDArray[np.uint8]) -> None:
         """Write engine blocks ``block_ids`` into ``rows[:len(block_ids)]`` (writable uint8)."""
-        index = self._check(rows, block_ids)
-        if not len(index):
-            return
+        self._check(rows, block_ids)
         tpb = self.layout.tokens_per_block
-        for view, (k, v) in zip(self._views, self._page_views(rows[: len(index)])):
-            blocks = view.index_select(0, index)  # [n, heads, 2 * tpb, head]
-            k.copy_(blocks[:, :, :tpb].transpose(1, 2))
-            v.copy_(blocks[:, :, tpb:].transpose(1, 2))
+        pages = self._page_views(rows[: len(block_ids)])
+        for lo, hi, first in _runs(block_ids):
+            for view, (k, v) in zip(self._views, pages):
+                blocks = view[first : first + hi - lo]  # [n, heads, 2 * tpb, head]
+                k[lo:hi].copy_(blocks[:, :, :tpb].transpose(1, 2))
+                v[lo:hi].copy_(blocks[:, :, tpb:].transpose(1, 2))
 
     def load(self, rows: npt.NDArray[np.uint8], block_ids: Sequence[int]) -> None:
-        """Write ``rows[i]`` into engine block ``block_ids[i]`` for every i."""
-        index = self._check(rows, block_ids)
-        if not len(index):
-            return
+        """Write ``rows[i]`` into engine block ``block_ids[i]`` for every i: one strided copy per
+        layer, role and run of consecutive block ids (no intermediate buffer)."""
+        self._check(rows, block_ids)
         tpb = self.layout.tokens_per_block
-        for view, (k, v) in zip(self._views, self._page_views(rows[: len(index)])):
-            both = view.new_empty((len(index), view.shape[1], 2 * tpb, view.shape[3]))
-            both[:, :, :tpb] = k.transpose(1, 2)
-            both[:, :, tpb:] = v.transpose(1, 2)
-            view.index_copy_(0, index, both)
+        pages = self._page_views(rows[: len(block_ids)])
+        for lo, hi, first in _runs(block_ids):
+            for view, (k, v) in zip(self._views, pages):
+                blocks = view[first : first + hi - lo]
+                blocks[:, :, :tpb].copy_(k[lo:hi].transpose(1, 2))
+                blocks[:, :, tpb:].copy_(v[lo:hi].transpose(1, 2))
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(lo, hi, first)`` for each run of consecutive ids: ``block_ids[lo:hi]`` are ``first,
+    first + 1, ...``."""
+    runs: list[tuple[int, int, int]] = []
+    lo = 0
+    for i in range(1, len(block_ids) + 1):
+        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
+            runs.append((lo, i, int(block_ids[lo])))
+            lo = i
+    return runs

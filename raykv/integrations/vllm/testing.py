@@ -134,11 +134,13 @@ def connector_config(
 @dataclass(frozen=True)
 class Result:
     """One greedy request: generated tokens, per step the top logprobs ({token: logprob}),
-    and the connector's ``kv_transfer_params["raykv"]`` (empty without the connector)."""
+    the connector's ``kv_transfer_params["raykv"]`` (empty without the connector) and vLLM's
+    ``num_cached_tokens`` (prompt tokens not computed: its prefix cache plus connector loads)."""
 
     tokens: tuple[int, ...]
     logprobs: tuple[tuple[tuple[int, float], ...], ...]
     raykv: Mapping[str, Any]
+    cached_tokens: int = 0
 
 
 def generate(
@@ -162,7 +164,7 @@ def generate(
     done = out.outputs[0]
     steps = tuple(tuple(sorted((t, lp.logprob) for t, lp in step.items())) for step in done.logprobs or ())
     raykv = (out.kv_transfer_params or {}).get("raykv", {})
-    return Result(tuple(done.token_ids), steps, raykv)
+    return Result(tuple(done.token_ids), steps, raykv, int(out.num_cached_tokens or 0))
 
 
 def shutdown_engine(llm: Any) -> None:

@@ -91,11 +91,17 @@ class WorkerSide:
 
     def _load(self, op: LoadOp) -> int:
         """Load the leading pages of ``op`` that the CacheWorker still has; how many."""
-        assert self.client is not None and self.link is not None and self.copier is not None
+        assert self.client is not None and self.link is not None
+        keys = list(op.keys)
+        direct = self.client.land_local(
+            self.link.address, keys, lambda pulled, confirm: self._land(op, pulled, confirm)
+        )
+        if direct is not None:
+            return int(direct)
         try:
-            pulled = self.client.pull_sync(self.link.address, list(op.keys), out=self._buffer(len(op.keys)))
+            pulled = self.client.pull_sync(self.link.address, keys, out=self._buffer(len(keys)))
         except TransferError as exc:
-            log.warning("raykv: load of %d blocks failed (%s); vLLM recomputes them", len(op.keys), exc)
+            log.warning("raykv: load of %d blocks failed (%s); vLLM recomputes them", len(keys), exc)
             return 0
         row_of = {bytes(k): i for i, k in enumerate(pulled.keys)}
         rows = []
@@ -106,9 +112,20 @@ class WorkerSide:
         if rows:
             data = pulled.data
             picked = data[: len(rows)] if rows == list(range(len(rows))) else data[rows]
+            assert self.copier is not None
             self.copier.load(np.ascontiguousarray(picked), op.block_ids[: len(rows)])
             self._report.count(op.req_id, f"path_{pulled.path}", 1)
         return len(rows)
+
+    def _land(self, op: LoadOp, pulled: Any, confirm: Any) -> int:
+        """Copy one-sided rows (views of the CacheWorker's shared tier) straight into the
+        engine's blocks, then ``confirm`` they did not change meanwhile (else it raises and
+        :meth:`_load` pulls again, overwriting the blocks)."""
+        assert self.copier is not None
+        self.copier.load(pulled.data, op.block_ids)
+        confirm()
+        self._report.count(op.req_id, "path_shm_read", 1)
+        return len(op.block_ids)
 
     def take_failed(self) -> set[int]:
         """Engine block ids whose load failed since the last call."""
