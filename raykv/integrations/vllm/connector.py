@@ -38,7 +38,7 @@ class _ConnectorImpl:
 
         transfer = vllm_config.kv_transfer_config
         extra = dict(transfer.kv_connector_extra_config or {})
-        layout, names = engine_layout(kv_cache_config)
+        layout, names = engine_layout(kv_cache_config, str(extra.get("page_layout", "token_major")))
         self._scheduler = self._worker = None
         if role.name == "SCHEDULER":
             link = open_link(extra)

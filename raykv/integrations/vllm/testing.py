@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raykv import CacheConfig, KVLayout, TierConfig
+from raykv.integrations.vllm.layout import native_layout
 
 BLOCK_SIZE = 32
 MODEL_FIELDS: dict[str, Any] = dict(
@@ -51,11 +52,12 @@ def save_tiny_llama(path: str, seed: int = 0, **fields: Any) -> str:
     return path
 
 
-def tiny_layout(block_size: int = BLOCK_SIZE, **changes: Any) -> KVLayout:
+def tiny_layout(block_size: int = BLOCK_SIZE, page_layout: str = "token_major", **changes: Any) -> KVLayout:
     """The raykv page layout of :func:`save_tiny_llama`'s model with ``changes`` to its fields
-    (what the engine derives)."""
+    (what the engine derives for the connector's ``page_layout``)."""
     fields = {**MODEL_FIELDS, **changes}
-    return KVLayout.uniform(
+    build = native_layout if page_layout == "engine_native" else KVLayout.uniform
+    return build(
         fields["num_hidden_layers"], fields["num_key_value_heads"], fields["head_dim"], block_size, "float32"
     )
 
