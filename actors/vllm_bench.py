@@ -93,6 +93,7 @@ class _Run:
         self.ttft: dict[str, float] = {}
         self.load: list[tuple[int, float]] = []  # (bytes, seconds)
         self.errors: dict[str, str] = {}
+        self.paths: set[str] = set()
         self.deployment: Any = None
         self.address = ""
 
@@ -150,6 +151,7 @@ def _case_raykv(run: _Run) -> None:
         # worker side's report arrives: one more token for the load's own figures
         stats = testing.generate(llm, tokens, max_tokens=2).raykv
         run.load.append((stats["loaded_blocks_ok"] * page, stats["load_us"] / 1e6))
+        run.paths.update(k[len("path_") :] for k in stats if k.startswith("path_"))
 
     def same(llm: Any) -> None:
         run.timed(llm, tokens)  # computes and stores
@@ -248,6 +250,7 @@ def _rows(run: _Run) -> list[Row]:
                 nbytes / _memcpy_seconds(nbytes) / 1e9,
                 "GB/s",
                 0.5,
+                info=f"path {'+'.join(sorted(run.paths))}, pull + copy into the engine's blocks",
             )
         )
     return rows
