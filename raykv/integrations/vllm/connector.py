@@ -1,0 +1,126 @@
+"""RaykvConnector: the vLLM (0.32, V1) KV connector class, built on first use.
+
+vLLM loads it by name: ``KVTransferConfig(kv_connector="RaykvConnector",
+kv_connector_module_path="raykv.integrations.vllm", ...)``; the package's ``__getattr__`` calls
+:func:`connector_class`, which imports vllm and subclasses ``KVConnectorBase_V1`` (so importing
+raykv never imports vllm or torch). The scheduler-side instance delegates to
+:class:`~raykv.integrations.vllm.scheduler.SchedulerSide`, the worker-side one to
+:class:`~raykv.integrations.vllm.worker.WorkerSide`.
+
+Loads are synchronous (done in ``start_load_kv``, before the forward pass, so layers never
+wait); stores are staged in ``wait_for_save``, after the forward pass, and pulled by the
+CacheWorker asynchronously, so finished requests free their blocks at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from raykv.integrations.vllm.layout import engine_layout
+from raykv.integrations.vllm.link import open_link
+from raykv.integrations.vllm.plan import RaykvMetadata, WorkerReport
+from raykv.integrations.vllm.scheduler import SchedulerSide
+from raykv.integrations.vllm.worker import WorkerSide
+
+log = logging.getLogger(__name__)
+
+
+class _ConnectorImpl:
+    """The connector's behavior, mixed into the vLLM base class by :func:`connector_class`."""
+
+    _scheduler: SchedulerSide | None
+    _worker: WorkerSide | None
+
+    def _setup(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        from raykv import ConfigError
+
+        transfer = vllm_config.kv_transfer_config
+        extra = dict(transfer.kv_connector_extra_config or {})
+        layout, names = engine_layout(kv_cache_config, str(extra.get("page_layout", "token_major")))
+        self._scheduler = self._worker = None
+        if role.name == "SCHEDULER":
+            link = open_link(extra)
+            if link is not None and link.layout != layout:
+                link.close()
+                raise ConfigError(
+                    "layout", f"the deployment's pages ({link.layout}) do not fit the engine's ({layout})"
+                )
+            loads, stores = transfer.is_kv_consumer, transfer.is_kv_producer
+            self._scheduler = SchedulerSide(layout, link, loads, stores, extra)
+        else:
+            self._worker = WorkerSide(layout, names)
+
+    # ---- worker side -----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()  # type: ignore[attr-defined]
+        if self._worker is not None and isinstance(meta, RaykvMetadata):
+            self._worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads finish in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # stores run once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()  # type: ignore[attr-defined]
+        if self._worker is not None and isinstance(meta, RaykvMetadata):
+            self._worker.save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> Any:
+        return self._worker.take_report() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    # ---- scheduler side --------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.lookup(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request, list(blocks.get_block_ids()[0]), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> RaykvMetadata:
+        assert self._scheduler is not None
+        manager = self._kv_cache_manager  # type: ignore[attr-defined]
+        return self._scheduler.build(scheduler_output, lambda rid: list(manager.get_block_ids(rid)[0]))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            report = getattr(connector_output, "kv_connector_worker_meta", None)
+            self._scheduler.on_report(report if isinstance(report, WorkerReport) else None)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is None:
+            return False, None
+        return False, self._scheduler.finished(request)
+
+
+@functools.cache
+def connector_class() -> type:
+    """The ``RaykvConnector`` class (imports vllm; ImportError without it)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+    class RaykvConnector(_ConnectorImpl, KVConnectorBase_V1):  # type: ignore[misc, valid-type]
+        """raykv as vLLM's KV connector (see :mod:`raykv.integrations.vllm`)."""
+
+        def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+            super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+            self._setup(vllm_config, role, kv_cache_config)
+
+    RaykvConnector.__module__ = "raykv.integrations.vllm"
+    return RaykvConnector

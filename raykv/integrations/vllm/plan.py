@@ -1,0 +1,113 @@
+"""What the scheduler side tells the worker side each step, and what comes back (pure records).
+
+These cross vLLM's process boundary (EngineCore -> worker process in the connector metadata,
+worker -> EngineCore in the worker metadata), so they are plain picklable dataclasses.
+
+- :class:`EngineLink`: how the worker side reaches its CacheWorker's pages (page-server address,
+  node id, deployment token) and how big its staging tier is. Sent in every step's metadata.
+- :class:`LoadOp`: copy the pages of ``keys`` into engine blocks ``block_ids`` before the
+  forward pass (failures become vLLM load errors).
+- :class:`StoreOp`: after the forward pass, stage the KV of the request's blocks up to
+  ``end_block`` (tokens ``tokens``) and report the keys of blocks ``first_block ..`` for the
+  CacheWorker to pull.
+- :class:`WorkerReport`: the worker side's staged keys, its staging server's address and its
+  counters, folded over workers with :meth:`WorkerReport.aggregate`.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+from raykv import ReuseScope
+from raykv.transfer import PeerAddress
+
+
+@dataclass(frozen=True)
+class EngineLink:
+    """The worker side's view of the deployment: its CacheWorker's page server, the node id to
+    use (equal to the CacheWorker's when both run on one Ray node, which enables the
+    shared-memory paths), the deployment token, the staging tier's size and where the staging
+    page server binds."""
+
+    worker: str
+    address: PeerAddress
+    node_id: str
+    token: bytes = field(repr=False)
+    staging_bytes: int
+    listen_host: str = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class LoadOp:
+    """Load the pages of ``keys`` (a prompt's blocks ``first_block ..``) into ``block_ids``."""
+
+    req_id: str
+    first_block: int
+    keys: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StoreOp:
+    """Stage blocks ``0 .. end_block - 1`` of a request (``tokens`` are their tokens, ``block_ids``
+    the engine blocks holding them) and offer blocks ``first_block ..`` to the CacheWorker."""
+
+    req_id: str
+    tokens: tuple[int, ...]
+    lora_id: int | None
+    salt: int | None
+    block_ids: tuple[int, ...]
+    first_block: int
+
+    @property
+    def scope(self) -> ReuseScope:
+        return ReuseScope(self.lora_id, self.salt)
+
+    @property
+    def end_block(self) -> int:
+        return len(self.block_ids)
+
+
+@dataclass
+class RaykvMetadata:
+    """One step's instructions for the worker side (vLLM's KVConnectorMetadata)."""
+
+    link: EngineLink | None = None
+    loads: list[LoadOp] = field(default_factory=list)
+    stores: list[StoreOp] = field(default_factory=list)
+
+
+@dataclass
+class WorkerReport:
+    """One step's results from the worker side (vLLM's KVConnectorWorkerMetadata).
+
+    ``staged``: key chains staged this step, each ready for the CacheWorker to pull from
+    ``staging`` (the worker side's page server). ``counters``: loads, load errors, bytes...;
+    ``per_request``: the same per request id (they end up in the request's output).
+    """
+
+    staging: PeerAddress | None = None
+    staged: list[tuple[bytes, ...]] = field(default_factory=list)
+    counters: collections.Counter[str] = field(default_factory=collections.Counter)
+    per_request: dict[str, collections.Counter[str]] = field(default_factory=dict)
+
+    def aggregate(self, other: Any) -> WorkerReport:
+        """Both reports in one (vLLM folds the reports of all workers of a step)."""
+        if not isinstance(other, WorkerReport):
+            return self
+        staged = self.staged + other.staged
+        counters = self.counters + other.counters
+        per_request = {k: collections.Counter(v) for k, v in self.per_request.items()}
+        for req_id, counts in other.per_request.items():
+            per_request.setdefault(req_id, collections.Counter()).update(counts)
+        return WorkerReport(self.staging or other.staging, staged, counters, per_request)
+
+    def count(self, req_id: str, name: str, amount: int = 1) -> None:
+        """Add ``amount`` to counter ``name``, overall and for request ``req_id``."""
+        self.counters[name] += amount
+        self.per_request.setdefault(req_id, collections.Counter())[name] += amount
+
+    def __bool__(self) -> bool:
+        return bool(self.staged or self.counters)

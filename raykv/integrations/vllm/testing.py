@@ -1,0 +1,176 @@
+"""Helpers shared by the vLLM connector's tests, benchmark and example: a tiny random-weight
+Llama on disk, engine settings that give bit-exact CPU results, the connector config, and one
+greedy request with its logprobs.
+
+Exactness: CPU kernels are not batch-invariant (a row's result depends on the row count), so the
+engines here prefill in chunks of one block (``max_num_batched_tokens = block_size``), run one
+request at a time, and use one torch thread each (:func:`pin_engine_threads`). A chunk then has
+the same shapes whether the blocks before it were computed or loaded, and generation over
+loaded blocks equals a full recompute bit for bit (as in
+:mod:`raykv.integrations.hf`).
+
+torch, transformers and vllm are imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from raykv import CacheConfig, KVLayout, TierConfig
+from raykv.integrations.vllm.layout import native_layout
+
+BLOCK_SIZE = 32
+MODEL_FIELDS: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,  # the CPU attention backend's smallest common head size
+    max_position_embeddings=1024,
+)
+
+
+def save_tiny_llama(path: str, seed: int = 0, **fields: Any) -> str:
+    """Write a random-weight LlamaForCausalLM (:data:`MODEL_FIELDS` updated with ``fields``,
+    float32) to ``path`` (created) unless one is already there; returns ``path``. Same weights
+    for a given seed and fields."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**MODEL_FIELDS, **fields, "torch_dtype": "float32"})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return path
+
+
+def tiny_layout(block_size: int = BLOCK_SIZE, page_layout: str = "token_major", **changes: Any) -> KVLayout:
+    """The raykv page layout of :func:`save_tiny_llama`'s model with ``changes`` to its fields
+    (what the engine derives for the connector's ``page_layout``)."""
+    fields = {**MODEL_FIELDS, **changes}
+    build = native_layout if page_layout == "engine_native" else KVLayout.uniform
+    return build(
+        fields["num_hidden_layers"], fields["num_key_value_heads"], fields["head_dim"], block_size, "float32"
+    )
+
+
+def deployment_config(layout: KVLayout, host_pages: int = 256, disk_pages: int = 1024) -> CacheConfig:
+    """A deployment config for engines of ``layout``: a shared host tier (one-sided reads by
+    the engines) of ``host_pages`` pages over a disk tier of ``disk_pages``."""
+    page = layout.page_bytes
+    host = TierConfig.host(host_pages * page, pin_memory=False, shared=True)
+    return CacheConfig(layout, (host, TierConfig.disk(disk_pages * page)))
+
+
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+"""One torch thread in every engine process. vLLM's CPU worker otherwise sets OMP_NUM_THREADS
+to the cores it binds, which can differ between engines started at different times, and CPU
+GEMMs differ in the last bits between thread counts."""
+
+
+def pin_engine_threads() -> dict[str, str | None]:
+    """Set :data:`THREAD_ENV` in this process (engines started afterwards inherit it); returns
+    the previous values for :func:`restore_env`."""
+    saved = {k: os.environ.get(k) for k in THREAD_ENV}
+    os.environ.update(THREAD_ENV)
+    return saved
+
+
+def restore_env(saved: Mapping[str, str | None]) -> None:
+    """Undo :func:`pin_engine_threads`."""
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def engine_kwargs(model: str, block_size: int = BLOCK_SIZE, **changes: Any) -> dict[str, Any]:
+    """``vllm.LLM`` arguments for a small exact CPU engine (float32, eager, one-block chunks,
+    vLLM's own prefix cache off so every reuse comes from raykv)."""
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        dtype="float32",
+        block_size=block_size,
+        gpu_memory_utilization=0.1,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_model_len=512,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=block_size,
+        max_num_seqs=4,
+        seed=0,
+    )
+    kwargs.update(changes)
+    return kwargs
+
+
+def connector_config(
+    namespace: str, ray_address: str, worker: int | str = 0, role: str = "kv_both", **extra: Any
+) -> Any:
+    """A ``vllm.config.KVTransferConfig`` for :class:`RaykvConnector` (recompute on load errors)."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="RaykvConnector",
+        kv_connector_module_path="raykv.integrations.vllm",
+        kv_role=role,  # type: ignore[arg-type]
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={
+            "namespace": namespace,
+            "ray_address": ray_address,
+            "worker": worker,
+            **extra,
+        },
+    )
+
+
+@dataclass(frozen=True)
+class Result:
+    """One greedy request: generated tokens, per step the top logprobs ({token: logprob}),
+    the connector's ``kv_transfer_params["raykv"]`` (empty without the connector) and vLLM's
+    ``num_cached_tokens`` (prompt tokens not computed: its prefix cache plus connector loads)."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[tuple[tuple[int, float], ...], ...]
+    raykv: Mapping[str, Any]
+    cached_tokens: int = 0
+
+
+def generate(
+    llm: Any,
+    prompt: Sequence[int],
+    max_tokens: int = 6,
+    cache_salt: str | None = None,
+    params: Mapping[str, Any] | None = None,
+) -> Result:
+    """Run ``prompt`` alone through ``llm`` greedily with 5 logprobs per step. ``params``:
+    the request's ``kv_transfer_params``."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = {"kv_transfer_params": dict(params)} if params else None
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=5, extra_args=extra)
+    prompt_in = TokensPrompt(prompt_token_ids=list(prompt))
+    if cache_salt is not None:
+        prompt_in["cache_salt"] = cache_salt
+    out = llm.generate([prompt_in], sampling, use_tqdm=False)[0]
+    done = out.outputs[0]
+    steps = tuple(tuple(sorted((t, lp.logprob) for t, lp in step.items())) for step in done.logprobs or ())
+    raykv = (out.kv_transfer_params or {}).get("raykv", {})
+    return Result(tuple(done.token_ids), steps, raykv, int(out.num_cached_tokens or 0))
+
+
+def shutdown_engine(llm: Any) -> None:
+    """Stop an ``LLM``'s engine processes now."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()

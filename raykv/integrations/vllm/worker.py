@@ -1,0 +1,187 @@
+"""The connector's worker side (runs in vLLM's worker process): the data plane.
+
+No Ray here. The scheduler side sends an :class:`~raykv.integrations.vllm.plan.EngineLink` in
+every step's metadata; on first sight the worker side opens:
+
+- a :class:`raykv.transfer.PageClient` to its CacheWorker's page server. Loads pull pages by key:
+  one-sided reads of the worker's shared host tier after the first connection (no request at
+  all), else the ``shm`` request path, else ``ucx`` (pages on the disk tier); never Ray's object
+  store. A key the worker no longer has, or a page that changed while it was read (the one-sided
+  reader re-checks the slot generations), fails that block's load; the block and every later one
+  of the request are reported through ``get_block_ids_with_load_errors`` and vLLM recomputes them
+  (``kv_load_failure_policy="recompute"``).
+- a staging :class:`raykv.CacheManager` (one shared host tier, ``EngineLink.staging_bytes``) and a
+  :class:`raykv.transfer.PageServer` on it. Stores copy the engine's blocks into staging pages and
+  commit them; the scheduler side then asks the CacheWorker to pull those keys from this server
+  (same node: one-sided reads of the staging tier). Staged blocks stay until the staging tier
+  needs the room (LRU); a store the CacheWorker could not pull is a future miss, nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from raykv import CacheConfig, CacheManager, KVLayout, OutOfPagesError, TierConfig, TransferError, block_keys
+from raykv.integrations.vllm.layout import BlockCopier
+from raykv.integrations.vllm.plan import EngineLink, LoadOp, RaykvMetadata, StoreOp, WorkerReport
+from raykv.transfer import PageClient, PageServer, TransferConfig
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    """Loads and stores for one vLLM worker. ``names``: its attention layers in layout order."""
+
+    def __init__(self, layout: KVLayout, names: Sequence[str]) -> None:
+        self.layout = layout
+        self.names = tuple(names)
+        self.tpb = layout.tokens_per_block
+        self.copier: BlockCopier | None = None
+        self.link: EngineLink | None = None
+        self.client: PageClient | None = None
+        self.staging: CacheManager | None = None
+        self.server: PageServer | None = None
+        self._rows = np.empty((0, layout.page_bytes), dtype=np.uint8)
+        self._failed: set[int] = set()
+        self._report = WorkerReport()
+
+    def register(self, kv_caches: Mapping[str, Any]) -> None:
+        """Take the engine's per-layer KV tensors (InvalidArgumentError when they do not fit)."""
+        self.copier = BlockCopier(self.layout, self.names, kv_caches)
+
+    def _open(self, link: EngineLink) -> None:
+        """Connect to the deployment described by ``link`` (once)."""
+        if self.link is not None:
+            return
+        self.link = link
+        if link.listen_host == "127.0.0.1":
+            config = TransferConfig.loopback(node_id=link.node_id)
+        else:
+            config = TransferConfig(host=link.listen_host, node_id=link.node_id)
+        self.client = PageClient(link.token, config)
+        tier = TierConfig.host(link.staging_bytes, pin_memory=False, shared=True)
+        self.staging = CacheManager(CacheConfig(self.layout, (tier,)))
+        self.server = PageServer(self.staging, link.token, config)
+        self._report.staging = self.server.start()
+
+    def _buffer(self, n: int) -> np.ndarray:
+        if len(self._rows) < n:
+            self._rows = np.empty((max(n, 2 * len(self._rows)), self.layout.page_bytes), dtype=np.uint8)
+        return self._rows[:n]
+
+    # ---- loads -----------------------------------------------------------------------------------
+    def start_load(self, meta: RaykvMetadata) -> None:
+        """Copy every planned load into the engine's blocks; failed blocks are remembered for
+        :meth:`take_failed`."""
+        if meta.link is not None:
+            self._open(meta.link)
+        for op in meta.loads:
+            start = time.perf_counter()
+            loaded = self._load(op) if self.copier is not None and self.client is not None else 0
+            self._report.count(op.req_id, "load_us", int((time.perf_counter() - start) * 1e6))
+            self._report.count(op.req_id, "loaded_blocks_ok", loaded)
+            if loaded < len(op.keys):
+                self._failed.update(op.block_ids[loaded:])
+                self._report.count(op.req_id, "load_errors", len(op.keys) - loaded)
+
+    def _load(self, op: LoadOp) -> int:
+        """Load the leading pages of ``op`` that the CacheWorker still has; how many."""
+        assert self.client is not None and self.link is not None
+        keys = list(op.keys)
+        direct = self.client.land_local(
+            self.link.address, keys, lambda pulled, confirm: self._land(op, pulled, confirm)
+        )
+        if direct is not None:
+            return int(direct)
+        try:
+            pulled = self.client.pull_sync(self.link.address, keys, out=self._buffer(len(keys)))
+        except TransferError as exc:
+            log.warning("raykv: load of %d blocks failed (%s); vLLM recomputes them", len(keys), exc)
+            return 0
+        row_of = {bytes(k): i for i, k in enumerate(pulled.keys)}
+        rows = []
+        for key in op.keys:
+            if key not in row_of:
+                break
+            rows.append(row_of[key])
+        if rows:
+            data = pulled.data
+            picked = data[: len(rows)] if rows == list(range(len(rows))) else data[rows]
+            assert self.copier is not None
+            self.copier.load(np.ascontiguousarray(picked), op.block_ids[: len(rows)])
+            self._report.count(op.req_id, f"path_{pulled.path}", 1)
+        return len(rows)
+
+    def _land(self, op: LoadOp, pulled: Any, confirm: Any) -> int:
+        """Copy one-sided rows (views of the CacheWorker's shared tier) straight into the
+        engine's blocks, then ``confirm`` they did not change meanwhile (else it raises and
+        :meth:`_load` pulls again, overwriting the blocks)."""
+        assert self.copier is not None
+        self.copier.load(pulled.data, op.block_ids)
+        confirm()
+        self._report.count(op.req_id, "path_shm_read", 1)
+        return len(op.block_ids)
+
+    def take_failed(self) -> set[int]:
+        """Engine block ids whose load failed since the last call."""
+        failed, self._failed = self._failed, set()
+        return failed
+
+    # ---- stores ----------------------------------------------------------------------------------
+    def save(self, meta: RaykvMetadata) -> None:
+        """Stage every planned store (after the step's forward pass wrote the KV)."""
+        if meta.link is not None:
+            self._open(meta.link)
+        if self.staging is None or self.copier is None:
+            return
+        for op in meta.stores:
+            keys = self._stage(op)
+            if keys:
+                self._report.staged.append(keys)
+                self._report.count(op.req_id, "staged_blocks", len(keys))
+
+    def _stage(self, op: StoreOp) -> tuple[bytes, ...]:
+        """Write blocks ``0 .. op.end_block - 1`` into staging pages and commit them; the keys of
+        blocks ``op.first_block ..`` (empty when staging has no room)."""
+        assert self.staging is not None and self.copier is not None
+        kv = self.staging.create(list(op.tokens), op.scope)
+        try:
+            if not kv.resume():
+                self._report.counters["store_skipped"] += 1
+                return ()
+            have = kv.num_reused_tokens // self.tpb
+            kv.extend(list(op.tokens[have * self.tpb :]))
+            rows = self._buffer(op.end_block - have)
+            self.copier.save(op.block_ids[have:], rows)
+            for j in range(len(rows)):
+                kv.page(have + j)[:] = rows[j]
+            kv.commit()
+        except OutOfPagesError:
+            self._report.counters["store_skipped"] += 1
+            return ()
+        finally:
+            kv.close()
+        keys = block_keys(list(op.tokens), self.tpb, op.scope)
+        return tuple(bytes(k) for k in keys[op.first_block :])
+
+    # ---- results ---------------------------------------------------------------------------------
+    def take_report(self) -> WorkerReport | None:
+        """This step's report (None when there is nothing to say)."""
+        report = self._report
+        self._report = WorkerReport(staging=report.staging)
+        return report if report else None
+
+    def close(self) -> None:
+        """Stop the staging server, drop connections and release the staging tier."""
+        if self.server is not None:
+            self.server.close()
+        if self.client is not None:
+            self.client.close()
+        if self.staging is not None:
+            self.staging.shutdown()
+        self.server = self.client = self.staging = None

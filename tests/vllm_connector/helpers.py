@@ -1,0 +1,53 @@
+"""Prompts and deployment probes for the vLLM connector tests."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import ray
+
+from actors.cluster import RayKVCluster
+from raykv import ReuseScope
+from raykv.integrations.vllm.testing import BLOCK_SIZE
+
+TPB = BLOCK_SIZE
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    """Random token ids in 1..499 (seeded)."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, 500) for _ in range(length)]
+
+
+def usable_blocks(tokens: list[int]) -> int:
+    """Blocks a lookup may load: the full blocks of ``tokens[:-1]``."""
+    return (len(tokens) - 1) // TPB
+
+
+def worker(deployment: RayKVCluster, index: int) -> Any:
+    return deployment.workers[deployment.worker_ids[index]]
+
+
+def held(deployment: RayKVCluster, index: int, tokens: list[int], salt: str | None = None) -> Any:
+    """The ProbeResult of ``tokens`` on worker ``index``."""
+    scope = ReuseScope.from_cache_salt(salt) if salt is not None else ReuseScope()
+    probe = worker(deployment, index).probe.remote(tokens, scope.lora_id, scope.salt)
+    return ray.get(probe, timeout=30)
+
+
+def wait_held(
+    deployment: RayKVCluster,
+    index: int,
+    tokens: list[int],
+    blocks: int,
+    salt: str | None = None,
+    timeout: float = 20.0,
+) -> None:
+    """Wait until worker ``index`` holds the first ``blocks`` blocks of ``tokens`` (``salt``:
+    in that cache_salt's scope)."""
+    deadline = time.monotonic() + timeout
+    while held(deployment, index, tokens, salt).num_blocks < blocks:
+        assert time.monotonic() < deadline, f"worker {index} never held {blocks} blocks"
+        time.sleep(0.05)
