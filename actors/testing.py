@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import ray
+
+from actors.vllm_link import RayDeploymentLink
 from actors.worker import CacheWorker
 from raykv.core.errors import OutOfPagesError, TransferError, TransferFailure
 from raykv.core.keys import ReuseScope
@@ -146,3 +149,25 @@ def disaggregated_request(
         decode.run_request.remote(list(prompt), decode_tokens=list(decode_tokens)), timeout=timeout_s
     )
     return DisaggregatedOutcome(first, pulled, second, time.perf_counter() - start)
+
+
+class FaultyDeploymentLink(RayDeploymentLink):
+    """The vLLM connector's deployment link with one fault for tests: a request whose
+    ``kv_transfer_params["raykv"]`` holds ``{"faults": {"drop_after_lookup": True}}`` has every
+    reusable block of the paired CacheWorker dropped right after a lookup that found some, so the
+    load that follows finds its pages gone (the engine must recompute them).
+
+    Named in the connector's extra config as ``link="actors.testing:FaultyDeploymentLink"``; the
+    production link (:class:`actors.vllm_link.RayDeploymentLink`) has no such hook.
+    ``counters["fault_dropped_blocks"]`` counts the blocks dropped.
+    """
+
+    def lookup(
+        self, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes], hint: Mapping[str, Any]
+    ) -> int | None:
+        held = super().lookup(tokens, scope, keys, hint)
+        faults = hint.get("faults") if isinstance(hint, Mapping) else None
+        if held and isinstance(faults, Mapping) and faults.get("drop_after_lookup"):
+            dropped = ray.get(self.handle.clear.remote(), timeout=self.timeout_s)
+            self.counters["fault_dropped_blocks"] += int(dropped)
+        return held

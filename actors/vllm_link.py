@@ -180,10 +180,6 @@ class RayDeploymentLink:
         """Wait until every store handed over so far was pulled (or failed)."""
         self._queue.join()
 
-    def drop_cached(self) -> int:
-        dropped: Any = ray.get(self.handle.clear.remote(), timeout=self.timeout_s)
-        return int(dropped)
-
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(self.timeout_s)

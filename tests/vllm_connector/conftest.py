@@ -6,7 +6,7 @@
 Everything is session-scoped and built on first use, because one engine takes ~30-45 s to start
 on 2 cores: a local Ray (``ray_address``), a raykv deployment of two CPU workers whose layout is
 the tiny model's (``deployment``), the tiny random-weight Llama (``model_dir``) and the engines:
-``baseline`` (no connector), ``engine_a`` (kv_both, worker 0, request-level faults allowed),
+``baseline`` (no connector), ``engine_a`` (kv_both, worker 0, through ``FaultyDeploymentLink``),
 ``engine_b`` (kv_consumer, worker 1) and ``producer`` (kv_producer, worker 0). Engines run one
 request at a time with one-block prefill chunks (see raykv.integrations.vllm.testing), so outputs
 are bit-exact across engines. Everything is shut down at the end of the session.
@@ -24,6 +24,7 @@ import ray
 import raykv
 from actors.cluster import RayKVCluster
 from actors.ray_util import shutdown_ray
+from actors.testing import TestingCacheWorker
 from raykv.integrations.vllm import testing
 
 HOST_PAGES = 64
@@ -38,10 +39,18 @@ def ray_address() -> Iterator[str]:
     shutdown_ray()
 
 
+FAULTY_LINK = "actors.testing:FaultyDeploymentLink"  # a request may ask it to drop the cache
+
+
 @pytest.fixture(scope="session")
 def deployment(ray_address: str) -> Iterator[RayKVCluster]:
     config = testing.deployment_config(testing.tiny_layout(), host_pages=HOST_PAGES, disk_pages=1024)
-    dep = raykv.start(num_workers=2, config=config, namespace=f"raykv-vllm-{uuid.uuid4().hex[:8]}")
+    dep = raykv.start(
+        num_workers=2,
+        config=config,
+        namespace=f"raykv-vllm-{uuid.uuid4().hex[:8]}",
+        worker_class=TestingCacheWorker,
+    )
     yield dep
     dep.shutdown()
 
@@ -59,7 +68,7 @@ def engines(model_dir: str, deployment: RayKVCluster, ray_address: str) -> Itera
     saved = testing.pin_engine_threads()
     roles = {
         "baseline": None,
-        "engine_a": dict(worker=0, role="kv_both", allow_request_faults=True),
+        "engine_a": dict(worker=0, role="kv_both", link=FAULTY_LINK),
         "engine_b": dict(worker=1, role="kv_consumer"),
         "producer": dict(worker=0, role="kv_producer"),
     }

@@ -42,16 +42,15 @@ deployment link factory, default ``actors.vllm_link:RayDeploymentLink``), ``use_
 longer prefix from another worker, default True), ``staging_bytes`` (default 256 MiB),
 ``listen_host`` (staging page server, default 127.0.0.1), ``store_generated`` (store blocks of
 generated tokens too, default True; see :mod:`~raykv.integrations.vllm.scheduler`),
-``timeout_s`` (per deployment call, default 10), ``faults`` (tests:
-``{"drop_after_lookup": True}``), ``allow_request_faults`` (tests: a request's own
-``kv_transfer_params["raykv"]["faults"]``).
+``timeout_s`` (per deployment call, default 10). Tests inject faults through their own link
+(``link="actors.testing:FaultyDeploymentLink"``); the production link has no fault hooks.
 
 Results per request land in ``RequestOutput.kv_transfer_params["raykv"]``: ``hit_blocks``,
 ``loaded_blocks`` (planned), ``loaded_blocks_ok``, ``load_errors``, ``load_us`` (the load's wall
 time in the worker process: pull plus copy into the engine's blocks), ``path_<path>`` (how the
 pages came: ``shm_read``, ``shm``, ``ucx``), ``offered_blocks``, ``staged_blocks``, ``worker`` and
 ``blocks`` (prompt blocks the deployment holds or was offered; a PD proxy hands these to the
-decode engine's request as ``kv_transfer_params``), ``fault_dropped_blocks``. The worker side's
+decode engine's request as ``kv_transfer_params``). The worker side's
 figures of a step reach the scheduler after the requests finishing in that step are freed, so a
 request that ends in the step that loaded it (``max_tokens=1``) lacks ``loaded_blocks_ok``,
 ``load_us`` and ``path_*``; vLLM's ``RequestOutput.num_cached_tokens`` still counts the loaded

@@ -49,10 +49,6 @@ class DeploymentLink(Protocol):
     def poll(self) -> dict[str, int]:
         """Counters of finished stores since the last poll (``stored_blocks``, ``store_errors``)."""
 
-    def drop_cached(self) -> int:
-        """Fault injection (``faults.drop_after_lookup``): drop every reusable block of the
-        paired CacheWorker; returns how many went."""
-
     def close(self) -> None:
         """Wait for stores in flight (bounded) and release the connection."""
 

@@ -70,9 +70,7 @@ class SchedulerSide:
     """Lookups, load and store plans, and per-request results. ``link`` None: does nothing.
 
     ``loads``/``stores``: whether this engine reads from / writes to the deployment (vLLM's
-    kv_role: consumer reads, producer writes, both does both). ``faults`` (tests):
-    ``{"drop_after_lookup": True}`` drops the paired worker's blocks right after each lookup
-    that found some, so the load that follows finds them gone.
+    kv_role: consumer reads, producer writes, both does both).
     """
 
     def __init__(
@@ -87,8 +85,6 @@ class SchedulerSide:
         self.tpb = layout.tokens_per_block
         self.link = link
         self.loads, self.stores = loads, stores
-        self.faults = dict(extra.get("faults") or {})
-        self.allow_request_faults = bool(extra.get("allow_request_faults", False))
         self.store_generated = bool(extra.get("store_generated", True))
         self._engine_link: EngineLink | None = None
         if link is not None:
@@ -118,18 +114,7 @@ class SchedulerSide:
         state.counts["hit_blocks"] = state.hit
         self.counters["lookups"] += 1
         self.counters["hit_blocks"] += state.hit
-        if state.hit and self._faults(params).get("drop_after_lookup"):
-            state.counts["fault_dropped_blocks"] += self.link.drop_cached()
         return max(0, state.hit * self.tpb - num_computed_tokens)
-
-    def _faults(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """The configured faults, plus a request's own (``kv_transfer_params["raykv"]["faults"]``)
-        when the extra config sets ``allow_request_faults`` (never in production: any client
-        could then drop the cache)."""
-        faults = dict(self.faults)
-        if self.allow_request_faults and isinstance(params.get("faults"), Mapping):
-            faults.update(params["faults"])
-        return faults
 
     def _state(self, request: Any) -> _Request:
         state = self._requests.get(request.request_id)
