@@ -408,7 +408,8 @@ def import_direct(manager: CacheManager, pages: DirectPages, priority: int = DEF
             seen.add(key)
             n += 1
         present = [i for i in range(n) if pages.keys[i] in tree]
-        new = [i for i in range(n) if pages.keys[i] not in tree]
+        first = {key: i for i, key in reversed(list(enumerate(pages.keys[:n])))}
+        new = [i for i in sorted(first.values()) if pages.keys[i] not in tree]  # a repeated key once
         if new:
             parents = [tree.get(pages.parent_keys[i]) for i in new]
             exclude = {b.page.uid for b in parents if b is not None}

@@ -7,6 +7,7 @@ the same path GPU to GPU. Every test checks content with the oracle and that no 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -161,3 +162,28 @@ def test_direct_pull_with_a_wrong_token_is_refused(
     stranger.close()
     assert info.value.reason == "auth" and server.stats.auth_failures == 1
     assert not dst.committed_blocks()
+
+
+def test_a_key_repeated_in_one_pull_is_imported_once_and_leaks_no_page(
+    pair: tuple[CacheManager, CacheManager, PageServer, PageClient],
+) -> None:
+    src, dst, server, client = pair
+    oracle = ContentOracle(BIG)
+    keys = _commit(src, oracle, 3, 3)
+    pulled = get_runtime().run(pull_direct(client, server.address, keys, "cpu"), 30)  # type: ignore[arg-type]
+    rows = [0, 0, 1, 2, 1]  # pull_direct refuses repeated keys; import_direct is public too
+    pages = dataclasses.replace(
+        pulled,
+        keys=tuple(pulled.keys[i] for i in rows),
+        parent_keys=tuple(pulled.parent_keys[i] for i in rows),
+        parent_is_root=tuple(pulled.parent_is_root[i] for i in rows),
+        num_tokens=tuple(pulled.num_tokens[i] for i in rows),
+        data=pulled.data[rows],
+    )
+    free = dst.pools[0].num_free
+    outcome = import_direct(dst, pages)
+    dst.check_invariants()
+    assert list(outcome.imported) == keys and outcome.dropped == ()
+    assert dst.pools[0].num_free == free - 3  # one page per distinct block, none left allocated
+    assert oracle.verify_manager(dst) == 3
+    _no_leases(server, src)
