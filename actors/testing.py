@@ -152,10 +152,16 @@ def disaggregated_request(
 
 
 class FaultyDeploymentLink(RayDeploymentLink):
-    """The vLLM connector's deployment link with one fault for tests: a request whose
-    ``kv_transfer_params["raykv"]`` holds ``{"faults": {"drop_after_lookup": True}}`` has every
-    reusable block of the paired CacheWorker dropped right after a lookup that found some, so the
-    load that follows finds its pages gone (the engine must recompute them).
+    """The vLLM connector's deployment link with two faults for tests, asked for by a request's
+    ``kv_transfer_params["raykv"]["faults"]``, each right after a lookup that found blocks:
+
+    - ``{"drop_after_lookup": True}``: every reusable block of the paired CacheWorker is dropped,
+      so the load that follows finds its pages gone;
+    - ``{"replace_after_lookup": tokens}``: the same, then the worker (a
+      :class:`TestingCacheWorker`) runs a request of ``tokens``, whose new blocks may take the
+      freed slots, so the load may find other blocks' pages where its own were.
+
+    Either way the engine must recompute those blocks.
 
     Named in the connector's extra config as ``link="actors.testing:FaultyDeploymentLink"``; the
     production link (:class:`actors.vllm_link.RayDeploymentLink`) has no such hook.
@@ -167,7 +173,12 @@ class FaultyDeploymentLink(RayDeploymentLink):
     ) -> int | None:
         held = super().lookup(tokens, scope, keys, hint)
         faults = hint.get("faults") if isinstance(hint, Mapping) else None
-        if held and isinstance(faults, Mapping) and faults.get("drop_after_lookup"):
+        if not held or not isinstance(faults, Mapping):
+            return held
+        replacement = faults.get("replace_after_lookup")
+        if faults.get("drop_after_lookup") or replacement:
             dropped = ray.get(self.handle.clear.remote(), timeout=self.timeout_s)
             self.counters["fault_dropped_blocks"] += int(dropped)
+        if replacement:
+            ray.get(self.handle.run_request.remote(list(replacement)), timeout=self.timeout_s)
         return held

@@ -102,6 +102,23 @@ def test_pages_gone_between_lookup_and_load_recomputed(
     _same(got, generate(baseline, tokens))
 
 
+def test_pages_replaced_between_lookup_and_load_recomputed(
+    baseline: Any, engine_a: Any, deployment: RayKVCluster
+) -> None:
+    """The blocks are dropped and another prompt's blocks are committed before the load (into the
+    freed slots when the free list hands them out first): every block is a load error, whether
+    the one-sided read's re-check sees other keys or no block, and the output stays exact."""
+    tokens = prompt(37, 192)
+    generate(engine_a, tokens)
+    wait_held(deployment, 0, tokens, len(tokens) // TPB)
+    faulty = {"raykv": {"faults": {"replace_after_lookup": prompt(38, 192)}}}
+    got = generate(engine_a, tokens, params=faulty)
+    n = usable_blocks(tokens)
+    assert got.raykv["hit_blocks"] == got.raykv["loaded_blocks"] == n
+    assert got.raykv["load_errors"] == n and got.raykv.get("loaded_blocks_ok", 0) == 0
+    _same(got, generate(baseline, tokens))
+
+
 def test_no_deployment_one_warning_and_no_op(ray_address: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="raykv.integrations.vllm.link"):
         link = open_link({"namespace": "raykv-vllm-absent", "ray_address": ray_address})
