@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from raykv import CacheConfig, CacheManager, KVLayout, OutOfPagesError, TierConfig, TransferError, block_keys
+from raykv import CacheConfig, CacheManager, KVLayout, OutOfPagesError, TierConfig, TransferError
 from raykv.integrations.vllm.layout import BlockCopier
 from raykv.integrations.vllm.plan import EngineLink, LoadOp, RaykvMetadata, StoreOp, WorkerReport
 from raykv.transfer import PageClient, PageServer, TransferConfig
@@ -161,12 +161,12 @@ class WorkerSide:
             for j in range(len(rows)):
                 kv.page(have + j)[:] = rows[j]
             kv.commit()
+            keys = kv.committed_keys()  # every block of op.tokens (reused ones included)
         except OutOfPagesError:
             self._report.counters["store_skipped"] += 1
             return ()
         finally:
             kv.close()
-        keys = block_keys(list(op.tokens), self.tpb, op.scope)
         return tuple(bytes(k) for k in keys[op.first_block :])
 
     # ---- results ---------------------------------------------------------------------------------
