@@ -51,9 +51,11 @@ from raykv.routing.policy import RoutingConfig, WorkerLoad, choose
 log = logging.getLogger(__name__)
 
 TOKEN_FIELDS = ("tokens", "prompt_token_ids", "token_ids")
+PROMPT_FIELD = "prompt"  # an OpenAI completion request's prompt, when given as token ids
 WORKER_FIELD = "raykv_worker"
 _MAX_TRACKED = 10_000
 _INFLIGHT_TTL_S = 600.0
+_DONE_TTL_S = 30.0  # completed requests are remembered this long (replicas report every ~1 s)
 
 
 # ---- requests -------------------------------------------------------------------------------------
@@ -98,14 +100,17 @@ def _get(source: Any, name: str) -> Any:
 
 
 def parse_request(args: Sequence[Any], kwargs: Mapping[str, Any]) -> RoutedRequest | None:
-    """Find token ids (``tokens``, ``prompt_token_ids`` or ``token_ids``) in the keyword arguments
+    """Find token ids (``tokens``, ``prompt_token_ids``, ``token_ids``, or an OpenAI completion's
+    ``prompt`` given as ids) in the keyword arguments
     or in a positional argument (a mapping or an object with attributes), with ``lora_id`` (or a
     ``lora_request`` with ``lora_int_id`` / ``lora_name``), ``cache_salt`` and ``target_worker``
     from the same place. None when there are none or they
     are malformed (the request is then routed without the cache, never rejected)."""
     for source in (kwargs, *args):
-        for name in TOKEN_FIELDS:
+        for name in (*TOKEN_FIELDS, PROMPT_FIELD):
             tokens = _get(source, name)
+            if name == PROMPT_FIELD:
+                tokens = _prompt_ids(tokens)
             if tokens is None:
                 continue
             try:
@@ -115,6 +120,16 @@ def parse_request(args: Sequence[Any], kwargs: Mapping[str, Any]) -> RoutedReque
                 return None
             target = _get(source, "target_worker")
             return RoutedRequest(ids, scope, WorkerId(str(target)) if target else None)
+    return None
+
+
+def _prompt_ids(prompt: Any) -> Any:
+    """An OpenAI completion ``prompt`` as token ids: a list of ints, or a batch of exactly one
+    such list; None for text or larger batches."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return prompt
     return None
 
 
@@ -189,6 +204,7 @@ class _Sent:
     replica: Any
     at: float
     tokens: int
+    done: float = 0.0  # when it completed (0: in flight)
 
 
 class CacheRanker:
@@ -216,6 +232,7 @@ class CacheRanker:
             collections.OrderedDict()
         )
         self._sent: collections.OrderedDict[str, _Sent] = collections.OrderedDict()
+        self._done: collections.deque[_Sent] = collections.deque(maxlen=_MAX_TRACKED)
         self.counters: collections.Counter[str] = collections.Counter()
 
     def config(self, tokens_per_block: int) -> RoutingConfig:
@@ -282,7 +299,9 @@ class CacheRanker:
         queued = int(stats.get("queued_prefill_tokens", 0))
         rid = replica.replica_id
         queued += sum(s.tokens for s in self._sent.values() if s.replica == rid and s.at > since)
-        return WorkerLoad(cid, queued, int(stats.get("running_decodes", 0)))
+        # requests the report still counted that have completed since: no longer queued
+        queued -= sum(s.tokens for s in self._done if s.replica == rid and s.at <= since < s.done)
+        return WorkerLoad(cid, max(0, queued), int(stats.get("running_decodes", 0)))
 
     def fallback(self, replicas: Sequence[Any]) -> list[list[Any]]:
         """Power of two choices: two random replicas, the less loaded (as reported) first."""
@@ -305,11 +324,20 @@ class CacheRanker:
         self._remember(self._sent, request_id, _Sent(replica_id, time.time(), tokens))
 
     def completed(self, request_id: str) -> None:
-        self._sent.pop(request_id, None)
+        """A request finished: its tokens leave its replica's load at once, also from the
+        replica's last report if that report was taken while it ran."""
+        sent = self._sent.pop(request_id, None)
+        now = time.time()
+        if sent is not None:
+            sent.done = now
+            self._done.append(sent)
+        while self._done and now - self._done[0].done > _DONE_TTL_S:
+            self._done.popleft()
 
     def forget_replica(self, replica_id: Any) -> None:
         for rid in [k for k, s in self._sent.items() if s.replica == replica_id]:
             del self._sent[rid]
+        self._done = collections.deque((s for s in self._done if s.replica != replica_id), _MAX_TRACKED)
 
     @staticmethod
     def _remember(table: collections.OrderedDict[str, Any], key: str, value: Any) -> None:

@@ -1,86 +1,82 @@
-"""vLLM engines with RaykvConnector on Ray Serve, routed by raykv's CacheAwareRouter.
+"""Ray Serve LLM (``ray.serve.llm``) with vLLM engines that use RaykvConnector, routed by raykv.
 
-A Serve deployment runs two replicas; replica rank i is paired with raykv CacheWorker i and runs
-a vLLM engine (``vllm.LLM``, a tiny random-weight Llama made locally) whose RaykvConnector loads
-from and stores to that worker. The deployment routes with raykv's CacheAwareRouter, which asks
-the raykv index where each prompt's prefix is cached. (A Serve deployment around ``vllm.LLM``
-rather than ``ray.serve.llm``: see the README's vLLM section.)
+Two ``LLMServer`` replicas (a tiny random-weight Llama made locally, vLLM on CPU), each paired
+with one raykv CacheWorker: :func:`actors.serve_llm.with_raykv` adds the connector to the
+engine, the pairing server class and raykv's CacheAwareRouter to an ordinary ``LLMConfig``, and
+Ray's own ``build_openai_app`` builds the OpenAI-compatible app.
 
-The example sends requests that share system prompts and asserts that every repeat of a system
-prompt lands on the replica whose worker holds it and loads its blocks through the connector
-(``kv_transfer_params["raykv"]["hit_blocks"]``).
+The example sends ``/v1/completions`` requests (prompts as token ids) that share system prompts,
+over HTTP on 127.0.0.1, and checks that every repeat of a system prompt went to the replica whose
+worker holds it and loaded at least the system prompt's blocks through the connector (the
+response's ``kv_transfer_params["raykv"]``).
 
-Run: python examples/vllm_serve.py      (needs ray[serve] and vllm, see the README)
+Run: python examples/vllm_serve.py      (needs the ``vllm`` extra, see the README)
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
 import os
 import random
+import socket
 import tempfile
-import threading
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 import ray
 from ray import serve
 
 import raykv
-from actors.serve import parse_request, router_config, router_counters
-from actors.serve_kv import ReplicaCache
+from actors.serve import router_counters
+from actors.serve_llm import with_raykv
 from raykv.integrations.vllm import testing
 
 NAMESPACE = "raykv-vllm-serve"
-APP = "raykv-vllm"
+MODEL_ID = "tiny-llama"
 PREFIX_BLOCKS = 3
-ROUTER: dict[str, Any] = {"time_budget_s": 2.0, "routing": {"load_cost": 0.1}}
+ROUTER: dict[str, Any] = {"time_budget_s": 2.0}
 
 
-@serve.deployment(num_replicas=2, max_ongoing_requests=4, ray_actor_options={"num_cpus": 0})
-class VllmReplica:
-    """One replica: a vLLM engine whose RaykvConnector uses the replica's paired CacheWorker."""
+def llm_config(model_dir: str, namespace: str = NAMESPACE, replicas: int = 2) -> Any:
+    """The ``LLMConfig`` of the example: CPU settings for vLLM (one CPU bundle per replica,
+    float32, eager, one-block prefill chunks so outputs are exact), served with raykv."""
+    from ray.serve.llm import LLMConfig
 
-    def __init__(self, namespace: str, model_dir: str) -> None:
-        self.kv = ReplicaCache(namespace)
-        testing.pin_engine_threads()
-        from vllm import LLM
-
-        address = str(ray.get_runtime_context().gcs_address)
-        config = testing.connector_config(namespace, address, str(self.kv.worker_id))
-        self.llm = LLM(**testing.engine_kwargs(model_dir, kv_transfer_config=config))
-        self.lock = threading.Lock()  # one request at a time in the engine (exact outputs)
-
-    def record_replica_metadata(self) -> dict[str, Any]:
-        return self.kv.metadata()
-
-    def record_routing_stats(self) -> dict[str, Any]:
-        return self.kv.routing_stats()
-
-    def _generate(self, tokens: list[int]) -> testing.Result:
-        with self.lock:
-            return testing.generate(self.llm, tokens)
-
-    async def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
-        """``{"tokens": [...]}`` -> generated tokens, logprobs, the worker, the connector's
-        results."""
-        parsed = parse_request((request,), {})
-        if parsed is None:
-            raise ValueError("request needs integer 'tokens'")
-        with self.kv.prefilling(len(parsed.tokens)):
-            result = await asyncio.to_thread(self._generate, list(parsed.tokens))
-        return {
-            "tokens": list(result.tokens),
-            "logprobs": result.logprobs,
-            "worker": str(self.kv.worker_id),
-            "raykv": dict(result.raykv),
-        }
+    engine = testing.engine_kwargs(model_dir)
+    engine.pop("model")
+    config = LLMConfig(
+        model_loading_config={"model_id": MODEL_ID, "model_source": model_dir},
+        engine_kwargs=engine,
+        placement_group_config={"bundles": [{"CPU": 1}]},
+        deployment_config={"num_replicas": replicas, "max_ongoing_requests": 4},
+        runtime_env={"env_vars": dict(testing.THREAD_ENV)},
+    )
+    return with_raykv(config, namespace, router=ROUTER)
 
 
 def build_app(model_dir: str, namespace: str = NAMESPACE) -> Any:
-    """The Serve application for a raykv deployment in ``namespace``."""
-    config = router_config(namespace, **ROUTER)
-    return VllmReplica.options(request_router_config=config).bind(namespace, model_dir)
+    """The OpenAI app (``ray.serve.llm.build_openai_app``) over the raykv-served config."""
+    from ray.serve.llm import build_openai_app
+
+    return build_openai_app({"llm_configs": [llm_config(model_dir, namespace)]})
+
+
+def build_pd_app(model_dir: str, namespace: str = NAMESPACE) -> Any:
+    """Prefill/decode (``ray.serve.llm.build_pd_openai_app``): one prefill replica paired with
+    worker 0 (``kv_producer``), one decode replica paired with worker 1 (``kv_consumer``); the
+    decode engine loads the prompt's blocks that the prefill engine stored, pulled from worker 0
+    into worker 1 by raykv."""
+    from ray.serve.llm import build_pd_openai_app
+
+    def config(role: str, worker: int) -> Any:
+        plain = llm_config(model_dir, namespace, replicas=1)
+        return with_raykv(plain, namespace, role=role, pool=[worker], router=ROUTER)
+
+    return build_pd_openai_app(
+        {"prefill_config": config("kv_producer", 0), "decode_config": config("kv_consumer", 1)}
+    )
 
 
 def workload(num_prefixes: int = 2, repeats: int = 3) -> list[tuple[int, list[int]]]:
@@ -95,48 +91,131 @@ def workload(num_prefixes: int = 2, repeats: int = 3) -> list[tuple[int, list[in
     ]
 
 
-def wait_stored(deployment: Any, tokens: list[int], blocks: int, timeout: float = 30.0) -> None:
-    """Wait until some worker holds ``blocks`` leading blocks of ``tokens`` (stores are pulled by
-    the CacheWorker shortly after the engine computed them) and the index knows it."""
+def holder(deployment: Any, tokens: list[int], blocks: int, timeout: float = 60.0) -> str:
+    """The worker holding ``blocks`` leading blocks of ``tokens`` once the index knows it
+    (stores are pulled by the CacheWorker shortly after the engine computed them)."""
     deadline = time.monotonic() + timeout
     while True:
         deployment.flush()
-        if any(m.blocks >= blocks for m in deployment.route(tokens).values()):
-            return
+        held = [str(w) for w, m in deployment.route(tokens).items() if m.blocks >= blocks]
+        if held:
+            return held[0]
         if time.monotonic() > deadline:
             raise TimeoutError(f"no worker holds {blocks} blocks of the prompt")
         time.sleep(0.1)
 
 
-def verify(handle: Any, deployment: Any) -> dict[int, list[str]]:
-    """Send the workload one request at a time and assert the example's claims."""
+def verify(port: int, deployment: Any) -> dict[int, list[str]]:
+    """Send the workload one request at a time and assert the example's claims; per system
+    prompt, the workers that held each of its requests' blocks afterwards."""
     workers: dict[int, list[str]] = {}
     for prefix, tokens in workload():
-        out = handle.remote({"tokens": tokens}).result(timeout_s=300)
+        out = complete(port, tokens)
+        stats = raykv_stats(out)
+        served_by = str(stats.get("worker"))
         if prefix in workers:
-            holder = workers[prefix][0]
-            assert out["worker"] == holder, f"prefix {prefix} left {holder}: router {router_counters()}"
-            assert out["raykv"]["hit_blocks"] >= PREFIX_BLOCKS, out["raykv"]
-        workers.setdefault(prefix, []).append(out["worker"])
-        wait_stored(deployment, tokens, len(tokens) // testing.BLOCK_SIZE)
+            first = workers[prefix][0]
+            assert served_by == first, f"prefix {prefix} left {first}: router {router_counters()}"
+            assert stats.get("hit_blocks", 0) >= PREFIX_BLOCKS, stats
+        assert holder(deployment, tokens, len(tokens) // testing.BLOCK_SIZE) is not None
+        workers.setdefault(prefix, []).append(served_by)
     return workers
 
 
+def raykv_stats(response: dict[str, Any]) -> dict[str, Any]:
+    """The connector's per-request results in a completion response (empty when none)."""
+    return dict((response.get("kv_transfer_params") or {}).get("raykv") or {})
+
+
+def output(response: dict[str, Any]) -> tuple[list[int], list[Any]]:
+    """Generated token ids and per-step top logprobs of a completion response."""
+    choice = response["choices"][0]
+    return list(choice["token_ids"]), list(choice["logprobs"]["top_logprobs"])
+
+
+PD_PROMPT_SEED = 11
+
+
+def pd_prompt() -> list[int]:
+    """A prompt of 3 blocks and a tail that the routed workload does not use."""
+    rng = random.Random(PD_PROMPT_SEED)
+    return [rng.randrange(1, 500) for _ in range(PREFIX_BLOCKS * testing.BLOCK_SIZE + 9)]
+
+
+def complete(
+    port: int, tokens: list[int], max_tokens: int = 4, cache_salt: str | None = None
+) -> dict[str, Any]:
+    """POST one greedy ``/v1/completions`` request with token ids (5 logprobs per step); the
+    JSON response."""
+    body: dict[str, Any] = {
+        "model": MODEL_ID,
+        "prompt": tokens,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "logprobs": 5,
+        "return_tokens_as_token_ids": True,  # logprobs keyed "token_id:N" (no tokenizer here)
+        "return_token_ids": True,
+    }
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            result: dict[str, Any] = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"HTTP {exc.code}: {exc.read()[:500]!r}") from None
+    return result
+
+
+def verify_pd(port: int, deployment: Any, reference: dict[str, Any]) -> dict[str, Any]:
+    """:func:`pd_prompt` through the PD app: the decode engine (worker 1) loaded the prompt's
+    blocks that the prefill engine (worker 0) stored, and generated the same tokens and logprobs
+    as ``reference`` (the routed app's response to the same prompt under another cache_salt, so
+    nothing of it was cached for the PD run). Returns the decode side's connector results."""
+    tokens = pd_prompt()
+    out = complete(port, tokens)
+    stats = raykv_stats(out)
+    blocks = (len(tokens) - 1) // testing.BLOCK_SIZE
+    assert stats.get("worker") == str(deployment.worker_ids[1]), stats
+    assert stats.get("loaded_blocks_ok", 0) >= blocks and not stats.get("load_errors"), stats
+    assert output(out) == output(reference), "PD output differs from one engine's"
+    return stats
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def main() -> None:
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
-    layout = testing.tiny_layout()
-    deployment = raykv.start(num_workers=2, config=testing.deployment_config(layout), namespace=NAMESPACE)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
+    config = testing.deployment_config(testing.tiny_layout())
+    deployment = raykv.start(num_workers=2, config=config, namespace=NAMESPACE)
+    port = free_port()
     try:
         with tempfile.TemporaryDirectory() as workdir:
             model_dir = testing.save_tiny_llama(os.path.join(workdir, "model"))
-            serve.start(proxy_location="Disabled")
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
             t0 = time.monotonic()
-            handle = serve.run(build_app(model_dir), name=APP, route_prefix=None)
-            print(f"serve app up in {time.monotonic() - t0:.1f}s")
-            for prefix, ws in sorted(verify(handle, deployment).items()):
+            serve.run(build_app(model_dir), name="raykv-vllm", route_prefix="/")
+            print(f"Ray Serve LLM app up in {time.monotonic() - t0:.1f}s on 127.0.0.1:{port}")
+            for prefix, ws in sorted(verify(port, deployment).items()):
                 print(f"system prompt {prefix}: served by {ws}")
-            print(f"router decisions: {router_counters()}")
             print("repeated prefixes stayed on their holder and loaded their blocks through raykv. OK")
+            reference = complete(port, pd_prompt(), cache_salt="reference")
+            serve.delete("raykv-vllm")
+            t0 = time.monotonic()
+            serve.run(build_pd_app(model_dir), name="raykv-vllm-pd", route_prefix="/")
+            print(f"PD app up in {time.monotonic() - t0:.1f}s")
+            stats = verify_pd(port, deployment, reference)
+            print(
+                f"PD: decode on {stats['worker']} loaded {stats['loaded_blocks_ok']} blocks; same output. OK"
+            )
             serve.shutdown()
     finally:
         deployment.shutdown()

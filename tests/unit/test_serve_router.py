@@ -157,6 +157,23 @@ def test_in_flight_requests_count_until_completed_or_reported() -> None:
     assert first(run(r.rank(reps, req(toks(4, 12))))) == ["r0"]
 
 
+def test_a_completed_request_leaves_a_report_taken_while_it_ran() -> None:
+    index = FakeIndex()
+    index.hold(A, toks(4, 8))
+    r = ranker(index)
+    reps = replicas(0, 0, 0)
+    r.routed("big", "r0", A)
+    r._sent["big"].tokens = 5000
+    r._sent["big"].at = time.time() - 1.0
+    reps[0].ts = time.time() - 0.5  # r0 reported while "big" ran: the report counts it
+    reps[0].queued = 5000
+    assert first(run(r.rank(reps, req(toks(4, 12))))) != ["r0"]
+    r.completed("big")  # ... and it completed after that report: r0 is idle, the holder wins
+    assert first(run(r.rank(reps, req(toks(4, 12))))) == ["r0"]
+    reps[0].ts = time.time() + 2  # a later report is believed as it is
+    assert first(run(r.rank(reps, req(toks(4, 12))))) != ["r0"]
+
+
 def test_routing_credits_the_chosen_worker_in_the_index() -> None:
     index = FakeIndex()
     r = ranker(index)

@@ -34,7 +34,8 @@ HOST_PAGES = 64
 def ray_address() -> Iterator[str]:
     if ray.is_initialized():
         shutdown_ray()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 << 20)
+    # 8 logical CPUs: a Ray Serve LLM replica reserves 2 (its actor and its engine's bundle)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=100 << 20)
     yield str(ray.get_runtime_context().gcs_address)
     shutdown_ray()
 

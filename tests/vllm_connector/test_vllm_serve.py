@@ -1,38 +1,52 @@
-"""examples/vllm_serve.py on the tests' local Ray: two Serve replicas, each a vLLM engine with
-RaykvConnector paired with one CacheWorker, behind raykv's CacheAwareRouter.
+"""examples/vllm_serve.py on the tests' local Ray: Ray Serve LLM (``build_openai_app`` and
+``build_pd_openai_app``) running vLLM engines with RaykvConnector, routed by raykv's
+CacheAwareRouter, over HTTP on 127.0.0.1.
 
 Checks content: every repeat of a system prompt lands on the replica whose worker holds it and
-loads at least the system prompt's blocks through the connector; the router decided with the
-index (not by fallback).
+loads at least the system prompt's blocks through the connector; in the PD app the decode engine
+(worker 1) loads the blocks the prefill engine (worker 0) stored and generates the same tokens
+and logprobs as the routed app did for the same prompt.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
-pytest.importorskip("ray.serve")
+pytest.importorskip("ray.serve.llm")
 
 from ray_helpers import load_example
 
 from actors.cluster import RayKVCluster
-from actors.serve import router_counters
 
 
-def test_serve_routes_repeats_to_their_holder_which_loads_them(
-    deployment: RayKVCluster, model_dir: str
+@pytest.fixture(scope="module")
+def http_port(deployment: RayKVCluster) -> Iterator[int]:
+    from ray import serve
+
+    example = load_example("vllm_serve.py")
+    port = int(example.free_port())
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield port
+    serve.shutdown()
+
+
+def test_serve_llm_routes_repeats_to_their_holder_then_pd_matches_it(
+    deployment: RayKVCluster, model_dir: str, http_port: int
 ) -> None:
     from ray import serve
 
     example = load_example("vllm_serve.py")
-    serve.start(proxy_location="Disabled")
-    try:
-        app = example.build_app(model_dir, deployment.namespace)
-        handle = serve.run(app, name="raykv-vllm-test", route_prefix=None)
-        workers = example.verify(handle, deployment)  # asserts holder and hits per request
-        assert sorted(len(ws) for ws in workers.values()) == [3, 3]
-        assert all(len(set(ws)) == 1 for ws in workers.values())
-        counters = next(iter(router_counters().values()))
-        assert counters["cache_routed"] >= 4 and counters.get("index_errors", 0) == 0
-    finally:
-        serve.shutdown()
+    serve.run(example.build_app(model_dir, deployment.namespace), name="routed", route_prefix="/")
+    workers = example.verify(http_port, deployment)  # asserts holder and hits per request
+    assert sorted(len(ws) for ws in workers.values()) == [3, 3]
+    assert all(len(set(ws)) == 1 for ws in workers.values())
+    reference = example.complete(http_port, example.pd_prompt(), cache_salt="reference")
+    serve.delete("routed")
+
+    serve.run(example.build_pd_app(model_dir, deployment.namespace), name="pd", route_prefix="/")
+    stats = example.verify_pd(http_port, deployment, reference)  # worker 1 loaded, same output
+    assert stats["hit_blocks"] == stats["loaded_blocks_ok"]
+    serve.delete("pd")

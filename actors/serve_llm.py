@@ -1,0 +1,213 @@
+"""raykv in Ray Serve LLM (``ray.serve.llm``, Ray 2.60): vLLM replicas with RaykvConnector,
+routed by raykv's CacheAwareRouter.
+
+:func:`with_raykv` turns a user's ``LLMConfig`` into one whose
+
+- engine loads and stores KV through :class:`raykv.integrations.vllm.RaykvConnector`
+  (``engine_kwargs["kv_transfer_config"]``; the user's ``kv_connector_extra_config`` keys are
+  kept, raykv's are added);
+- replicas each pair with one CacheWorker of the raykv deployment (``pool[rank % len(pool)]``,
+  as :class:`actors.serve_kv.ReplicaCache` does) through :class:`RaykvConnectorBackend`, Ray
+  Serve LLM's per-replica connector hook, which runs before the engine starts and hands the
+  worker and the cluster address to the engine's connector;
+- server class is :class:`RaykvLLMServer`, which announces the worker to routers
+  (``record_replica_metadata`` / ``record_routing_stats``, field ``raykv_worker``) with the
+  prompt tokens it has in flight;
+- deployment routes with :class:`actors.serve.CacheAwareRouter` (``request_router_config``), which
+  runs where the deployment's handle is called (the OpenAI ingress) and reads the token ids of a
+  ``/v1/completions`` request (``prompt`` as a list of ids). Requests without token ids (chat,
+  text prompts) are routed by load.
+
+Build the app with Ray's own builders: ``build_openai_app({"llm_configs": [with_raykv(cfg)]})``.
+For prefill/decode, ``build_pd_openai_app`` with ``with_raykv(prefill, role="kv_producer",
+pool=...)`` and ``with_raykv(decode, role="kv_consumer", pool=...)``: Ray's PD servers replace
+the server class (the prefill server announces the backend's worker itself), the prefill
+deployment routes by cache, and the decode engine's connector reads the prefill worker and block
+count from the ``kv_transfer_params`` Ray's PD proxy forwards and pulls those blocks into its own
+worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import ray
+from ray.llm._internal.serve.core.server.llm_server import LLMServer
+from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
+    BaseConnectorBackend,
+    DefaultPDProtocolMixin,
+)
+
+from actors.serve import router_config
+from actors.serve_kv import ReplicaCache
+from raykv.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CONNECTOR = "RaykvConnector"
+CONNECTOR_MODULE = "raykv.integrations.vllm"
+ROLES = ("kv_both", "kv_producer", "kv_consumer")
+POOL_KEY = "raykv_pool"  # kv_connector_extra_config key: the workers this deployment pairs with
+
+
+def with_raykv(
+    llm_config: Any,
+    namespace: str = "raykv",
+    role: str = "kv_both",
+    pool: Sequence[str | int] | None = None,
+    router: Mapping[str, Any] | None = None,
+    **extra: Any,
+) -> Any:
+    """A copy of ``llm_config`` (a ``ray.serve.llm.LLMConfig``) served with raykv (module doc).
+
+    ``role``: vLLM's kv_role; ``pool``: worker names or indices this deployment's replicas pair
+    with (default: every worker); ``router``: keyword arguments of
+    :func:`actors.serve.router_config` (``routing``, ``time_budget_s``, ...); ``extra``: more
+    ``kv_connector_extra_config`` keys (``staging_bytes``, ``timeout_s``, ...). ConfigError for a
+    bad role, or when the config already names another connector or server class. The original
+    is not changed.
+    """
+    if role not in ROLES:
+        raise ConfigError("role", f"must be one of {ROLES}, got {role!r}")
+    engine_kwargs = copy.deepcopy(dict(llm_config.engine_kwargs or {}))
+    transfer = engine_kwargs.get("kv_transfer_config") or {}
+    if not isinstance(transfer, Mapping):
+        raise ConfigError("kv_transfer_config", "must be a dict in engine_kwargs")
+    if transfer.get("kv_connector", CONNECTOR) != CONNECTOR:
+        raise ConfigError("kv_transfer_config", f"already names {transfer['kv_connector']!r}")
+    if llm_config.server_cls not in (None, RaykvLLMServer):
+        raise ConfigError("server_cls", f"already set to {llm_config.server_cls!r}")
+    user_extra = dict(transfer.get("kv_connector_extra_config") or {})
+    user_extra.update(extra, namespace=namespace)
+    if pool is not None:
+        user_extra[POOL_KEY] = [str(w) if isinstance(w, str) else int(w) for w in pool]
+    engine_kwargs["kv_transfer_config"] = {
+        **transfer,
+        "kv_connector": CONNECTOR,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": role,
+        "kv_connector_extra_config": user_extra,
+    }
+    register_backend()
+    deployment_config = dict(llm_config.deployment_config or {})
+    deployment_config["request_router_config"] = router_config(namespace, **dict(router or {}))
+    return llm_config.model_copy(
+        update={
+            "engine_kwargs": engine_kwargs,
+            "server_cls": RaykvLLMServer,
+            "deployment_config": deployment_config,
+        }
+    )
+
+
+def register_backend() -> None:
+    """Register :class:`RaykvConnectorBackend` as Ray Serve LLM's backend for RaykvConnector
+    (once; Ray keeps it in the cluster's KV store, so replicas find it)."""
+    from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnectorBackendFactory
+
+    if not KVConnectorBackendFactory.is_registered(CONNECTOR):
+        KVConnectorBackendFactory.register_backend(CONNECTOR, f"{__name__}:RaykvConnectorBackend")
+
+
+def _pool_names(cache_names: Sequence[str], pool: Sequence[Any] | None) -> list[str] | None:
+    """Worker names of ``pool`` (names or indices into the deployment's workers)."""
+    if pool is None:
+        return None
+    names = []
+    for item in pool:
+        if isinstance(item, int) and not isinstance(item, bool):
+            if not 0 <= item < len(cache_names):
+                raise ConfigError(POOL_KEY, f"index {item} out of range ({len(cache_names)} workers)")
+            names.append(cache_names[item])
+        elif str(item) in cache_names:
+            names.append(str(item))
+        else:
+            raise ConfigError(POOL_KEY, f"{item!r} is none of {list(cache_names)}")
+    return names
+
+
+class RaykvConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):  # type: ignore[misc]
+    """Ray Serve LLM's per-replica side of RaykvConnector (every server class: ``LLMServer``,
+    the PD prefill and decode servers).
+
+    :meth:`setup` runs in the replica before its engine starts: it pairs the replica with one
+    CacheWorker (``pool[rank % len(pool)]``) and writes that worker and the cluster's address
+    into the connector's ``kv_connector_extra_config`` (``worker``, ``ray_address``). Raises
+    what :func:`actors.cluster.connect` raises when the raykv deployment is not up (the replica
+    then fails to start, and Serve retries it). :meth:`replica_metadata` announces the worker
+    to routers (``raykv_worker``). P/D requests follow Ray's default protocol: the decode
+    request carries the prefill response's ``kv_transfer_params``, in which RaykvConnector put
+    the prefill worker and block count.
+    """
+
+    cache: ReplicaCache | None = None
+
+    def setup(self) -> None:
+        from actors.cluster import connect
+
+        extra = self.kv_transfer_config.setdefault("kv_connector_extra_config", {})
+        namespace = str(extra.get("namespace", "raykv"))
+        names = [str(w) for w in connect(namespace).worker_ids]
+        self.cache = ReplicaCache(namespace, pool=_pool_names(names, extra.pop(POOL_KEY, None)))
+        extra["worker"] = str(self.cache.worker_id)
+        extra["ray_address"] = str(ray.get_runtime_context().gcs_address)
+        log.info("raykv: replica paired with %s", self.cache.worker_id)
+
+    def replica_metadata(self) -> dict[str, Any]:
+        return self.cache.metadata() if self.cache is not None else {}
+
+
+class RaykvLLMServer(LLMServer):  # type: ignore[misc]
+    """Ray Serve LLM's ``LLMServer`` that announces its raykv worker to routers (replica
+    metadata and routing stats, with the prompt tokens it has in flight); the pairing itself is
+    :class:`RaykvConnectorBackend`'s."""
+
+    def _cache(self) -> ReplicaCache | None:
+        backend = getattr(self._llm_config, "kv_connector_backend", None)
+        return getattr(backend, "cache", None)
+
+    async def record_replica_metadata(self) -> dict[str, Any]:
+        cache = self._cache()
+        return cache.metadata() if cache is not None else {}
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        stats = dict(await super().record_routing_stats() or {})
+        cache = self._cache()
+        if cache is not None:
+            stats.update(cache.routing_stats())
+        return stats
+
+    async def completions(self, request: Any, raw_request_info: Any = None) -> Any:
+        """vLLM's completions, with the request's prompt tokens counted as queued while it
+        runs (the router's load signal)."""
+        stream = await super().completions(request, raw_request_info)
+        return self._counting(stream, _prompt_length(request))
+
+    async def chat(self, request: Any, raw_request_info: Any = None) -> Any:
+        stream = await super().chat(request, raw_request_info)
+        return self._counting(stream, 0)
+
+    async def _counting(self, stream: AsyncIterator[Any], tokens: int) -> AsyncIterator[Any]:
+        cache = self._cache()
+        if cache is None:
+            async for item in stream:
+                yield item
+            return
+        context = cache.prefilling(tokens) if tokens else contextlib.nullcontext()
+        with context, cache.decoding():
+            async for item in stream:
+                yield item
+
+
+def _prompt_length(request: Any) -> int:
+    """Prompt tokens of a completion request given as token ids (0 for text prompts)."""
+    prompt = getattr(request, "prompt", None)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        prompt = prompt[0] if len(prompt) == 1 else None
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return 0
