@@ -26,8 +26,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import actors.ray_tree  # noqa: F401 - the routing suite's baseline is Ray's PrefixTree
     from raykv.bench import run_all_benchmarks, run_benchmarks
+
+    if args.suite in ("routing", None):
+        import actors.ray_tree  # noqa: F401 - the routing suite's baseline is Ray's PrefixTree
 
     if args.suite in ("index", None):
         from actors.bench import register

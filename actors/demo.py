@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from actors.ray_util import shutdown_ray
 from raykv.replay.grid import GridSpec, run_grid
 from raykv.replay.routers import ROUTERS, parse_routers
 from raykv.replay.workload import WorkloadSpec, generate
@@ -113,6 +112,8 @@ def run_ray_demo(
             grid = run_grid(reqs, spec, backends, err)
     finally:
         if started and ray.is_initialized():
+            from actors.ray_util import shutdown_ray
+
             shutdown_ray()
     emit(grid, "demo", out_dir, None, out, "raykv demo")
     out.write(f"oracle: verified {_verified(grid.summaries)} cached pages byte-for-byte: OK\n")

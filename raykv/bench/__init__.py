@@ -126,6 +126,34 @@ def run_all_benchmarks(quick: bool = False, out: TextIO | None = None, err: Text
     return run_suite("all", benchmarks, "; ".join(descriptions), stdout, stderr)
 
 
+_RAY_ROWS = {
+    "index": "the rows through Ray (route calls/s to index actors): raykv bench index",
+    "transfer": "the Ray object-store baseline row: raykv bench transfer",
+}
+
+
+def module_main(suite: str, argv: list[str] | None = None) -> int:
+    """``python -m raykv.bench.<suite> [--quick]``: run that suite alone, without Ray (rows that
+    need Ray are named on stderr with the command that adds them). Returns the exit code."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog=f"python -m raykv.bench.{suite}")
+    parser.add_argument("--quick", action="store_true", help="short run (CI)")
+    args = parser.parse_args(argv)
+    if suite in _RAY_ROWS:
+        sys.stderr.write(f"without Ray; for {_RAY_ROWS[suite]}\n")
+    return run_benchmarks(suite, quick=args.quick)
+
+
+def part_of(suite: str) -> int:
+    """For ``python -m`` on a module that only serves a suite: say which command runs it."""
+    import sys
+
+    sys.stderr.write(f"this module is part of the {suite} suite: python -m raykv.bench.{suite} [--quick]\n")
+    return 2
+
+
 def _prefixed(suite: str, bench: Benchmark) -> Benchmark:
     def run() -> list[Row]:
         return [replace(row, name=f"[{suite}] {row.name}") for row in bench.run()]
@@ -133,4 +161,4 @@ def _prefixed(suite: str, bench: Benchmark) -> Benchmark:
     return Benchmark(f"[{suite}] {bench.name}", run)
 
 
-__all__ = ["SUITES", "Benchmark", "Row", "run_all_benchmarks", "run_benchmarks"]
+__all__ = ["SUITES", "Benchmark", "Row", "module_main", "part_of", "run_all_benchmarks", "run_benchmarks"]

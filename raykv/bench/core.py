@@ -203,3 +203,11 @@ def _match_rows(mgr: CacheManager, seqs: list[npt.NDArray[np.int32]], settings: 
         Row("tree.match 100-block prefix", n / t_match, n / t_walk2, "ops/s"),
         Row("create+close 100-block prefix", n / t_create, None, "ops/s"),
     ]
+
+
+if __name__ == "__main__":
+    import sys
+
+    from raykv.bench import module_main
+
+    sys.exit(module_main("core"))

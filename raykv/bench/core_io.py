@@ -206,3 +206,11 @@ def demotion_benchmark(settings: CoreSettings) -> list[Row]:
             )
     name = f"manager demotion 64KiB x{n} (extend)"
     return [Row(name, raw.nbytes / t_ours / 1e6, raw.nbytes / t_base / 1e6, "MB/s")]
+
+
+if __name__ == "__main__":
+    import sys
+
+    from raykv.bench import part_of
+
+    sys.exit(part_of("core"))

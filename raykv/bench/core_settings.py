@@ -34,3 +34,11 @@ QUICK = CoreSettings(
 FULL = CoreSettings(
     key_repeats=1001, radix_sequences=50, radix_repeats=201, copy_repeats=61, demote_repeats=41, warmup=3
 )
+
+
+if __name__ == "__main__":
+    import sys
+
+    from raykv.bench import part_of
+
+    sys.exit(part_of("core"))

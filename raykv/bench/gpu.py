@@ -243,3 +243,11 @@ def gpu_benchmarks(settings: GpuSettings) -> list[Benchmark]:
     for kib in PAGE_KIB:
         benches.append(Benchmark(f"d2d {kib}KiB", functools.partial(d2d_benchmark, settings, kib)))
     return benches
+
+
+if __name__ == "__main__":
+    import sys
+
+    from raykv.bench import module_main
+
+    sys.exit(module_main("gpu"))

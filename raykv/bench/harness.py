@@ -208,3 +208,11 @@ def run_suite(suite: str, benchmarks: list[Benchmark], description: str, out: Te
 def default_streams(out: TextIO | None, err: TextIO | None) -> tuple[TextIO, TextIO]:
     """``out`` and ``err``, defaulting to the current ``sys.stdout`` / ``sys.stderr``."""
     return (sys.stdout if out is None else out), (sys.stderr if err is None else err)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from raykv.bench import part_of
+
+    sys.exit(part_of("core"))

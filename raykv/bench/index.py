@@ -140,3 +140,11 @@ def _dict_ingest(batches: list[EventBatch]) -> float:
 
 def index_benchmarks(settings: IndexSettings) -> list[Benchmark]:
     return [Benchmark("index route + ingest (in-process)", lambda: _route_rows(settings))]
+
+
+if __name__ == "__main__":
+    import sys
+
+    from raykv.bench import module_main
+
+    sys.exit(module_main("index"))

@@ -128,3 +128,11 @@ def _rows(settings: RoutingSettings) -> list[Row]:
 def routing_benchmarks(settings: RoutingSettings) -> list[Benchmark]:
     """One benchmark producing both rows (the workload is built once)."""
     return [Benchmark("routing decision", lambda: _rows(settings))]
+
+
+if __name__ == "__main__":
+    import sys
+
+    from raykv.bench import module_main
+
+    sys.exit(module_main("routing"))

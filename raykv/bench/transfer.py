@@ -383,3 +383,11 @@ def transfer_suite(quick: bool) -> tuple[list[Benchmark], str]:
     settings = QUICK if quick else FULL
     description = describe(settings, quick)
     return [Benchmark("pull bandwidth (peer process)", lambda: run_process_rows(settings))], description
+
+
+if __name__ == "__main__":
+    import sys
+
+    from raykv.bench import module_main
+
+    sys.exit(module_main("transfer"))
