@@ -190,3 +190,51 @@ def test_no_ray_import_statement_anywhere_in_raykv() -> None:
         if pattern.match(line)
     ]
     assert hits == []
+
+
+_BENCH_WITHOUT_RAY = r"""
+import importlib.abc
+import sys
+
+
+class Guard(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.partition(".")[0] == "ray":
+            raise ModuleNotFoundError(f"No module named {fullname!r} (blocked by test)", name=fullname)
+        return None
+
+
+sys.meta_path.insert(0, Guard())
+from actors.cli import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_raykv_bench_gpu_and_core_run_without_ray() -> None:
+    """``raykv bench gpu`` builds its parser and runs with Ray unimportable (on a machine without
+    CUDA the suite reports one error row and exits 1; it must not fail on an import)."""
+    for suite, codes in (("gpu", (0, 1)), ("core", (0,))):
+        proc = subprocess.run(
+            [sys.executable, "-c", _BENCH_WITHOUT_RAY, "bench", suite, "--quick"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert "ModuleNotFoundError" not in proc.stderr, proc.stderr[-2000:]
+        assert proc.returncode in codes, proc.stderr[-2000:]
+        assert f"{suite}: " in proc.stdout and " rows, " in proc.stdout, proc.stdout[-2000:]
+
+
+def test_python_m_bench_module_runs_its_suite() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "raykv.bench.core", "--quick"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "core: " in proc.stdout and " 0 errors" in proc.stdout
+    assert "block_keys" in proc.stdout
