@@ -180,8 +180,7 @@ def d2d_benchmark(settings: GpuSettings, page_kib: int) -> list[Row]:
     try:
         rng = np.random.default_rng(page_kib)
         perm = rng.permutation(2 * n)
-        src = [PageId(int(x)) for x in perm[:n]]
-        dst = [PageId(int(x)) for x in perm[n:]]
+        src, dst = perm[:n].astype(np.int64), perm[n:].astype(np.int64)  # block tables are arrays
         pool.tensor.random_(0, 256)
         a = torch.empty(n * page, dtype=torch.uint8, device=pool.device).random_(0, 256)
         b = torch.empty_like(a)

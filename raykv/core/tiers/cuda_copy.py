@@ -212,20 +212,21 @@ class CudaCopier:
         nbytes: int,
     ) -> None:
         """Copy the pages: one cuMemcpyAsync per run (consecutive on both sides), or one kernel
-        launch for many short runs."""
-        spans = runs(src, dst)
+        launch for many short runs. Only the run count is computed before choosing (listing
+        thousands of runs as Python tuples would cost more than the kernel's copy)."""
+        num_runs = len(_run_starts(src, dst))
         if self.method in ("memcpy", "kernel"):
             use_memcpy = self.method == "memcpy"
-        elif len(spans) <= MEMCPY_MAX_RUNS:
+        elif num_runs <= MEMCPY_MAX_RUNS:
             use_memcpy = True
         else:  # long runs between host and device: DMA engines; within the device: the kernel
             host_side = stream is not self.streams["d2d"]
-            use_memcpy = host_side and len(src) * nbytes >= len(spans) * MEMCPY_MIN_RUN_BYTES
+            use_memcpy = host_side and len(src) * nbytes >= num_runs * MEMCPY_MIN_RUN_BYTES
         aligned = nbytes % 16 == 0 and not (src_base | dst_base) % 16
         if not use_memcpy and aligned and self._load_kernel():
             self._launch(stream, src_base + src * nbytes, dst_base + dst * nbytes, nbytes)
             return
-        self._memcpy(stream, src_base, dst_base, nbytes, spans)
+        self._memcpy(stream, src_base, dst_base, nbytes, runs(src, dst))
 
     @staticmethod
     def _memcpy(

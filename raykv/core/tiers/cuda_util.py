@@ -190,7 +190,7 @@ class SlotEvents:
         if one_run(slots):  # the usual batch: a slice, no index array
             idx, top = slice(slots[0], slots[-1] + 1), slots[-1] + 1
         else:
-            idx = _slots(slots)
+            idx = slot_array(slots)
             if len(idx) == 0:
                 return
             top = int(idx.max()) + 1
@@ -219,7 +219,7 @@ class SlotEvents:
         """Live tokens named by ``slots`` (a histogram over the live token span, no sort)."""
         if not self._events:
             return []
-        idx = _slots(slots)
+        idx = slot_array(slots)
         tokens = self._token[idx[idx < len(self._token)]]
         lo, hi = min(self._events), max(self._events)
         tokens = tokens[(tokens >= lo) & (tokens <= hi)]
@@ -261,15 +261,17 @@ class SlotEvents:
 
     def drop(self, slots: SlotList) -> None:
         """Forget ``slots`` (their memory is gone: the pool shrank)."""
-        idx = _slots(slots)
+        idx = slot_array(slots)
         self._token[idx[idx < len(self._token)]] = -1
 
 
 SlotList = Sequence[int] | range | npt.NDArray[np.int64]
 
 
-def _slots(slots: SlotList) -> npt.NDArray[np.int64]:
+def slot_array(slots: SlotList) -> npt.NDArray[np.int64]:
+    """``slots`` as a flat int64 array (no copy when it already is one)."""
     return np.asarray(slots, dtype=np.int64).reshape(-1)
+
 
 
 def one_run(slots: SlotList) -> bool:
