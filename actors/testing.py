@@ -25,6 +25,7 @@ from actors.worker import CacheWorker
 from raykv.core.errors import OutOfPagesError, TransferError, TransferFailure
 from raykv.core.keys import ReuseScope
 from raykv.core.types import TierKind, WorkerId
+from raykv.integrations.vllm.link import Match
 from raykv.testing import ContentOracle
 from raykv.transfer import PullOutcome
 
@@ -170,10 +171,10 @@ class FaultyDeploymentLink(RayDeploymentLink):
 
     def lookup(
         self, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes], hint: Mapping[str, Any]
-    ) -> int | None:
+    ) -> Match:
         held = super().lookup(tokens, scope, keys, hint)
         faults = hint.get("faults") if isinstance(hint, Mapping) else None
-        if not held or not isinstance(faults, Mapping):
+        if not held.held or not isinstance(faults, Mapping):
             return held
         replacement = faults.get("replace_after_lookup")
         if faults.get("drop_after_lookup") or replacement:

@@ -5,8 +5,12 @@ Runs in vLLM's EngineCore process: joins the deployment's Ray cluster as a drive
 talks to the paired CacheWorker and the index with actor calls that carry keys and counts only.
 Pages never travel through Ray: the worker process moves them (raykv.transfer).
 
-Stores are pulled by the paired CacheWorker one staged chain after another, in staging order, on a
-daemon thread (a block imports only after its parent, so concurrent pulls could drop blocks).
+Lookups probe the paired CacheWorker (and read the index) and return at once. Fetches (the paired
+worker pulling a longer prefix from another worker, after waiting for a producer's hinted blocks
+to arrive there) run on a small thread pool, each bounded by ``timeout_s`` per wait; the
+connector's scheduler side polls them without blocking. Stores are pulled by the paired
+CacheWorker one staged chain after another, in staging order, on a daemon thread (a block imports
+only after its parent, so concurrent pulls could drop blocks).
 Joining Ray keeps the process's SIGTERM/SIGINT handlers (Ray's driver would replace them with its
 crash reporter, which kills vLLM's engine process without its orderly shutdown).
 """
@@ -14,6 +18,7 @@ crash reporter, which kills vLLM's engine process without its orderly shutdown).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import os
 import queue
@@ -21,6 +26,7 @@ import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -30,6 +36,7 @@ from raykv.core.config import KVLayout
 from raykv.core.errors import ConfigError, StateError
 from raykv.core.keys import ReuseScope
 from raykv.core.types import WorkerId
+from raykv.integrations.vllm.link import Match
 from raykv.integrations.vllm.plan import EngineLink
 from raykv.transfer import PeerAddress
 
@@ -46,6 +53,15 @@ def _worker_name(cluster: RayKVCluster, choice: Any) -> WorkerId:
     if isinstance(choice, str) and WorkerId(choice) in cluster.workers:
         return WorkerId(choice)
     raise ConfigError("worker", f"must be an index or one of {names}, got {choice!r}")
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """One fetch in flight: its future (resolving to the leading blocks the paired worker holds
+    afterwards) and the blocks it held before (the result when the fetch fails)."""
+
+    future: concurrent.futures.Future[int]
+    held: int
 
 
 class RayDeploymentLink:
@@ -73,7 +89,9 @@ class RayDeploymentLink:
         self._thread: Any = threading.Thread(target=self._store_loop, daemon=True, name="raykv-vllm-stores")
         self._thread.start()
         self.counters: collections.Counter[str] = collections.Counter()
-        self._waits: dict[bytes, float] = {}
+        self._fetches: concurrent.futures.ThreadPoolExecutor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=8, thread_name_prefix="raykv-fetch"
+        )
 
     def engine_link(self, staging_bytes: int, listen_host: str) -> EngineLink:
         assert self.address is not None
@@ -85,71 +103,96 @@ class RayDeploymentLink:
 
     def lookup(
         self, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes], hint: Mapping[str, Any]
-    ) -> int | None:
+    ) -> Match:
         try:
             held = self._held(self.handle, tokens, scope)
             if held >= len(keys):
-                return held
-            source = self._source(tokens, scope, keys, held, hint)
-            if source is None:
-                return held
-            peer, most = source
-            if most <= held:
-                return None if most < 0 else held
-            return self._pull_from(peer, tokens, scope, keys[held:most])
+                return Match(held)
+            named = hint.get("worker")
+            if isinstance(named, str) and WorkerId(named) in self.cluster.workers:
+                # The hinted worker itself is asked, by the fetch (the index may credit blocks a
+                # routing decision only predicted, and the producer's may still be on their way;
+                # when it is the paired worker, the fetch only waits for them).
+                want = min(len(keys), int(hint.get("blocks", len(keys))))
+                return Match(held, named, want, wait=True)
+            if not self.use_index:
+                return Match(held)
+            best, most = None, held
+            for worker, match in self.cluster.route_keys(list(keys)).items():
+                if worker != self.worker and match.blocks > most:
+                    best, most = worker, match.blocks
+            return Match(held) if best is None else Match(held, str(best), most)
         except Exception as exc:
-            self.counters["lookup_errors"] += 1
+            self._count("lookup_errors")
             log.warning("raykv lookup on %s failed: %s", self.worker, exc)
-            return 0
+            return Match(0)
 
     def _held(self, handle: Any, tokens: Sequence[int], scope: ReuseScope) -> int:
         probe = handle.probe.remote(list(tokens), scope.lora_id, scope.salt)
         return int(ray.get(probe, timeout=self.timeout_s).num_blocks)
 
-    def _source(
-        self,
-        tokens: Sequence[int],
-        scope: ReuseScope,
-        keys: Sequence[bytes],
-        held: int,
-        hint: Mapping[str, Any],
-    ) -> tuple[WorkerId, int] | None:
-        """The worker to pull from and how many leading blocks it holds (-1: the hinted worker
-        does not hold the hinted blocks yet, wait); None when no other worker holds more. The
-        hinted worker is asked directly (the index may credit blocks a routing decision only
-        predicted)."""
-        named = hint.get("worker")
-        if isinstance(named, str) and named != self.worker and WorkerId(named) in self.cluster.workers:
-            peer = WorkerId(named)
-            want = min(len(keys), int(hint.get("blocks", len(keys))))
-            have = self._held(self.cluster.workers[peer], tokens, scope)
-            if have < want and not self._waited_enough(keys[0]):
-                return peer, -1
-            self._waits.pop(keys[0], None)
-            return peer, have
-        if not self.use_index:
-            return None
-        best, most = None, held
-        for worker, match in self.cluster.route_keys(list(keys)).items():
-            if worker != self.worker and match.blocks > most:
-                best, most = worker, match.blocks
-        return None if best is None else (best, most)
+    def start_fetch(
+        self, match: Match, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes]
+    ) -> Fetch:
+        future: concurrent.futures.Future[int]
+        try:
+            future = self._fetches.submit(self._fetch, match, list(tokens), scope, list(keys))
+        except RuntimeError:  # closed
+            future = concurrent.futures.Future()
+            future.set_result(match.held)
+        return Fetch(future, match.held)
 
-    def _waited_enough(self, first_key: bytes) -> bool:
-        """Whether the wait for a hinted prefix (named by its first key) has run out."""
-        since = self._waits.setdefault(first_key, time.monotonic())
-        if len(self._waits) > 10_000:
-            self._waits.pop(next(iter(self._waits)))
-        return time.monotonic() - since > self.timeout_s
+    def _fetch(self, match: Match, tokens: list[int], scope: ReuseScope, keys: list[bytes]) -> int:
+        """(On a fetch thread.) Wait for the peer's blocks when asked to, have the paired worker
+        pull them, and return how many leading blocks of ``keys`` it holds afterwards."""
+        assert match.peer is not None
+        peer = WorkerId(match.peer)
+        try:
+            have = self._await_peer(peer, tokens, scope, match.blocks) if match.wait else match.blocks
+            if have > match.held and peer != self.worker:
+                self._pull_from(peer, keys[match.held : have])
+        except Exception as exc:
+            self._count("fetch_errors")
+            log.warning("raykv fetch from %s into %s failed: %s", peer, self.worker, exc)
+        return min(len(keys), self._held(self.handle, tokens, scope))
 
-    def _pull_from(
-        self, peer: WorkerId, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes]
-    ) -> int:
-        """Have the paired worker pull ``keys`` from ``peer``; its count afterwards."""
+    def _await_peer(self, peer: WorkerId, tokens: list[int], scope: ReuseScope, want: int) -> int:
+        """How many of the leading ``want`` blocks ``peer`` holds, once it holds them all or
+        ``timeout_s`` passed."""
+        handle = self.cluster.workers[peer]
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            have = min(want, self._held(handle, tokens, scope))
+            if have >= want or time.monotonic() >= deadline:
+                if have < want:
+                    self._count("fetch_wait_timeouts")
+                return have
+            time.sleep(0.02)
+
+    def _pull_from(self, peer: WorkerId, keys: Sequence[bytes]) -> None:
+        """Have the paired worker pull ``keys`` from ``peer``."""
         outcome: Any = ray.get(self.handle.pull.remote(str(peer), list(keys)), timeout=self.timeout_s)
-        self.counters["peer_pulls"] += 1
-        self.counters["peer_pulled_blocks"] += len(outcome.imported)
-        return self._held(self.handle, tokens, scope)
+        self._count("peer_pulls")
+        self._count("peer_pulled_blocks", len(outcome.imported))
+
+    def poll_fetch(self, fetch: Any, wait_s: float = 0.0) -> int | None:
+        assert isinstance(fetch, Fetch)
+        if wait_s > 0 and not fetch.future.done():
+            concurrent.futures.wait([fetch.future], timeout=wait_s)
+        if not fetch.future.done():
+            return None
+        try:
+            return int(fetch.future.result())
+        except Exception:  # cancelled, or the final probe failed
+            return fetch.held
+
+    def cancel_fetch(self, fetch: Any) -> None:
+        assert isinstance(fetch, Fetch)
+        fetch.future.cancel()
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._done[name] += amount
 
     def store(self, staging: PeerAddress, keys: Sequence[bytes]) -> None:
         self._queue.put((staging, list(keys)))
@@ -181,6 +224,7 @@ class RayDeploymentLink:
         self._queue.join()
 
     def close(self) -> None:
+        self._fetches.shutdown(wait=False, cancel_futures=True)
         self._queue.put(None)
         self._thread.join(self.timeout_s)
 

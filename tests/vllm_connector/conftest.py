@@ -7,9 +7,10 @@ Everything is session-scoped and built on first use, because one engine takes ~3
 on 2 cores: a local Ray (``ray_address``), a raykv deployment of two CPU workers whose layout is
 the tiny model's (``deployment``), the tiny random-weight Llama (``model_dir``) and the engines:
 ``baseline`` (no connector), ``engine_a`` (kv_both, worker 0, through ``FaultyDeploymentLink``),
-``engine_b`` (kv_consumer, worker 1) and ``producer`` (kv_producer, worker 0). Engines run one
-request at a time with one-block prefill chunks (see raykv.integrations.vllm.testing), so outputs
-are bit-exact across engines. Everything is shut down at the end of the session.
+``engine_b`` (kv_consumer, worker 1, ``timeout_s`` 4 so that a fetch that times out costs
+little) and ``producer`` (kv_producer, worker 0). Engines run one request at a time with
+one-block prefill chunks (see raykv.integrations.vllm.testing), so outputs are bit-exact across
+engines. Everything is shut down at the end of the session.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def engines(model_dir: str, deployment: RayKVCluster, ray_address: str) -> Itera
     roles = {
         "baseline": None,
         "engine_a": dict(worker=0, role="kv_both", link=FAULTY_LINK),
-        "engine_b": dict(worker=1, role="kv_consumer"),
+        "engine_b": dict(worker=1, role="kv_consumer", timeout_s=4.0),
         "producer": dict(worker=0, role="kv_producer"),
     }
     started: dict[str, Any] = {}

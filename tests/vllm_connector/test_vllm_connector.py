@@ -45,7 +45,7 @@ def test_outputs_exact_for_none_some_all_blocks(
     again = generate(engine_a, full)
     _same(again, first)
     assert again.raykv["hit_blocks"] == again.raykv["loaded_blocks_ok"] == usable_blocks(full) == 6
-    assert "load_errors" not in again.raykv
+    assert "load_errors" not in again.raykv and "async_loads" not in again.raykv  # a sync load
 
     part = generate(engine_a, some)
     _same(part, generate(baseline, some))
@@ -127,7 +127,7 @@ def test_no_deployment_one_warning_and_no_op(ray_address: str, caplog: pytest.Lo
     assert "no deployment reachable" in caplog.records[0].getMessage()
     side = SchedulerSide(tiny_layout(), None)
     request = SimpleNamespace(request_id="r1", prompt_token_ids=list(range(1, 200)), cache_salt=None)
-    assert side.lookup(request, 0) == 0
+    assert side.lookup(request, 0) == (0, False)
     out = SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id="r1", num_computed_tokens=0)],
         num_scheduled_tokens={"r1": 199},

@@ -1,11 +1,15 @@
 """RaykvConnector across engines: a fresh engine reuses what another stored (through the index
-and a worker-to-worker pull), and prefill/decode disaggregation with the pair chosen by raykv.routing.pd.
+and a worker-to-worker pull), prefill/decode disaggregation with the pair chosen by
+raykv.routing.pd, and peers that fail while the pull runs.
 
-Outputs are compared bit for bit with the ``baseline`` engine (no connector).
+Blocks held by another worker than the engine's own come through vLLM's asynchronous loads: the
+request waits in WAITING_FOR_REMOTE_KVS while the paired worker pulls them, and the engine goes
+on with other work. Outputs are compared bit for bit with the ``baseline`` engine (no connector).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,12 +17,17 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
 
+import ray
+
 from actors.cluster import RayKVCluster
+from raykv import TierKind
 from raykv.integrations.vllm.testing import generate
 from raykv.routing.pd import PDConfig, choose_pair
 from raykv.routing.policy import RoutingConfig, WorkerLoad
 
-from .helpers import TPB, held, prompt, usable_blocks, wait_held
+from .helpers import TPB, held, prompt, usable_blocks, wait_held, worker
+
+ENGINE_B_TIMEOUT_S = 4.0  # engine_b's timeout_s (conftest)
 
 
 def _same(got: Any, want: Any) -> None:
@@ -39,6 +48,7 @@ def test_fresh_engine_loads_blocks_another_engine_stored(
     assert got.raykv["worker"] == str(deployment.worker_ids[1])
     assert got.raykv["hit_blocks"] == got.raykv["loaded_blocks_ok"] == usable_blocks(tokens)
     assert got.raykv["hit_blocks"] >= len(tokens) // TPB - 1
+    assert got.raykv["async_loads"] == 1 and "load_errors" not in got.raykv
     assert held(deployment, 1, tokens).num_blocks >= usable_blocks(tokens)  # worker 1 pulled them
     _same(got, generate(baseline, tokens))
 
@@ -63,4 +73,75 @@ def test_prefill_decode_pair_chosen_by_raykv_pd(
     _same(out, ref)
     assert first.tokens[0] == ref.tokens[0] and first.logprobs[0] == ref.logprobs[0]
     assert out.raykv["hit_blocks"] == out.raykv["loaded_blocks_ok"] == usable_blocks(tokens)
+    assert out.raykv["async_loads"] == 1 and "load_errors" not in out.raykv
     assert held(deployment, 1, tokens).num_blocks >= usable_blocks(tokens)
+
+
+def test_peer_failing_during_the_async_pull_is_recomputed(
+    baseline: Any, engine_a: Any, engines: Callable[[str], Any], deployment: RayKVCluster
+) -> None:
+    """Worker 0's page server drops every pull after its header while engine B's worker pulls
+    from it: the async load reports every block lost and vLLM recomputes them, exactly."""
+    tokens = prompt(71, 224)
+    generate(engine_a, tokens)
+    wait_held(deployment, 0, tokens, len(tokens) // TPB)
+    # fill worker 0's host tier: the prompt's blocks go to disk, which a pull reads through the
+    # page server (pages in the shared host tier would be read one-sided, past the fault hook)
+    for r in range(3):
+        filler = [200_000 + r * 10_000 + i for i in range(32 * TPB)]
+        ray.get(worker(deployment, 0).run_request.remote(filler), timeout=60)
+    assert TierKind.DISK in held(deployment, 0, tokens).tiers
+    deployment.flush()
+    ray.get(worker(deployment, 0).set_transfer_faults.remote(drop_after_header=True), timeout=30)
+    try:
+        got = generate(engines("engine_b"), tokens)
+    finally:
+        ray.get(worker(deployment, 0).set_transfer_faults.remote(drop_after_header=False), timeout=30)
+    n = usable_blocks(tokens)
+    assert got.raykv["hit_blocks"] == got.raykv["loaded_blocks"] == got.raykv["load_errors"] == n
+    assert got.raykv["async_loads"] == 1 and got.raykv.get("loaded_blocks_ok", 0) == 0
+    assert held(deployment, 1, tokens).num_blocks == 0
+    _same(got, generate(baseline, tokens))
+
+
+def test_producer_blocks_that_never_arrive_are_recomputed(
+    baseline: Any, engines: Callable[[str], Any], deployment: RayKVCluster
+) -> None:
+    """A producer's hint names blocks worker 0 never gets (the producer died before storing
+    them): engine B's request waits in the background until its fetch times out, then every
+    block is recomputed, exactly."""
+    tokens = prompt(81, 200)
+    hint = {"raykv": {"worker": str(deployment.worker_ids[0]), "blocks": len(tokens) // TPB}}
+    got = generate(engines("engine_b"), tokens, params=hint)
+    n = usable_blocks(tokens)
+    assert got.raykv["hit_blocks"] == got.raykv["load_errors"] == n
+    assert got.raykv["async_loads"] == 1 and got.raykv["fetch_us"] >= ENGINE_B_TIMEOUT_S * 1e6
+    _same(got, generate(baseline, tokens))
+
+
+def test_request_aborted_while_its_async_load_waits_frees_its_blocks(
+    baseline: Any, engines: Callable[[str], Any], deployment: RayKVCluster
+) -> None:
+    """A request waiting in WAITING_FOR_REMOTE_KVS (its producer's blocks never come) is aborted:
+    the connector releases it in the next step (vLLM frees its blocks only once the worker side
+    reports it received), long before its fetch would time out, and the engine goes on exactly.
+    ``reset_prefix_cache`` succeeds only while no engine block is in use."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = engines("engine_b")
+    tokens = prompt(91, 200)
+    hint = {"raykv": {"worker": str(deployment.worker_ids[0]), "blocks": len(tokens) // TPB}}
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, extra_args={"kv_transfer_params": hint})
+    llm.llm_engine.add_request("waits", TokensPrompt(prompt_token_ids=tokens), sampling)
+    deadline = time.monotonic() + ENGINE_B_TIMEOUT_S / 2
+    while llm.reset_prefix_cache():  # until it is admitted: blocks allocated, waiting for its KV
+        assert time.monotonic() < deadline, "the request never waited for its KV"
+        time.sleep(0.02)
+    llm.llm_engine.abort_request(["waits"])
+    aborted = time.monotonic()
+    while not llm.reset_prefix_cache():
+        assert time.monotonic() - aborted < ENGINE_B_TIMEOUT_S / 2, "its blocks are still held"
+        time.sleep(0.05)
+    other = prompt(92, 150)
+    _same(generate(llm, other), generate(baseline, other))

@@ -23,9 +23,13 @@ Process topology (one engine, one CacheWorker on the same node):
 - EngineCore process (vLLM's scheduler): the connector's scheduler side. It joins the Ray
   cluster as a driver (the only Ray user in the engine), reads the deployment spec, and per
   request asks the paired CacheWorker how many prompt blocks it holds (an actor call returning
-  an int; when the index says another worker holds more, the paired worker first pulls them
-  from it over raykv's page transfers). After the worker process staged new blocks it asks the
-  CacheWorker to pull them (an actor call carrying keys only).
+  an int). Those blocks are loaded synchronously, before the forward pass. When the index says
+  another worker holds more, or a prefill/decode producer's ``kv_transfer_params`` name blocks
+  still on their way, the load is asynchronous: the paired worker pulls them from the other
+  worker over raykv's page transfers in the background (the scheduler never waits for it), the
+  request waits in vLLM's WAITING_FOR_REMOTE_KVS, and the load follows in the step after the
+  pull ended (see :mod:`~raykv.integrations.vllm.connector`). After the worker process staged
+  new blocks it asks the CacheWorker to pull them (an actor call carrying keys only).
 - worker process (vLLM's model runner): the data plane, no Ray. Pages move between the
   CacheWorker's tiers and the engine's KV tensors through raykv's page transfers: one-sided
   reads of the CacheWorker's shared host tier (``TierConfig.host(..., shared=True)``, a file
@@ -42,13 +46,17 @@ deployment link factory, default ``actors.vllm_link:RayDeploymentLink``), ``use_
 longer prefix from another worker, default True), ``staging_bytes`` (default 256 MiB),
 ``listen_host`` (staging page server, default 127.0.0.1), ``store_generated`` (store blocks of
 generated tokens too, default True; see :mod:`~raykv.integrations.vllm.scheduler`),
-``timeout_s`` (per deployment call, default 10). Tests inject faults through their own link
+``timeout_s`` (per deployment call, default 10; an asynchronous load's fetch, which may first wait
+that long for a producer's blocks, is given up after ``2 * timeout_s``, and the blocks it did not
+bring are recomputed). Tests inject faults through their own link
 (``link="actors.testing:FaultyDeploymentLink"``); the production link has no fault hooks.
 
 Results per request land in ``RequestOutput.kv_transfer_params["raykv"]``: ``hit_blocks``,
 ``loaded_blocks`` (planned), ``loaded_blocks_ok``, ``load_errors``, ``load_us`` (the load's wall
 time in the worker process: pull plus copy into the engine's blocks), ``path_<path>`` (how the
-pages came: ``shm_read``, ``shm``, ``ucx``), ``offered_blocks``, ``staged_blocks``, ``worker`` and
+pages came: ``shm_read``, ``shm``, ``ucx``), ``async_loads`` and ``fetch_us`` (an asynchronous
+load, the wall time from its lookup until its load was planned), ``offered_blocks``,
+``staged_blocks``, ``worker`` and
 ``blocks`` (prompt blocks the deployment holds or was offered; a PD proxy hands these to the
 decode engine's request as ``kv_transfer_params``). The worker side's
 figures of a step reach the scheduler after the requests finishing in that step are freed, so a

@@ -7,9 +7,24 @@ raykv never imports vllm or torch). The scheduler-side instance delegates to
 :class:`~raykv.integrations.vllm.scheduler.SchedulerSide`, the worker-side one to
 :class:`~raykv.integrations.vllm.worker.WorkerSide`.
 
-Loads are synchronous (done in ``start_load_kv``, before the forward pass, so layers never
-wait); stores are staged in ``wait_for_save``, after the forward pass, and pulled by the
-CacheWorker asynchronously, so finished requests free their blocks at once.
+Loads run in ``start_load_kv`` and are whole when it returns (layers never wait in
+``wait_for_layer_load``). A hit the paired CacheWorker holds is a synchronous load
+(``get_num_new_matched_tokens`` returns ``(tokens, False)``), copied before the forward pass of the
+step that computes the rest of the prompt. A hit another worker holds, or a prefill/decode
+producer's blocks still on their way, is an asynchronous load (``(tokens, True)``): the scheduler
+side starts a fetch to the paired CacheWorker in the background, the request waits in vLLM's
+WAITING_FOR_REMOTE_KVS with its blocks allocated, and once the fetch is done (polled each step,
+bounded by ``2 * timeout_s``) the worker side loads those blocks in the next step (with or
+without a forward pass) and reports the request through ``get_finished`` as finished receiving;
+blocks the fetch did not bring are load errors, recomputed by vLLM. A request that finishes or
+is aborted while its fetch is pending is released the same way without a load.
+
+Stores are copies: ``wait_for_save`` stages the blocks computed in the step into the worker
+side's staging tier, synchronously, after the forward pass; the CacheWorker pulls them from
+there later. Engine blocks are therefore never needed after the step that computed them, and
+``request_finished`` always returns False: vLLM frees a finished request's blocks at once (but
+those of a request aborted while it waits for an asynchronous load, which vLLM frees once the
+release above is reported), and ``get_finished`` reports no finished sending.
 """
 
 from __future__ import annotations
@@ -76,6 +91,11 @@ class _ConnectorImpl:
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed() if self._worker is not None else set()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(None: no save ever holds blocks, requests of this step's asynchronous loads)."""
+        received = self._worker.take_received() if self._worker is not None else set()
+        return None, received or None
+
     def build_connector_worker_meta(self) -> Any:
         return self._worker.take_report() if self._worker is not None else None
 
@@ -88,7 +108,7 @@ class _ConnectorImpl:
     # ---- scheduler side --------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.lookup(request, num_computed_tokens), False
+        return self._scheduler.lookup(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
@@ -105,6 +125,7 @@ class _ConnectorImpl:
             self._scheduler.on_report(report if isinstance(report, WorkerReport) else None)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Never holds the blocks (False): stores were copied in the steps that computed them."""
         if self._scheduler is None:
             return False, None
         return False, self._scheduler.finished(request)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from raykv import ConfigError, KVLayout, ReuseScope
@@ -24,33 +25,75 @@ log = logging.getLogger(__name__)
 DEFAULT_LINK = "actors.vllm_link:RayDeploymentLink"
 
 
+@dataclass(frozen=True)
+class Match:
+    """What a lookup found for a prompt's leading block keys.
+
+    ``held``: leading blocks the paired CacheWorker holds now (loadable at once).
+    ``peer``, ``blocks``: another worker that holds (by the index) or is about to hold (by a
+    producer's hint) the leading ``blocks`` blocks, more than ``held``; None and 0 when none
+    does. ``wait``: the peer may not hold them yet (a hint), so a fetch waits for them first.
+    """
+
+    held: int
+    peer: str | None = None
+    blocks: int = 0
+    wait: bool = False
+
+    @property
+    def fetchable(self) -> bool:
+        """Whether a fetch from ``peer`` could bring blocks beyond ``held``."""
+        return self.peer is not None and self.blocks > self.held
+
+
 class DeploymentLink(Protocol):
-    """What the scheduler side needs from a deployment. Every call is bounded in time."""
+    """What the scheduler side needs from a deployment. Every call is bounded in time, and only
+    :meth:`lookup` and :meth:`engine_link` wait for the deployment; fetches run in the background
+    and are polled."""
 
     worker: str
     layout: KVLayout
+    timeout_s: float
 
     def engine_link(self, staging_bytes: int, listen_host: str) -> EngineLink:
         """The worker side's :class:`EngineLink` (address, node id, token)."""
 
     def lookup(
         self, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes], hint: Mapping[str, Any]
-    ) -> int | None:
-        """How many leading blocks of ``keys`` (the full blocks of ``tokens`` in ``scope``) the
-        paired CacheWorker holds now, after bringing them from another worker when the index, or
-        ``hint`` (a producer's ``kv_transfer_params["raykv"]``: ``worker``, ``blocks``), says one
-        holds more. None while the hinted worker holds fewer than ``blocks`` and the wait for them
-        has not timed out (the caller asks again). 0 on any failure."""
+    ) -> Match:
+        """Where the leading blocks of ``keys`` (the full blocks of ``tokens`` in ``scope``) are:
+        how many the paired CacheWorker holds, and which other worker holds more when the index
+        says so, or when ``hint`` (a producer's ``kv_transfer_params["raykv"]``: ``worker``,
+        ``blocks``) names one (then ``wait``: its blocks may still be on their way). Moves no
+        page. ``Match(0)`` on any failure."""
+
+    def start_fetch(
+        self, match: Match, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes]
+    ) -> Any:
+        """Start having the paired CacheWorker pull blocks ``match.held .. match.blocks - 1`` of
+        ``keys`` from ``match.peer`` (after waiting, at most ``timeout_s``, for the peer to hold
+        them when ``match.wait``), without blocking; the returned handle is for
+        :meth:`poll_fetch` and :meth:`cancel_fetch`. Never raises: a fetch that cannot start
+        resolves to ``match.held``."""
+
+    def poll_fetch(self, fetch: Any, wait_s: float = 0.0) -> int | None:
+        """None while ``fetch`` runs (after waiting at most ``wait_s`` for it); once done, how
+        many leading blocks of its keys the paired CacheWorker holds (the blocks held at lookup
+        when the fetch failed)."""
+
+    def cancel_fetch(self, fetch: Any) -> None:
+        """Its result is not wanted any more (blocks it still brings stay cached, nothing leaks)."""
 
     def store(self, staging: PeerAddress, keys: Sequence[bytes]) -> None:
         """Have the paired CacheWorker pull ``keys`` from the engine's staging page server
         (asynchronously; failures are counted, never raised)."""
 
     def poll(self) -> dict[str, int]:
-        """Counters of finished stores since the last poll (``stored_blocks``, ``store_errors``)."""
+        """Counters of finished stores and fetches since the last poll (``stored_blocks``,
+        ``store_errors``, ``fetch_errors``...)."""
 
     def close(self) -> None:
-        """Wait for stores in flight (bounded) and release the connection."""
+        """Wait for stores in flight (bounded), drop fetches and release the connection."""
 
 
 def open_link(extra: Mapping[str, Any]) -> DeploymentLink | None:

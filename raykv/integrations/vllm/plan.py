@@ -5,8 +5,11 @@ worker -> EngineCore in the worker metadata), so they are plain picklable datacl
 
 - :class:`EngineLink`: how the worker side reaches its CacheWorker's pages (page-server address,
   node id, deployment token) and how big its staging tier is. Sent in every step's metadata.
-- :class:`LoadOp`: copy the pages of ``keys`` into engine blocks ``block_ids`` before the
-  forward pass (failures become vLLM load errors).
+- :class:`LoadOp`: copy the pages of ``keys`` into engine blocks ``block_ids`` (failures become
+  vLLM load errors). Synchronous ones run before the forward pass of the step that computes on
+  them; asynchronous ones (``is_async``) belong to a request waiting in vLLM's
+  WAITING_FOR_REMOTE_KVS, are loaded in whatever step carries them (a step without a forward
+  pass too) and report the request as finished receiving in that step.
 - :class:`StoreOp`: after the forward pass, stage the KV of the request's blocks up to
   ``end_block`` (tokens ``tokens``) and report the keys of blocks ``first_block ..`` for the
   CacheWorker to pull.
@@ -41,12 +44,22 @@ class EngineLink:
 
 @dataclass(frozen=True)
 class LoadOp:
-    """Load the pages of ``keys`` (a prompt's blocks ``first_block ..``) into ``block_ids``."""
+    """Load the pages of ``keys`` (a prompt's blocks ``first_block ..``) into ``block_ids``.
+
+    ``lost_block_ids``: engine blocks of the same load whose pages are known to be unavailable
+    (an asynchronous fetch did not bring them): reported as load errors without a try, so vLLM
+    recomputes them. ``is_async``: the request waits in WAITING_FOR_REMOTE_KVS; the worker side
+    reports ``req_id`` as finished receiving (``get_finished``) in the step that carries the op,
+    after loading, with the failed blocks in the same step's load errors. An async op with no
+    keys and no lost blocks only releases a request that finished while its load was pending.
+    """
 
     req_id: str
     first_block: int
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    is_async: bool = False
+    lost_block_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

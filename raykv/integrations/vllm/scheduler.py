@@ -6,7 +6,18 @@ in the request's scope: ``cache_salt`` hashed by ``ReuseScope.from_cache_salt``,
 offered (``stored``). Each step it plans:
 
 - loads: after vLLM allocated blocks for an external hit, copy those blocks' pages in
-  (``LoadOp``), once;
+  (``LoadOp``), once. When the paired CacheWorker holds the blocks, the load is synchronous
+  (``get_num_new_matched_tokens`` returns ``(tokens, False)``; the load runs before the step's
+  forward pass). When another worker holds more (by the index, or a prefill/decode producer's
+  hint naming blocks still on their way), the lookup starts a fetch in the background
+  (:meth:`DeploymentLink.start_fetch`: the paired worker pulls them from that worker) and returns
+  ``(tokens, True)``; vLLM parks the request in WAITING_FOR_REMOTE_KVS with blocks allocated.
+  Each step's plan polls the fetch without blocking; once it is done (or after ``2 * timeout_s``:
+  the wait for a hint's blocks, then the pull) the plan carries an asynchronous ``LoadOp`` of the
+  blocks the paired worker now holds, the rest as lost blocks (vLLM recomputes them), and the
+  worker side reports the request finished receiving in that step. A request that finishes or is
+  aborted while its fetch is pending gets a release op instead (vLLM holds its blocks until the
+  worker side reports it), so nothing leaks and nothing is loaded into freed blocks;
 - stores: every block that becomes fully computed this step (prompt blocks, and with
   ``store_generated``, the default, blocks of generated tokens too) and that the deployment does
   not hold yet (``StoreOp``). Blocks of generated tokens hold KV from one-token decode steps,
@@ -17,7 +28,8 @@ offered (``stored``). Each step it plans:
 A lookup never counts the prompt's last token (vLLM must compute at least one token for its
 logits), so at most ``(len(prompt) - 1) // block_size`` blocks are loaded.
 
-Per-request results (``hit_blocks``, ``loaded_blocks``, ``load_errors``, ``stored_blocks``) come
+Per-request results (``hit_blocks``, ``loaded_blocks``, ``load_errors``, ``stored_blocks``, and for
+asynchronous loads ``async_loads`` and ``fetch_us``, the fetch's wall time from lookup to plan) come
 back in the request output's ``kv_transfer_params["raykv"]``.
 """
 
@@ -25,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +53,13 @@ PARAMS_KEY = "raykv"
 
 @dataclass
 class _Request:
+    """One request's state. ``hit``: blocks promised to vLLM; ``stored``: blocks the deployment
+    holds or was offered. An async load: ``fetch`` (the link's, None once planned or dropped),
+    ``fetch_held`` (blocks the paired worker held when it started, the fallback), ``fetch_since``
+    (its start, time.monotonic()), ``target`` (first block and engine blocks, once vLLM allocated
+    them). ``fetched``: a fetch ran for the request; later lookups (after a failed load, a
+    preemption) use the paired worker only, so a peer that keeps failing cannot make it loop."""
+
     prompt: tuple[int, ...]
     scope: ReuseScope
     keys: list[bytes]
@@ -48,6 +68,11 @@ class _Request:
     load: LoadOp | None = None
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
     request: Any = None  # vLLM's Request (its all_token_ids, for generated blocks)
+    fetch: Any = None
+    fetch_held: int = 0
+    fetch_since: float = 0.0
+    target: tuple[int, tuple[int, ...]] | None = None
+    fetched: bool = False
 
 
 def request_scope(request: Any) -> ReuseScope:
@@ -87,34 +112,68 @@ class SchedulerSide:
         self.loads, self.stores = loads, stores
         self.store_generated = bool(extra.get("store_generated", True))
         self._engine_link: EngineLink | None = None
+        self.fetch_limit_s = 2 * float(extra.get("timeout_s", 10.0))
         if link is not None:
             staging = int(extra.get("staging_bytes", 256 << 20))
             self._engine_link = link.engine_link(staging, str(extra.get("listen_host", "127.0.0.1")))
         self._requests: dict[str, _Request] = {}
+        self._fetching: dict[str, _Request] = {}  # allocated, waiting for their fetch
+        self._releases: list[LoadOp] = []  # of requests that finished while waiting
         self.counters: collections.Counter[str] = collections.Counter()
 
     # ---- lookups ---------------------------------------------------------------------------------
-    def lookup(self, request: Any, num_computed_tokens: int) -> int | None:
-        """Tokens beyond ``num_computed_tokens`` the deployment can supply (a multiple of the
-        block size; 0 when it holds no more, or when disabled); None while a producer's blocks
-        named in the request's ``kv_transfer_params`` are still on their way (ask again)."""
+    def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """vLLM's ``get_num_new_matched_tokens``: tokens beyond ``num_computed_tokens`` the
+        deployment can supply (a multiple of the block size; 0 when it holds no more, or when
+        disabled) and whether they come asynchronously (a fetch from another worker runs; see
+        the module docstring). Asked again before the request is admitted, a pending fetch is
+        not started twice: its answer is repeated, or, once it is done, turned synchronous."""
         state = self._state(request)
         if self.link is None or not self.loads or not state.keys:
-            return 0
+            return 0, False
         usable = (len(state.prompt) - 1) // self.tpb
+        if state.fetch is not None:
+            return self._lookup_again(state, num_computed_tokens)
         if usable <= num_computed_tokens // self.tpb:
-            return 0
+            return 0, False
         tokens = state.prompt[: usable * self.tpb]
         params = (getattr(request, "kv_transfer_params", None) or {}).get(PARAMS_KEY) or {}
-        held = self.link.lookup(tokens, state.scope, state.keys[:usable], params)
-        if held is None:
-            return None
-        state.hit = min(usable, held)
-        state.stored = max(state.stored, state.hit)
-        state.counts["hit_blocks"] = state.hit
+        match = self.link.lookup(tokens, state.scope, state.keys[:usable], params)
         self.counters["lookups"] += 1
-        self.counters["hit_blocks"] += state.hit
-        return max(0, state.hit * self.tpb - num_computed_tokens)
+        held = max(0, min(usable, match.held))
+        fetch = min(usable, match.blocks) if match.fetchable else 0
+        if fetch > held and fetch * self.tpb > num_computed_tokens and not state.fetched:
+            state.fetch = self.link.start_fetch(match, tokens, state.scope, state.keys[:usable])
+            state.fetch_held, state.fetch_since, state.fetched = held, time.monotonic(), True
+            self.counters["fetches"] += 1
+            return self._hit(state, fetch, held, num_computed_tokens), True
+        return self._hit(state, held, held, num_computed_tokens), False
+
+    def _hit(self, state: _Request, hit: int, held: int, num_computed_tokens: int) -> int:
+        """Record a lookup's ``hit`` (``held`` of them on the paired worker); new tokens. The
+        request's ``hit_blocks`` is its best lookup's (vLLM asks again after a preemption, or
+        after an async load whose every block failed)."""
+        state.hit = hit
+        state.stored = max(state.stored, held)
+        state.counts["hit_blocks"] = max(hit, state.counts["hit_blocks"])
+        self.counters["hit_blocks"] += hit
+        return max(0, hit * self.tpb - num_computed_tokens)
+
+    def _lookup_again(self, state: _Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """A lookup of a request whose fetch started before it was admitted."""
+        assert self.link is not None
+        done = self.link.poll_fetch(state.fetch)
+        if done is None and time.monotonic() - state.fetch_since <= self.fetch_limit_s:
+            new = max(0, state.hit * self.tpb - num_computed_tokens)
+            if new > 0:
+                return new, True
+        self.link.cancel_fetch(state.fetch)
+        state.fetch = None
+        held = state.fetch_held if done is None else max(0, min(state.hit, done))
+        state.stored = max(state.stored, held)
+        state.hit = held
+        state.counts["hit_blocks"] = held
+        return max(0, held * self.tpb - num_computed_tokens), False
 
     def _state(self, request: Any) -> _Request:
         state = self._requests.get(request.request_id)
@@ -127,12 +186,20 @@ class SchedulerSide:
         return state
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        """Plan the load of the external hit into the blocks vLLM just allocated."""
+        """Plan the load of the external hit into the blocks vLLM just allocated (for an
+        asynchronous hit: once its fetch is done)."""
         state = self._requests.get(request.request_id)
         if state is None or num_external_tokens <= 0 or state.load is not None:
             return
         count = num_external_tokens // self.tpb
         first = state.hit - count
+        if state.fetch is not None and state.target is None:
+            if first < 0 or len(block_ids) < state.hit:
+                log.warning("raykv: %s: fewer blocks than the planned load", request.request_id)
+            first = max(0, first)
+            state.target = (first, tuple(block_ids[first : state.hit]))
+            self._fetching[request.request_id] = state
+            return
         if first < 0 or len(block_ids) < state.hit:
             log.warning("raykv: %s: no blocks for the planned load; skipping it", request.request_id)
             return
@@ -141,10 +208,13 @@ class SchedulerSide:
 
     # ---- steps -----------------------------------------------------------------------------------
     def build(self, scheduler_output: Any, block_ids_of: Callable[[str], list[int]]) -> RaykvMetadata:
-        """This step's metadata: pending loads and the stores of blocks computed this step."""
+        """This step's metadata: finished fetches' loads, pending synchronous loads and the stores
+        of blocks computed this step."""
         meta = RaykvMetadata(link=self._engine_link)
         if self.link is None:
             return meta
+        idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        self._async_loads(meta, 0.01 if idle else 0.0)
         for req_id, computed in _scheduled(scheduler_output):
             state = self._requests.get(req_id)
             if state is None:
@@ -157,6 +227,40 @@ class SchedulerSide:
             if op is not None:
                 meta.stores.append(op)
         return meta
+
+    def _async_loads(self, meta: RaykvMetadata, wait_s: float) -> None:
+        """Add the releases and the loads of every fetch that is done or out of time. ``wait_s``:
+        how long the first pending fetch may be waited for (when the engine has nothing else to
+        do, so that it does not spin)."""
+        assert self.link is not None
+        meta.loads.extend(self._releases)
+        self._releases.clear()
+        now = time.monotonic()
+        for req_id, state in list(self._fetching.items()):
+            done = self.link.poll_fetch(state.fetch, wait_s)
+            wait_s = 0.0
+            if done is None and now - state.fetch_since <= self.fetch_limit_s:
+                continue
+            if done is None:
+                self.link.cancel_fetch(state.fetch)
+                self.counters["fetch_timeouts"] += 1
+            del self._fetching[req_id]
+            meta.loads.append(self._async_load(req_id, state, state.fetch_held if done is None else done))
+
+    def _async_load(self, req_id: str, state: _Request, held: int) -> LoadOp:
+        """The async LoadOp of a finished fetch after which the paired worker holds ``held``
+        leading blocks: those blocks of the target are loaded, the others are lost."""
+        assert state.target is not None
+        first, blocks = state.target
+        ok = max(0, min(held, state.hit, first + len(blocks)) - first)
+        op = LoadOp(req_id, first, tuple(state.keys[first : first + ok]), blocks[:ok], True, blocks[ok:])
+        state.stored = max(state.stored, min(held, state.hit))
+        state.counts["async_loads"] += 1
+        state.counts["loaded_blocks"] += len(blocks)
+        state.counts["fetch_us"] += int((time.monotonic() - state.fetch_since) * 1e6)
+        self.counters["async_loads"] += 1
+        state.fetch = state.target = None
+        return op
 
     def _store_op(
         self, req_id: str, state: _Request, computed: int, block_ids_of: Callable[[str], list[int]]
@@ -191,13 +295,23 @@ class SchedulerSide:
             self.counters.update(self.link.poll())
 
     def finished(self, request: Any) -> dict[str, Any] | None:
-        """The request's results for its output's ``kv_transfer_params`` (None when unknown):
-        its counters, the paired ``worker`` and ``blocks``, the prompt blocks the deployment holds
-        or was offered (a PD proxy passes these to the decode engine's request, whose lookup then
-        waits for those blocks on that worker and pulls them)."""
+        """vLLM's ``request_finished`` (the caller returns False with it: blocks are never held
+        after a request, stores copy them in the step that computed them). The request's results
+        for its output's ``kv_transfer_params`` (None when unknown): its counters, the paired
+        ``worker`` and ``blocks``, the prompt blocks the deployment holds or was offered (a PD
+        proxy passes these to the decode engine's request, whose lookup then fetches those blocks
+        from that worker). A pending fetch is dropped; if vLLM already allocated blocks for it
+        (the request waits in WAITING_FOR_REMOTE_KVS, and vLLM frees them only once the worker
+        side reports it finished receiving), the next step carries a release op."""
         state = self._requests.pop(request.request_id, None)
         if state is None or self.link is None:
             return None
+        if state.fetch is not None:
+            self.link.cancel_fetch(state.fetch)
+            if self._fetching.pop(request.request_id, None) is not None:
+                self._releases.append(LoadOp(request.request_id, 0, (), (), is_async=True))
+                self.counters["released_loads"] += 1
+            state.fetch = state.target = None
         result: dict[str, Any] = {k: int(v) for k, v in state.counts.items()}
         result["worker"] = self.link.worker
         result["blocks"] = state.stored
@@ -205,6 +319,9 @@ class SchedulerSide:
 
     def close(self) -> None:
         if self.link is not None:
+            for state in self._requests.values():
+                if state.fetch is not None:
+                    self.link.cancel_fetch(state.fetch)
             self.link.close()
 
 

@@ -9,7 +9,10 @@ every step's metadata; on first sight the worker side opens:
   store. A key the worker no longer has, or a page that changed while it was read (the one-sided
   reader re-checks the slot generations), fails that block's load; the block and every later one
   of the request are reported through ``get_block_ids_with_load_errors`` and vLLM recomputes them
-  (``kv_load_failure_policy="recompute"``).
+  (``kv_load_failure_policy="recompute"``). An asynchronous load (its pages were fetched to the
+  CacheWorker in the background while the request waited) is loaded the same way in the step that
+  carries it, a step without a forward pass too, and its request is reported finished receiving
+  through ``get_finished`` in that step, with its failed blocks in the same step's load errors.
 - a staging :class:`raykv.CacheManager` (one shared host tier, ``EngineLink.staging_bytes``) and a
   :class:`raykv.transfer.PageServer` on it. Stores copy the engine's blocks into staging pages and
   commit them; the scheduler side then asks the CacheWorker to pull those keys from this server
@@ -48,6 +51,7 @@ class WorkerSide:
         self.server: PageServer | None = None
         self._rows = np.empty((0, layout.page_bytes), dtype=np.uint8)
         self._failed: set[int] = set()
+        self._received: set[str] = set()
         self._report = WorkerReport()
 
     def register(self, kv_caches: Mapping[str, Any]) -> None:
@@ -76,18 +80,24 @@ class WorkerSide:
 
     # ---- loads -----------------------------------------------------------------------------------
     def start_load(self, meta: RaykvMetadata) -> None:
-        """Copy every planned load into the engine's blocks; failed blocks are remembered for
-        :meth:`take_failed`."""
+        """Copy every planned load into the engine's blocks; failed and lost blocks are
+        remembered for :meth:`take_failed`, the requests of asynchronous loads for
+        :meth:`take_received` (the same step, after their load)."""
         if meta.link is not None:
             self._open(meta.link)
         for op in meta.loads:
-            start = time.perf_counter()
-            loaded = self._load(op) if self.copier is not None and self.client is not None else 0
-            self._report.count(op.req_id, "load_us", int((time.perf_counter() - start) * 1e6))
-            self._report.count(op.req_id, "loaded_blocks_ok", loaded)
-            if loaded < len(op.keys):
-                self._failed.update(op.block_ids[loaded:])
-                self._report.count(op.req_id, "load_errors", len(op.keys) - loaded)
+            loaded = 0
+            if op.keys:
+                start = time.perf_counter()
+                loaded = self._load(op) if self.copier is not None and self.client is not None else 0
+                self._report.count(op.req_id, "load_us", int((time.perf_counter() - start) * 1e6))
+                self._report.count(op.req_id, "loaded_blocks_ok", loaded)
+            failed = op.block_ids[loaded:] + op.lost_block_ids
+            if failed:
+                self._failed.update(failed)
+                self._report.count(op.req_id, "load_errors", len(failed))
+            if op.is_async:
+                self._received.add(op.req_id)
 
     def _load(self, op: LoadOp) -> int:
         """Load the leading pages of ``op`` that the CacheWorker still has; how many."""
@@ -131,6 +141,12 @@ class WorkerSide:
         """Engine block ids whose load failed since the last call."""
         failed, self._failed = self._failed, set()
         return failed
+
+    def take_received(self) -> set[str]:
+        """Request ids whose asynchronous load ran since the last call (vLLM's finished
+        receiving; their failed blocks are in :meth:`take_failed` of the same step)."""
+        received, self._received = self._received, set()
+        return received
 
     # ---- stores ----------------------------------------------------------------------------------
     def save(self, meta: RaykvMetadata) -> None:

@@ -1,0 +1,224 @@
+"""The vLLM connector's scheduler side without vLLM: sync and async loads with a fake link.
+
+Requests, scheduler outputs and the deployment link are stand-ins; what is checked is the
+protocol of vLLM's V1 connector API as raykv's SchedulerSide and WorkerSide speak it:
+``get_num_new_matched_tokens`` answers ``(tokens, False)`` when the paired worker holds the
+blocks and ``(tokens, True)`` while a fetch from another worker runs; the fetch is polled in each
+step's plan and its load goes out once, asynchronous, with the blocks it did not bring as lost
+blocks; a request that finishes while it waits is released, never loaded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+from raykv import KVLayout, ReuseScope
+from raykv.integrations.vllm.link import Match
+from raykv.integrations.vllm.plan import LoadOp, RaykvMetadata
+from raykv.integrations.vllm.scheduler import SchedulerSide
+from raykv.integrations.vllm.worker import WorkerSide
+
+TPB = 4
+LAYOUT = KVLayout.uniform(num_layers=1, num_kv_heads=1, head_dim=4, tokens_per_block=TPB, dtype="float32")
+PROMPT = list(range(1, 6 * TPB + 2))  # 6 full blocks and 1 token: 6 usable blocks
+BLOCKS = [10, 11, 12, 13, 14, 15, 16]  # engine blocks vLLM allocates
+
+
+class FakeFetch:
+    def __init__(self, match: Match) -> None:
+        self.match = match
+        self.result: int | None = None
+        self.cancelled = False
+
+
+class FakeLink:
+    """A DeploymentLink whose lookups answer ``self.match`` and whose fetches the test resolves."""
+
+    worker = "w0"
+    layout = LAYOUT
+    timeout_s = 10.0
+
+    def __init__(self, match: Match) -> None:
+        self.match = match
+        self.fetches: list[FakeFetch] = []
+        self.lookups = 0
+
+    def engine_link(self, staging_bytes: int, listen_host: str) -> Any:
+        return None
+
+    def lookup(
+        self, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes], hint: Mapping[str, Any]
+    ) -> Match:
+        self.lookups += 1
+        return self.match
+
+    def start_fetch(
+        self, match: Match, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes]
+    ) -> FakeFetch:
+        self.fetches.append(FakeFetch(match))
+        return self.fetches[-1]
+
+    def poll_fetch(self, fetch: Any, wait_s: float = 0.0) -> int | None:
+        return None if fetch.cancelled else fetch.result
+
+    def cancel_fetch(self, fetch: Any) -> None:
+        fetch.cancelled = True
+
+    def store(self, staging: Any, keys: Sequence[bytes]) -> None:
+        pass
+
+    def poll(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def _request(req_id: str = "r1") -> Any:
+    return SimpleNamespace(
+        request_id=req_id, prompt_token_ids=PROMPT, cache_salt=None, kv_transfer_params=None
+    )
+
+
+def _idle_step() -> Any:
+    """A scheduler output with nothing scheduled (the request waits for its KV)."""
+    cached = SimpleNamespace(req_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        num_scheduled_tokens={},
+        scheduled_cached_reqs=cached,
+        total_num_scheduled_tokens=0,
+    )
+
+
+def _build(side: SchedulerSide) -> RaykvMetadata:
+    return side.build(_idle_step(), lambda rid: list(BLOCKS))
+
+
+def _side(match: Match, **extra: Any) -> tuple[SchedulerSide, FakeLink]:
+    link = FakeLink(match)
+    return SchedulerSide(LAYOUT, link, extra=extra), link  # type: ignore[arg-type]
+
+
+def test_paired_worker_hit_is_a_synchronous_load() -> None:
+    side, link = _side(Match(4))
+    request = _request()
+    assert side.lookup(request, 0) == (4 * TPB, False)
+    assert link.fetches == []
+    side.after_alloc(request, BLOCKS, 4 * TPB)
+    out = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="r1", num_computed_tokens=4 * TPB)],
+        num_scheduled_tokens={"r1": TPB},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        total_num_scheduled_tokens=TPB,
+    )
+    (load,) = side.build(out, lambda rid: list(BLOCKS)).loads
+    assert not load.is_async and load.block_ids == tuple(BLOCKS[:4]) and len(load.keys) == 4
+    assert load.lost_block_ids == ()
+
+
+def test_peer_hit_loads_asynchronously_once_the_fetch_is_done() -> None:
+    side, link = _side(Match(1, "w1", 6))
+    request = _request()
+    assert side.lookup(request, 0) == (6 * TPB, True)
+    assert side.lookup(request, 0) == (6 * TPB, True)  # asked again before admission
+    assert len(link.fetches) == 1 and link.lookups == 1
+    side.after_alloc(request, BLOCKS, 6 * TPB)
+    assert _build(side).loads == []  # still in flight: nothing, the step does not wait
+    link.fetches[0].result = 6
+    (load,) = _build(side).loads
+    assert load.is_async and load.first_block == 0 and load.block_ids == tuple(BLOCKS[:6])
+    assert len(load.keys) == 6 and load.lost_block_ids == ()
+    assert _build(side).loads == []  # once
+    side.after_alloc(request, BLOCKS, 0)  # vLLM's second call, after the load: nothing to plan
+    params = side.finished(request)
+    assert params is not None
+    counts = params["raykv"]
+    assert counts["async_loads"] == 1 and counts["hit_blocks"] == counts["loaded_blocks"] == 6
+    assert counts["blocks"] == 6 and counts["fetch_us"] >= 0
+
+
+def test_blocks_the_fetch_did_not_bring_are_lost() -> None:
+    side, link = _side(Match(1, "w1", 6))
+    request = _request()
+    side.lookup(request, 0)
+    side.after_alloc(request, BLOCKS, 6 * TPB)
+    link.fetches[0].result = 3  # the peer had only 3, or the pull failed after the first 3
+    (load,) = _build(side).loads
+    assert load.block_ids == tuple(BLOCKS[:3]) and len(load.keys) == 3
+    assert load.lost_block_ids == tuple(BLOCKS[3:6])
+
+
+def test_fetch_out_of_time_falls_back_to_the_blocks_held() -> None:
+    side, link = _side(Match(2, "w1", 6), timeout_s=0.05)  # fetches end after 2 x 0.05 s
+    request = _request()
+    side.lookup(request, 0)
+    side.after_alloc(request, BLOCKS, 6 * TPB)
+    assert _build(side).loads == []
+    time.sleep(0.15)
+    (load,) = _build(side).loads
+    assert link.fetches[0].cancelled
+    assert load.block_ids == tuple(BLOCKS[:2]) and load.lost_block_ids == tuple(BLOCKS[2:6])
+    assert side.counters["fetch_timeouts"] == 1
+
+
+def test_request_finished_while_waiting_is_released_not_loaded() -> None:
+    side, link = _side(Match(0, "w1", 6))
+    request = _request()
+    side.lookup(request, 0)
+    side.after_alloc(request, BLOCKS, 6 * TPB)
+    assert side.finished(request) is not None  # aborted in WAITING_FOR_REMOTE_KVS
+    assert link.fetches[0].cancelled
+    link.fetches[0].result = 6  # a late result changes nothing
+    (release,) = _build(side).loads
+    assert release == LoadOp("r1", 0, (), (), is_async=True)
+    assert _build(side).loads == []
+
+
+def test_request_finished_before_admission_needs_no_release() -> None:
+    side, link = _side(Match(0, "w1", 6))
+    request = _request()
+    side.lookup(request, 0)  # vLLM could not allocate, then the request was aborted
+    side.finished(request)
+    assert link.fetches[0].cancelled
+    assert _build(side).loads == []
+
+
+def test_fetch_done_before_admission_turns_synchronous() -> None:
+    side, link = _side(Match(1, "w1", 6))
+    request = _request()
+    side.lookup(request, 0)
+    link.fetches[0].result = 5
+    assert side.lookup(request, 0) == (5 * TPB, False)
+    side.after_alloc(request, BLOCKS, 5 * TPB)
+    assert side._requests["r1"].load is not None and not side._requests["r1"].load.is_async
+
+
+def test_no_second_fetch_after_a_failed_one() -> None:
+    """After a failed async load vLLM recomputes from 0 and asks again: the paired worker only."""
+    side, link = _side(Match(0, "w1", 6))
+    request = _request()
+    side.lookup(request, 0)
+    side.after_alloc(request, BLOCKS, 6 * TPB)
+    link.fetches[0].result = 0
+    (load,) = _build(side).loads
+    assert load.lost_block_ids == tuple(BLOCKS[:6])
+    assert side.lookup(request, 0) == (0, False)
+    assert len(link.fetches) == 1
+
+
+def test_worker_side_reports_async_loads_received_with_their_lost_blocks() -> None:
+    worker = WorkerSide(LAYOUT, ["layer.0"])
+    lost = LoadOp("r1", 0, (), (), is_async=True, lost_block_ids=(3, 4))
+    release = LoadOp("r2", 0, (), (), is_async=True)
+    unreachable = LoadOp("r3", 0, (b"k" * 16,), (7,), is_async=True)  # no CacheWorker connection
+    worker.start_load(RaykvMetadata(loads=[lost, release, unreachable]))
+    assert worker.take_failed() == {3, 4, 7}
+    assert worker.take_received() == {"r1", "r2", "r3"}
+    assert worker.take_received() == set()
+    report = worker.take_report()
+    assert report is not None and report.per_request["r1"]["load_errors"] == 2
+    assert "r2" not in report.per_request
