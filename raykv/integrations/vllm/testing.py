@@ -1,6 +1,7 @@
 """Helpers shared by the vLLM connector's tests, benchmark and example: a tiny random-weight
-Llama on disk, engine settings that give bit-exact CPU results, the connector config, and one
-greedy request with its logprobs.
+Llama on disk, engine settings that give bit-exact CPU results, the connector config, one
+greedy request with its logprobs, and KV tensors laid out as vLLM's attention backends get them
+(:func:`vllm_kv_caches`, for copies without an engine).
 
 Exactness: CPU kernels are not batch-invariant (a row's result depends on the row count), so the
 engines here prefill in chunks of one block (``max_num_batched_tokens = block_size``), run one
@@ -68,6 +69,51 @@ def deployment_config(layout: KVLayout, host_pages: int = 256, disk_pages: int =
     page = layout.page_bytes
     host = TierConfig.host(host_pages * page, pin_memory=False, shared=True)
     return CacheConfig(layout, (host, TierConfig.disk(disk_pages * page)))
+
+
+KV_CACHE_ORDERS: dict[str, tuple[int, ...]] = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+"""vLLM 0.32's ``KVCacheLayout`` members: the physical order of the logical ``[L, B, H, N, C]``
+(``vllm/v1/kv_cache_layout.py``). ``NHD`` and ``HND`` are aliases of ``LBNHC`` and ``LBHNC``."""
+
+
+def vllm_kv_caches(
+    names: Sequence[str],
+    num_blocks: int,
+    num_kv_heads: int,
+    block_size: int,
+    head_size: int,
+    dtype: str = "float32",
+    device: str = "cpu",
+    order: str = "LBNHC",
+    kernel_block_size: int | None = None,
+) -> dict[str, Any]:
+    """Per-layer KV tensors as vLLM 0.32 registers them with a connector (``allocate_kv_cache``,
+    ``create_kv_cache_views``, no page padding): one zeroed buffer holding every layer as
+    ``[L, B, H, N, C]`` in the physical ``order`` (:data:`KV_CACHE_ORDERS`), viewed per layer as
+    the logical ``[B, H, N, 2 * head_size]`` of ``dtype``. ``kernel_block_size`` (a divisor of
+    ``block_size``) splits each block into kernel blocks as vLLM does when the attention
+    kernels want smaller ones: ``B = num_blocks * r``, ``N = block_size / r``."""
+    import torch
+
+    dtype_t = getattr(torch, dtype)
+    kernel = kernel_block_size or block_size
+    itemsize = torch.empty((), dtype=dtype_t).element_size()
+    shape = (len(names), num_blocks * (block_size // kernel), num_kv_heads, kernel, 2 * head_size * itemsize)
+    strides = [0] * 5
+    size = 1
+    for dim in reversed(KV_CACHE_ORDERS[{"NHD": "LBNHC", "HND": "LBHNC"}.get(order, order)]):
+        strides[dim] = size
+        size *= shape[dim]
+    raw = torch.zeros(size, dtype=torch.int8, device=device)
+    view = torch.as_strided(raw, shape, strides)
+    return {name: view[i].view(dtype_t) for i, name in enumerate(names)}
 
 
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}

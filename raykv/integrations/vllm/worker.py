@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from raykv import CacheConfig, CacheManager, KVLayout, OutOfPagesError, TierConfig, TransferError
-from raykv.integrations.vllm.layout import BlockCopier
+from raykv.integrations.vllm.copier import BlockCopier
 from raykv.integrations.vllm.plan import EngineLink, LoadOp, RaykvMetadata, StoreOp, WorkerReport
 from raykv.transfer import PageClient, PageServer, TransferConfig
 
@@ -54,9 +54,12 @@ class WorkerSide:
         self._received: set[str] = set()
         self._report = WorkerReport()
 
-    def register(self, kv_caches: Mapping[str, Any]) -> None:
-        """Take the engine's per-layer KV tensors (InvalidArgumentError when they do not fit)."""
-        self.copier = BlockCopier(self.layout, self.names, kv_caches)
+    def register(self, kv_caches: Mapping[str, Any], kv_cache_layout: str | None = None) -> None:
+        """Take the engine's per-layer KV tensors, stored as ``kv_cache_layout`` says (see
+        :class:`~raykv.integrations.vllm.copier.BlockCopier`; InvalidArgumentError when they do
+        not fit the layout, ConfigError when their format is ambiguous or has no engine_native
+        pages)."""
+        self.copier = BlockCopier(self.layout, self.names, kv_caches, kv_cache_layout)
 
     def _open(self, link: EngineLink) -> None:
         """Connect to the deployment described by ``link`` (once)."""

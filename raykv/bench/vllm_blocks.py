@@ -1,0 +1,175 @@
+"""The vLLM connector's block copies (BlockCopier) vs raw torch copies of the same bytes.
+
+``python -m raykv.bench.vllm_blocks [--quick] [--device cuda|cpu] [--repeats N]`` prints one table.
+No vLLM needed: the engine's KV tensors are built as vLLM 0.32 registers them with a connector
+(:func:`raykv.integrations.vllm.testing.vllm_kv_caches`), one per layer, in the physical orders
+that matter on a GPU: ``LBNHC`` (vLLM's default, "NHD"), ``LBHNC`` ("HND", FlashInfer on
+Blackwell) and ``BLNHC`` (blocks outermost, each block holds every layer's page); on
+``--device cpu`` the CPU backend's ``LBHNC`` and ``LBNHC``.
+
+For layer-blocks (one layer's K and V of one block: 8 KV heads x 128, bfloat16) of 64 KiB
+(16 tokens) and 512 KiB (128 tokens), 4 layers (2 with ``--quick``), engines of 512 blocks of
+which 256 move:
+
+* ``save``: ``BlockCopier.save`` of 256 blocks at random ids into token-major page rows (a
+  pageable numpy array, as the connector's staging pages are): per layer one gather on the
+  device into a staging buffer, one device-to-host copy into pinned memory per chunk, then a
+  host copy into the rows. Baseline: one ``copy_(non_blocking=True)`` of a device tensor of the
+  same bytes into a pinned host tensor, then a stream synchronize.
+* ``load``: ``BlockCopier.load`` of those rows into 256 random blocks (host copy into pinned
+  memory, one host-to-device copy per chunk, one scatter per layer). Baseline: the raw copy the
+  other way.
+* ``run``: the same with 256 consecutive block ids (slices instead of gathers), NHD only.
+
+Figures are GB/s (1e9 page bytes per second), the median of ``repeats`` samples taken
+alternately with the baseline, wall clock from the call until the copy is done. Before timing,
+the rows saved from one engine are loaded into another and compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from raykv.bench.harness import Benchmark, Row, paired_seconds, run_suite, timed
+from raykv.core.config import KVLayout
+
+LAYER_BLOCK_KIB = {64: 16, 512: 128}
+"""Layer-block KiB -> tokens per block (8 heads x 128, bfloat16: 4 KiB of K and V per token)."""
+HEADS, HEAD, DTYPE = 8, 128, "bfloat16"
+BLOCKS = 256
+
+
+@dataclass(frozen=True)
+class Settings:
+    layers: int
+    repeats: int
+    warmup: int
+
+
+FULL = Settings(layers=4, repeats=15, warmup=3)
+QUICK = Settings(layers=2, repeats=5, warmup=2)
+
+ENGINES = {
+    "cuda": (("flash_attn", "LBNHC"), ("flashinfer", "LBHNC"), ("flash_attn", "BLNHC")),
+    "cpu": (("cpu", "LBHNC"), ("flash_attn", "LBNHC")),
+}
+"""Per device: (``kv_cache_layout``, vLLM's physical order) of the engines measured."""
+
+
+class _Case:
+    """Two engines of one layout and order, the page rows, the block ids and the raw buffers."""
+
+    def __init__(self, settings: Settings, kib: int, kind: str, order: str, device: str, run: bool) -> None:
+        import torch
+
+        from raykv.integrations.vllm.copier import BlockCopier
+        from raykv.integrations.vllm.testing import vllm_kv_caches
+
+        self.torch, self.device = torch, torch.device(device)
+        tokens = LAYER_BLOCK_KIB[kib]
+        layout = KVLayout.uniform(settings.layers, HEADS, HEAD, tokens, DTYPE)
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(settings.layers)]
+        shape = (names, 2 * BLOCKS, HEADS, tokens, HEAD, DTYPE, device, order)
+        self.src, self.dst = vllm_kv_caches(*shape), vllm_kv_caches(*shape)
+        for tensor in self.src.values():
+            tensor.normal_()
+        self.copy_src = BlockCopier(layout, names, self.src, kind)
+        self.copy_dst = BlockCopier(layout, names, self.dst, kind)
+        rng = np.random.default_rng(kib)
+        picks = [[int(b) for b in rng.permutation(2 * BLOCKS)[:BLOCKS]] for _ in range(2)]
+        if run:
+            picks = [list(range(BLOCKS)), list(range(BLOCKS, 2 * BLOCKS))]
+        self.ids: list[int] = picks[0]
+        self.into: list[int] = picks[1]
+        self.rows = np.zeros((BLOCKS, layout.page_bytes), dtype=np.uint8)
+        self.nbytes = self.rows.nbytes
+        cuda = self.device.type == "cuda"
+        self.raw_dev = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        self.raw_host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=cuda)
+
+    def save(self) -> None:
+        self.copy_src.save(self.ids, self.rows)
+
+    def load(self) -> None:
+        self.copy_dst.load(self.rows, self.into)
+
+    def raw(self, d2h: bool) -> None:
+        cuda = self.device.type == "cuda"
+        if d2h:
+            self.raw_host.copy_(self.raw_dev, non_blocking=cuda)
+        else:
+            self.raw_dev.copy_(self.raw_host, non_blocking=cuda)
+        if cuda:
+            self.torch.cuda.current_stream(self.device).synchronize()
+
+    def check(self) -> None:
+        """Blocks saved from ``src`` and loaded into ``dst`` are the same bytes."""
+        torch = self.torch
+        self.save()
+        self.load()
+        ids, into = (torch.as_tensor(x, device=self.device) for x in (self.ids, self.into))
+        for name, tensor in self.src.items():
+            want, got = tensor.index_select(0, ids), self.dst[name].index_select(0, into)
+            if not torch.equal(want.view(torch.int16), got.view(torch.int16)):
+                raise AssertionError(f"{name}: blocks changed on the way engine -> page -> engine")
+
+
+def copy_benchmark(settings: Settings, kib: int, kind: str, order: str, device: str, run: bool) -> list[Row]:
+    """GB/s of BlockCopier save and load vs raw copies of the same bytes."""
+    case = _Case(settings, kib, kind, order, device, run)
+    case.check()
+    label = f"{kind}/{order} {'run' if run else 'scattered'} {kib}KiB x{BLOCKS}x{settings.layers}L"
+    rows = []
+    for name, fn, d2h in (("save", case.save, True), ("load", case.load, False)):
+        base = timed(functools.partial(case.raw, d2h))
+        t_ours, t_base = paired_seconds(timed(fn), base, settings.repeats, settings.warmup)
+        raw = "d2h" if d2h else "h2d"
+        info = f"baseline: raw {raw}" if device == "cuda" else "baseline: host memcpy"
+        ours, baseline = case.nbytes / t_ours / 1e9, case.nbytes / t_base / 1e9
+        rows.append(Row(f"{name} {label}", ours, baseline, "GB/s", info=info))
+    return rows
+
+
+def benchmarks(settings: Settings, device: str) -> list[Benchmark]:
+    out = []
+    for kib in LAYER_BLOCK_KIB:
+        for kind, order in ENGINES[device]:
+            fn = functools.partial(copy_benchmark, settings, kib, kind, order, device, False)
+            out.append(Benchmark(f"{kind}/{order} {kib}KiB", fn))
+        kind, order = ENGINES[device][0]
+        fn = functools.partial(copy_benchmark, settings, kib, kind, order, device, True)
+        out.append(Benchmark(f"{kind}/{order} run {kib}KiB", fn))
+    return out
+
+
+def describe(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    return f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", choices=sorted(ENGINES), default="cuda")
+    parser.add_argument("--repeats", type=int, help="timed samples per row (default 5 quick, 15 full)")
+    opts = parser.parse_args(argv)
+    settings = QUICK if opts.quick else FULL
+    if opts.repeats:
+        settings = Settings(settings.layers, opts.repeats, settings.warmup)
+    desc = (
+        f"{'quick' if opts.quick else 'full'} mode, {BLOCKS} blocks of {settings.layers} layers, "
+        f"{HEADS} heads x {HEAD} {DTYPE}, median of {settings.repeats}; {describe(opts.device)}"
+    )
+    return run_suite("vllm_blocks", benchmarks(settings, opts.device), desc, sys.stdout, sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

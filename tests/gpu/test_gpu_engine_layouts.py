@@ -1,0 +1,155 @@
+"""The vLLM connector's block copies on CUDA: KV tensors laid out as vLLM 0.32 registers them for
+its GPU attention backends (every physical order, and a kernel-block split; built by
+raykv.integrations.vllm.testing.vllm_kv_caches, no vLLM needed) save random blocks into
+token-major page rows that are byte-identical across layouts, and those rows load into an engine
+of another layout (and into a CPU-backend tensor in host memory) with the same K and V per
+token and head, bit for bit.
+
+Skipped without CUDA (CI has none); run on a GPU machine with ``pytest tests/gpu``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from raykv import ConfigError, KVLayout  # noqa: E402
+from raykv.integrations.vllm.copier import BlockCopier  # noqa: E402
+from raykv.integrations.vllm.layout import native_layout  # noqa: E402
+from raykv.integrations.vllm.testing import vllm_kv_caches  # noqa: E402
+
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+BLOCKS, HEADS, TOKENS, HEAD = 64, 4, 16, 64
+
+# (kv_cache_layout, vLLM KVCacheLayout, kernel block size)
+GPU_ENGINES = [
+    ("flash_attn", "LBNHC", None),  # vLLM's default ("NHD")
+    ("flashinfer", "LBHNC", None),  # "HND"
+    ("flashinfer", "BLHNC", None),  # blocks outermost
+    ("flash_attn", "BLNHC", None),
+    ("triton_attn", "LHBNC", None),
+    ("flex_attention", "BHLNC", None),
+    ("flashinfer", "LBNHC", TOKENS // 2),  # kernel blocks of 8 tokens
+]
+
+
+def _engine(kind: str, order: str, kernel: int | None, dtype: str, device: str = "cuda") -> dict[str, Any]:
+    return vllm_kv_caches(
+        LAYERS, BLOCKS, HEADS, TOKENS, HEAD, dtype, device=device, order=order, kernel_block_size=kernel
+    )
+
+
+def _kv(kind: str, tensor: Any) -> tuple[Any, Any]:
+    """K and V as ``[blocks, tokens, heads, head]``, read as the backends' own code reads them
+    (cpu_attn.py; flash_attn.py / flashinfer.py / triton_attn.py / flex_attention.py)."""
+    b, h, n, _ = tensor.shape
+    if kind == "cpu":
+        k, v = tensor.view(b, h, 2 * n, -1).chunk(2, dim=2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    else:
+        k, v = tensor.transpose(1, 2).split(HEAD, dim=-1)
+    r = TOKENS // n
+    return k.unflatten(0, (b // r, r)).flatten(1, 2), v.unflatten(0, (b // r, r)).flatten(1, 2)
+
+
+def _reference(dtype: str, seed: int) -> tuple[Any, Any]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (len(LAYERS), BLOCKS, TOKENS, HEADS, HEAD)
+    return tuple(torch.randn(shape, generator=gen, device="cuda").to(getattr(torch, dtype)) for _ in range(2))
+
+
+def _fill(kind: str, caches: dict[str, Any], ref: tuple[Any, Any]) -> None:
+    for i, name in enumerate(LAYERS):
+        k, v = _kv(kind, caches[name])
+        k.copy_(ref[0][i])
+        v.copy_(ref[1][i])
+
+
+def _bits(t: Any) -> Any:
+    return t.contiguous().view(torch.uint8).cpu()
+
+
+def _expected_rows(layout: KVLayout, ref: tuple[Any, Any], ids: list[int]) -> np.ndarray:
+    rows = np.zeros((len(ids), layout.page_bytes), dtype=np.uint8)
+    for i in range(len(LAYERS)):
+        for role, values in zip(("k", "v"), ref):
+            region = layout.buffer_region(i, role)
+            rows[:, region.offset : region.offset + region.nbytes] = (
+                _bits(values[i][ids]).reshape(len(ids), -1).numpy()
+            )
+    return rows
+
+
+def _check_loaded(
+    kind: str, caches: dict[str, Any], ref: tuple[Any, Any], ids: list[int], into: list[int]
+) -> None:
+    rest = [b for b in range(BLOCKS) if b not in into]
+    for i, name in enumerate(LAYERS):
+        for got, values in zip(_kv(kind, caches[name]), ref):
+            assert torch.equal(_bits(got[into]), _bits(values[i][ids])), (kind, name)
+            assert not _bits(got[rest]).any(), (kind, name)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("chunk_pages", [None, 5])  # one chunk, or alternating staging slots
+@pytest.mark.parametrize("scattered", [True, False], ids=["scattered", "run"])
+def test_pages_identical_across_gpu_layouts(dtype: str, chunk_pages: int | None, scattered: bool) -> None:
+    layout = KVLayout.uniform(len(LAYERS), HEADS, HEAD, TOKENS, dtype)
+    chunk = {} if chunk_pages is None else {"chunk_bytes": chunk_pages * layout.page_bytes}
+    rng = np.random.default_rng(7)
+    perm = [int(b) for b in rng.permutation(BLOCKS)]
+    ids, into = (perm[:23], perm[23:46]) if scattered else (list(range(3, 26)), list(range(30, 53)))
+    ref = _reference(dtype, seed=3)
+    want = _expected_rows(layout, ref, ids)
+    for n, (kind, order, kernel) in enumerate(GPU_ENGINES):
+        src = _engine(kind, order, kernel, dtype)
+        _fill(kind, src, ref)
+        rows = np.full((len(ids), layout.page_bytes), 0xA5, dtype=np.uint8)
+        BlockCopier(layout, LAYERS, src, kind, **chunk).save(ids, rows)
+        assert np.array_equal(rows, want), (kind, order, kernel)
+        d_kind, d_order, d_kernel = GPU_ENGINES[(n + 1) % len(GPU_ENGINES)]  # another layout
+        dst = _engine(d_kind, d_order, d_kernel, dtype)
+        BlockCopier(layout, LAYERS, dst, d_kind, **chunk).load(rows, into)
+        _check_loaded(d_kind, dst, ref, ids, into)
+    host = _engine("cpu", "LBHNC", None, dtype, device="cpu")  # the CPU backend reads them too
+    BlockCopier(layout, LAYERS, host, "cpu").load(want, into)
+    _check_loaded("cpu", host, tuple(r.cpu() for r in ref), ids, into)
+
+
+def test_cpu_saved_pages_load_into_gpu_engines() -> None:
+    layout = KVLayout.uniform(len(LAYERS), HEADS, HEAD, TOKENS, "bfloat16")
+    ref = _reference("bfloat16", seed=4)
+    ids, into = [9, 2, 40, 41, 42, 7], [0, 63, 5, 6, 8, 30]
+    host = _engine("cpu", "LBHNC", None, "bfloat16", device="cpu")
+    _fill("cpu", host, tuple(r.cpu() for r in ref))
+    rows = np.zeros((len(ids), layout.page_bytes), dtype=np.uint8)
+    BlockCopier(layout, LAYERS, host, "cpu").save(ids, rows)
+    rows.flags.writeable = False  # loads read peers' read-only mapped tiers
+    for kind, order, kernel in GPU_ENGINES:
+        dst = _engine(kind, order, kernel, "bfloat16")
+        BlockCopier(layout, LAYERS, dst, kind).load(rows, into)
+        _check_loaded(kind, dst, ref, ids, into)
+
+
+def test_engine_native_refused_on_gpu_layouts() -> None:
+    layout = native_layout(len(LAYERS), HEADS, HEAD, TOKENS, "bfloat16")
+    for kind, order, kernel in GPU_ENGINES:
+        with pytest.raises(ConfigError):
+            BlockCopier(layout, LAYERS, _engine(kind, order, kernel, "bfloat16"), kind)
+
+
+def test_benchmark_quick_runs() -> None:
+    """The benchmark module's quick mode on this GPU (every row, no error)."""
+    from raykv.bench.vllm_blocks import QUICK, Settings, benchmarks
+
+    settings = Settings(layers=1, repeats=1, warmup=0)
+    assert settings.repeats <= QUICK.repeats
+    for bench in benchmarks(settings, "cuda"):
+        rows = bench.run()
+        assert rows and all(r.error is None and r.ours > 0 for r in rows)
