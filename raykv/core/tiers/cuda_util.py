@@ -273,7 +273,6 @@ def slot_array(slots: SlotList) -> npt.NDArray[np.int64]:
     return np.asarray(slots, dtype=np.int64).reshape(-1)
 
 
-
 def one_run(slots: SlotList) -> bool:
     """Whether ``slots`` is a list forming one run (:func:`raykv.core.tiers.base.is_run`): the usual
     batch, slots allocated or committed together, is checked without numpy. False for anything
