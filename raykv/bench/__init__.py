@@ -30,24 +30,15 @@ from raykv.core.errors import InvalidArgumentError
 
 
 def _core(quick: bool) -> tuple[list[Benchmark], str]:
-    from raykv.bench.core import core_benchmarks
-    from raykv.bench.core_settings import FULL, QUICK
+    from raykv.bench.core import suite
 
-    settings = QUICK if quick else FULL
-    mode = "quick" if quick else "full"
-    desc = (
-        f"{mode} mode, median of {settings.key_repeats} (keys) / {settings.radix_repeats} (tree) / "
-        f"{settings.copy_repeats} (copies) / {settings.demote_repeats} (demotion) repeats "
-        f"after {settings.warmup} warmup"
-    )
-    return core_benchmarks(settings), desc
+    return suite(quick)
 
 
 def _index(quick: bool) -> tuple[list[Benchmark], str]:
-    from raykv.bench.index import FULL, QUICK, index_benchmarks
+    from raykv.bench.index import suite
 
-    settings = QUICK if quick else FULL
-    return index_benchmarks(settings), f"{settings.total_blocks} blocks, {settings.queries} queries"
+    return suite(quick)
 
 
 def _transfer(quick: bool) -> tuple[list[Benchmark], str]:
@@ -57,21 +48,15 @@ def _transfer(quick: bool) -> tuple[list[Benchmark], str]:
 
 
 def _gpu(quick: bool) -> tuple[list[Benchmark], str]:
-    from raykv.bench.gpu import FULL, QUICK, describe, gpu_benchmarks
+    from raykv.bench.gpu import suite
 
-    settings = QUICK if quick else FULL
-    desc = (
-        f"{'quick' if quick else 'full'} mode, {settings.total_bytes >> 20} MiB per host batch, "
-        f"{settings.d2d_bytes >> 20} MiB per device batch, median of {settings.repeats}; {describe()}"
-    )
-    return gpu_benchmarks(settings), desc
+    return suite(quick)
 
 
 def _routing(quick: bool) -> tuple[list[Benchmark], str]:
-    from raykv.bench.routing import FULL, QUICK, routing_benchmarks
+    from raykv.bench.routing import suite
 
-    settings = QUICK if quick else FULL
-    return routing_benchmarks(settings), f"{settings.requests} built-in requests, {settings.passes} passes"
+    return suite(quick)
 
 
 SUITES: dict[str, Callable[[bool], tuple[list[Benchmark], str]]] = {
@@ -126,34 +111,6 @@ def run_all_benchmarks(quick: bool = False, out: TextIO | None = None, err: Text
     return run_suite("all", benchmarks, "; ".join(descriptions), stdout, stderr)
 
 
-_RAY_ROWS = {
-    "index": "the rows through Ray (route calls/s to index actors): raykv bench index",
-    "transfer": "the Ray object-store baseline row: raykv bench transfer",
-}
-
-
-def module_main(suite: str, argv: list[str] | None = None) -> int:
-    """``python -m raykv.bench.<suite> [--quick]``: run that suite alone, without Ray (rows that
-    need Ray are named on stderr with the command that adds them). Returns the exit code."""
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(prog=f"python -m raykv.bench.{suite}")
-    parser.add_argument("--quick", action="store_true", help="short run (CI)")
-    args = parser.parse_args(argv)
-    if suite in _RAY_ROWS:
-        sys.stderr.write(f"without Ray; for {_RAY_ROWS[suite]}\n")
-    return run_benchmarks(suite, quick=args.quick)
-
-
-def part_of(suite: str) -> int:
-    """For ``python -m`` on a module that only serves a suite: say which command runs it."""
-    import sys
-
-    sys.stderr.write(f"this module is part of the {suite} suite: python -m raykv.bench.{suite} [--quick]\n")
-    return 2
-
-
 def _prefixed(suite: str, bench: Benchmark) -> Benchmark:
     def run() -> list[Row]:
         return [replace(row, name=f"[{suite}] {row.name}") for row in bench.run()]
@@ -161,4 +118,4 @@ def _prefixed(suite: str, bench: Benchmark) -> Benchmark:
     return Benchmark(f"[{suite}] {bench.name}", run)
 
 
-__all__ = ["SUITES", "Benchmark", "Row", "module_main", "part_of", "run_all_benchmarks", "run_benchmarks"]
+__all__ = ["SUITES", "Benchmark", "Row", "run_all_benchmarks", "run_benchmarks"]

@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.bench.core_io import commit_new, copy_benchmark, demotion_benchmark
-from raykv.bench.core_settings import CoreSettings
+from raykv.bench.core_settings import FULL, QUICK, CoreSettings
 from raykv.bench.harness import Benchmark, Row, median_seconds, paired_seconds, timed
 from raykv.core.config import CacheConfig, KVLayout, TierConfig
 from raykv.core.keys import DEFAULT_SCOPE, TokenSeq, block_keys
@@ -205,9 +205,22 @@ def _match_rows(mgr: CacheManager, seqs: list[npt.NDArray[np.int32]], settings: 
     ]
 
 
+def suite(quick: bool) -> tuple[list[Benchmark], str]:
+    """The suite's benchmarks and description line (``quick``: CI mode)."""
+
+    settings = QUICK if quick else FULL
+    mode = "quick" if quick else "full"
+    desc = (
+        f"{mode} mode, median of {settings.key_repeats} (keys) / {settings.radix_repeats} (tree) / "
+        f"{settings.copy_repeats} (copies) / {settings.demote_repeats} (demotion) repeats "
+        f"after {settings.warmup} warmup"
+    )
+    return core_benchmarks(settings), desc
+
+
 if __name__ == "__main__":
     import sys
 
-    from raykv.bench import module_main
+    from raykv.bench.harness import module_main
 
-    sys.exit(module_main("core"))
+    sys.exit(module_main("core", suite))

@@ -211,6 +211,6 @@ def demotion_benchmark(settings: CoreSettings) -> list[Row]:
 if __name__ == "__main__":
     import sys
 
-    from raykv.bench import part_of
+    from raykv.bench.harness import part_of
 
     sys.exit(part_of("core"))

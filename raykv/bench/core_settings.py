@@ -39,6 +39,6 @@ FULL = CoreSettings(
 if __name__ == "__main__":
     import sys
 
-    from raykv.bench import part_of
+    from raykv.bench.harness import part_of
 
     sys.exit(part_of("core"))

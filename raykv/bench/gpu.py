@@ -244,9 +244,20 @@ def gpu_benchmarks(settings: GpuSettings) -> list[Benchmark]:
     return benches
 
 
+def suite(quick: bool) -> tuple[list[Benchmark], str]:
+    """The suite's benchmarks and description line (``quick``: CI mode)."""
+
+    settings = QUICK if quick else FULL
+    desc = (
+        f"{'quick' if quick else 'full'} mode, {settings.total_bytes >> 20} MiB per host batch, "
+        f"{settings.d2d_bytes >> 20} MiB per device batch, median of {settings.repeats}; {describe()}"
+    )
+    return gpu_benchmarks(settings), desc
+
+
 if __name__ == "__main__":
     import sys
 
-    from raykv.bench import module_main
+    from raykv.bench.harness import module_main
 
-    sys.exit(module_main("gpu"))
+    sys.exit(module_main("gpu", suite))

@@ -210,9 +210,33 @@ def default_streams(out: TextIO | None, err: TextIO | None) -> tuple[TextIO, Tex
     return (sys.stdout if out is None else out), (sys.stderr if err is None else err)
 
 
+def module_main(
+    name: str,
+    suite: Callable[[bool], tuple[list[Benchmark], str]],
+    note: str = "",
+    argv: list[str] | None = None,
+) -> int:
+    """``python -m raykv.bench.<name> [--quick]``: run that suite alone, without Ray (``note``
+    names rows that need Ray and the command that adds them). Returns the exit code."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=f"python -m raykv.bench.{name}")
+    parser.add_argument("--quick", action="store_true", help="short run (CI)")
+    args = parser.parse_args(argv)
+    if note:
+        sys.stderr.write(f"without Ray; {note}\n")
+    benchmarks, description = suite(bool(args.quick))
+    stdout, stderr = default_streams(None, None)
+    return run_suite(name, benchmarks, description, stdout, stderr)
+
+
+def part_of(suite: str) -> int:
+    """For ``python -m`` on a module that only serves a suite: say which command runs it."""
+    sys.stderr.write(f"this module is part of the {suite} suite: python -m raykv.bench.{suite} [--quick]\n")
+    return 2
+
+
 if __name__ == "__main__":
     import sys
-
-    from raykv.bench import part_of
 
     sys.exit(part_of("core"))

@@ -142,9 +142,20 @@ def index_benchmarks(settings: IndexSettings) -> list[Benchmark]:
     return [Benchmark("index route + ingest (in-process)", lambda: _route_rows(settings))]
 
 
+def suite(quick: bool) -> tuple[list[Benchmark], str]:
+    """The suite's benchmarks and description line (``quick``: CI mode)."""
+
+    settings = QUICK if quick else FULL
+    return index_benchmarks(settings), f"{settings.total_blocks} blocks, {settings.queries} queries"
+
+
 if __name__ == "__main__":
     import sys
 
-    from raykv.bench import module_main
+    from raykv.bench.harness import module_main
 
-    sys.exit(module_main("index"))
+    sys.exit(
+        module_main(
+            "index", suite, note="for the rows through Ray (route calls/s to index actors): raykv bench index"
+        )
+    )

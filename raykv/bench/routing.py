@@ -130,9 +130,16 @@ def routing_benchmarks(settings: RoutingSettings) -> list[Benchmark]:
     return [Benchmark("routing decision", lambda: _rows(settings))]
 
 
+def suite(quick: bool) -> tuple[list[Benchmark], str]:
+    """The suite's benchmarks and description line (``quick``: CI mode)."""
+
+    settings = QUICK if quick else FULL
+    return routing_benchmarks(settings), f"{settings.requests} built-in requests, {settings.passes} passes"
+
+
 if __name__ == "__main__":
     import sys
 
-    from raykv.bench import module_main
+    from raykv.bench.harness import module_main
 
-    sys.exit(module_main("routing"))
+    sys.exit(module_main("routing", suite))

@@ -388,6 +388,10 @@ def transfer_suite(quick: bool) -> tuple[list[Benchmark], str]:
 if __name__ == "__main__":
     import sys
 
-    from raykv.bench import module_main
+    from raykv.bench.harness import module_main
 
-    sys.exit(module_main("transfer"))
+    sys.exit(
+        module_main(
+            "transfer", transfer_suite, note="for the Ray object-store baseline row: raykv bench transfer"
+        )
+    )
