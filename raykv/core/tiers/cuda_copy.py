@@ -47,9 +47,6 @@ TARGET_BLOCKS = 16384
 """Blocks per launch to aim for (a block copies several pages when there are many)."""
 THREADS = 256
 UNROLL = 4
-LAUNCH_CHUNK = 4096
-"""Pages per kernel launch in a large batch: the first launch starts after its own addresses are
-uploaded, and the GPU copies it while the host prepares the next."""
 
 _KERNEL = r"""
 extern "C" __global__ void __launch_bounds__(256)
@@ -124,7 +121,6 @@ class CudaCopier:
         self._kernel: Any = None
         self._kernel_failed = False
         self._host_ptrs: dict[int, int | None] = {}
-        self._rings: dict[int, AddressRing] = {}
         self.staging: PinnedStaging | None = None
 
     # ---- addresses ----------------------------------------------------------------------------
@@ -261,25 +257,21 @@ class CudaCopier:
     def _launch(
         self, stream: Any, src_addr: npt.NDArray[np.int64], dst_addr: npt.NDArray[np.int64], nbytes: int
     ) -> None:
-        """Launches of at most LAUNCH_CHUNK pages each: ``blocks`` blocks per page along x, pages
-        strided over ``grid_y`` rows; addresses go up through the stream's :class:`AddressRing`."""
+        """One launch: ``blocks`` blocks per page along x, pages strided over ``grid_y`` rows."""
         torch = self._torch
         drv = driver()
         nvec = nbytes // 16
-        ring = self._rings.get(id(stream))
-        if ring is None:
-            ring = self._rings[id(stream)] = AddressRing(torch, self.torch_device, stream)
+        count = len(src_addr)
         blocks = max(1, min(MAX_BLOCKS_PER_PAGE, -(-nvec // (THREADS * UNROLL))))
+        grid_y = max(1, min(count, TARGET_BLOCKS // blocks))
         with torch.cuda.stream(stream):
-            for lo in range(0, len(src_addr), LAUNCH_CHUNK):
-                count = min(LAUNCH_CHUNK, len(src_addr) - lo)
-                addrs = ring.upload(src_addr[lo : lo + count], dst_addr[lo : lo + count])
-                grid_y = max(1, min(count, TARGET_BLOCKS // blocks))
-                args = ((addrs, count, nvec), (ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong))
-                result = drv.cuLaunchKernel(
-                    self._kernel[1], blocks, grid_y, 1, THREADS, 1, 1, 0, stream.cuda_stream, args, 0
-                )
-                check(result, "cuLaunchKernel(raykv_copy_pages)")
+            host = torch.from_numpy(np.concatenate((src_addr, dst_addr))).pin_memory()
+            addrs = host.to(self.torch_device, non_blocking=True)
+            args = ((addrs.data_ptr(), count, nvec), (ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong))
+            result = drv.cuLaunchKernel(
+                self._kernel[1], blocks, grid_y, 1, THREADS, 1, 1, 0, stream.cuda_stream, args, 0
+            )
+            check(result, "cuLaunchKernel(raykv_copy_pages)")
 
     def synchronize(self) -> None:
         """Block until every copy enqueued on this copier's streams completed."""
@@ -355,43 +347,6 @@ class CudaCopier:
         if self.staging is not None:
             self.staging.close()
             self.staging = None
-
-
-class AddressRing:
-    """Address lists for kernel launches on one stream: two pinned host buffers and two device
-    buffers, used in turn. A host buffer is rewritten only after the upload that last read it
-    completed (its event; by then the stream has usually moved on). A device buffer is rewritten
-    by an upload on the same stream, so after the launch that read it. Buffers grow to the
-    largest list seen (the old ones are released through torch's stream-aware allocators)."""
-
-    def __init__(self, torch: Any, device: Any, stream: Any) -> None:
-        self._torch = torch
-        self._device = device
-        self._stream = stream
-        self._bufs: list[list[Any]] = [[None, None, None], [None, None, None]]  # host, device, event
-        self._turn = 0
-
-    def upload(self, src_addr: npt.NDArray[np.int64], dst_addr: npt.NDArray[np.int64]) -> int:
-        """Enqueue the upload of ``src_addr`` then ``dst_addr`` on the stream (the current one);
-        the device address of the list."""
-        torch = self._torch
-        n = len(src_addr)
-        buf = self._bufs[self._turn]
-        self._turn ^= 1
-        if buf[2] is not None:
-            buf[2].synchronize()
-        if buf[0] is None or len(buf[0]) < 2 * n:
-            size = max(2 * n, 1024)
-            buf[0] = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            buf[1] = torch.empty(size, dtype=torch.int64, device=self._device)
-            buf[1].record_stream(self._stream)
-        host = buf[0].numpy()
-        host[:n] = src_addr
-        host[n : 2 * n] = dst_addr
-        buf[1][: 2 * n].copy_(buf[0][: 2 * n], non_blocking=True)
-        buf[2] = torch.cuda.Event()
-        buf[2].record(self._stream)
-        return int(buf[1].data_ptr())
 
 
 class PinnedStaging:
