@@ -64,7 +64,16 @@ ENGINES = {
 class _Case:
     """Two engines of one layout and order, the page rows, the block ids and the raw buffers."""
 
-    def __init__(self, settings: Settings, kib: int, kind: str, order: str, device: str, run: bool) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        kib: int,
+        kind: str,
+        order: str,
+        device: str,
+        run: bool,
+        pinned: bool = False,
+    ) -> None:
         import torch
 
         from raykv.integrations.vllm.copier import BlockCopier
@@ -86,9 +95,12 @@ class _Case:
             picks = [list(range(BLOCKS)), list(range(BLOCKS, 2 * BLOCKS))]
         self.ids: list[int] = picks[0]
         self.into: list[int] = picks[1]
-        self.rows = np.zeros((BLOCKS, layout.page_bytes), dtype=np.uint8)
-        self.nbytes = self.rows.nbytes
         cuda = self.device.type == "cuda"
+        if pinned and cuda:  # page rows in page-locked memory (a pinned tier, a registered buffer)
+            self.rows = torch.zeros((BLOCKS, layout.page_bytes), dtype=torch.uint8, pin_memory=True).numpy()
+        else:
+            self.rows = np.zeros((BLOCKS, layout.page_bytes), dtype=np.uint8)
+        self.nbytes = self.rows.nbytes
         self.raw_dev = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self.raw_host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=cuda)
 
@@ -119,11 +131,15 @@ class _Case:
                 raise AssertionError(f"{name}: blocks changed on the way engine -> page -> engine")
 
 
-def copy_benchmark(settings: Settings, kib: int, kind: str, order: str, device: str, run: bool) -> list[Row]:
-    """GB/s of BlockCopier save and load vs raw copies of the same bytes."""
-    case = _Case(settings, kib, kind, order, device, run)
+def copy_benchmark(
+    settings: Settings, kib: int, kind: str, order: str, device: str, run: bool, pinned: bool = False
+) -> list[Row]:
+    """GB/s of BlockCopier save and load vs raw copies of the same bytes (``pinned``: the page
+    rows are page-locked, so the copier DMAs them directly)."""
+    case = _Case(settings, kib, kind, order, device, run, pinned)
     case.check()
-    label = f"{kind}/{order} {'run' if run else 'scattered'} {kib}KiB x{BLOCKS}x{settings.layers}L"
+    rows_kind = " pinned rows" if pinned else ""
+    label = f"{kind}/{order} {'run' if run else 'scattered'}{rows_kind} {kib}KiB x{BLOCKS}x{settings.layers}L"
     rows = []
     for name, fn, d2h in (("save", case.save, True), ("load", case.load, False)):
         base = timed(functools.partial(case.raw, d2h))
@@ -144,6 +160,9 @@ def benchmarks(settings: Settings, device: str) -> list[Benchmark]:
         kind, order = ENGINES[device][0]
         fn = functools.partial(copy_benchmark, settings, kib, kind, order, device, True)
         out.append(Benchmark(f"{kind}/{order} run {kib}KiB", fn))
+        if device == "cuda":
+            fn = functools.partial(copy_benchmark, settings, kib, kind, order, device, False, True)
+            out.append(Benchmark(f"{kind}/{order} pinned rows {kib}KiB", fn))
     return out
 
 

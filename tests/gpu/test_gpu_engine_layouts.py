@@ -153,3 +153,32 @@ def test_benchmark_quick_runs() -> None:
     for bench in benchmarks(settings, "cuda"):
         rows = bench.run()
         assert rows and all(r.error is None and r.ours > 0 for r in rows)
+
+
+@pytest.mark.parametrize("chunk_pages", [None, 5])
+def test_pinned_rows_are_copied_directly_and_exactly(chunk_pages: int | None) -> None:
+    """Page rows in a registered (page-locked) shared host tier: saves DMA into them and loads
+    DMA out of them (no host staging copy), with the same bytes as through pageable rows."""
+    from raykv import TierConfig
+    from raykv.core.tiers.host import HostPool
+
+    layout = KVLayout.uniform(len(LAYERS), HEADS, HEAD, TOKENS, "bfloat16")
+    chunk = {} if chunk_pages is None else {"chunk_bytes": chunk_pages * layout.page_bytes}
+    ref = _reference("bfloat16", seed=5)
+    ids, into = [5, 1, 60, 61, 62, 20, 33], [0, 63, 2, 3, 4, 40, 12]
+    want = _expected_rows(layout, ref, ids)
+    pool = HostPool(TierConfig.host(16 * layout.page_bytes, shared=True), layout, pin=True)
+    try:
+        assert pool.pinned and torch.from_numpy(pool.array).is_pinned()
+        rows = pool.array[: len(ids)]
+        kind, order, kernel = GPU_ENGINES[1]
+        src = _engine(kind, order, kernel, "bfloat16")
+        _fill(kind, src, ref)
+        BlockCopier(layout, LAYERS, src, kind, **chunk).save(ids, rows)
+        assert np.array_equal(rows, want)
+        dst = _engine(*GPU_ENGINES[0][:2], None, "bfloat16")
+        BlockCopier(layout, LAYERS, dst, GPU_ENGINES[0][0], **chunk).load(rows, into)
+        _check_loaded(GPU_ENGINES[0][0], dst, ref, ids, into)
+    finally:
+        pool.close()
+    assert not pool.pinned

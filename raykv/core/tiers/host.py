@@ -35,7 +35,8 @@ class HostPool(PagePool):
 
     ``pin`` asks for page-locked memory through torch (only meaningful with CUDA); when pinning is
     impossible the pool falls back to pageable memory and logs it. With ``config.shared`` the
-    array lives in a /dev/shm file named by :attr:`shm_path` (never pinned).
+    array lives in a /dev/shm file named by :attr:`shm_path`; ``pin`` then registers that mapping
+    with CUDA (:meth:`pin_for_cuda`).
     """
 
     kind = TierKind.HOST
@@ -50,6 +51,7 @@ class HostPool(PagePool):
         self.slot_directory = None
         """Which committed block sits in which slot, for one-sided same-node reads (shared tiers;
         see :mod:`raykv.core.tiers.shm_directory`)."""
+        self._registered = False
         if config.shared:
             self.array = self._allocate_shared()
             assert self.shm_path is not None
@@ -57,8 +59,39 @@ class HostPool(PagePool):
                 self.slot_directory = ShmDirectory(self.shm_path, self.num_slots, self.page_bytes)
             except OSError as exc:
                 log.warning("host tier: no directory for one-sided reads (%s)", exc)
+            if pin:
+                self.pin_for_cuda()
         else:
             self.array = self._allocate(pin)
+
+    def pin_for_cuda(self) -> bool:
+        """Page-lock the tier's memory for CUDA copies (``cudaHostRegister``; a shared tier's
+        mapping too), so device copies to and from its pages are DMA transfers. Changes nothing
+        but the locking; idempotent. Returns whether the memory is pinned now (False without
+        CUDA, or when the driver refuses, e.g. over the locked-memory limit: logged)."""
+        if self.pinned or self.array.size == 0:
+            return self.pinned
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                return False
+            err = torch.cuda.cudart().cudaHostRegister(self.array.ctypes.data, self.array.nbytes, 0)
+        except (ImportError, RuntimeError, AttributeError) as exc:
+            log.warning("host tier: cannot pin for CUDA (%s); copies stage through pinned buffers", exc)
+            return False
+        if int(err) != 0:
+            log.warning("host tier: cudaHostRegister failed (%s); copies stage through pinned buffers", err)
+            return False
+        self._registered = self.pinned = True
+        return True
+
+    def _unregister(self) -> None:
+        if self._registered:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
+            self._registered = self.pinned = False
 
     def _allocate_shared(self) -> npt.NDArray[np.uint8]:
         """Map a fresh, fully reserved /dev/shm file (a temp dir where /dev/shm is missing)."""
@@ -141,6 +174,7 @@ class HostPool(PagePool):
 
     def close(self) -> None:
         super().close()
+        self._unregister()
         self._torch_buffer = None
         if self.slot_directory is not None:
             self.slot_directory.close()

@@ -11,9 +11,11 @@ Copies are batched: per layer one gather (``index_select`` over the block ids, o
 the ids are one run) and one copy per page region; loads write back with one scatter per layer
 (``index_copy_``; numpy fancy assignment for CPU engines, whose torch scatter is slower than
 a memcpy per block). For an engine on an accelerator the page rows go through a staging area:
-chunks of at most ``chunk_bytes`` of rows in a pinned host buffer (CUDA) and a device buffer,
-two of each so that the host copy of one chunk overlaps the transfer of the other; one
-host-to-device copy per chunk for a load, one device-to-host copy per chunk for a save. Both
+chunks of at most ``chunk_bytes`` of rows in a device buffer, and, unless the rows themselves are
+pinned (page-locked, or registered with ``cudaHostRegister``: then the copies DMA them directly),
+in a pinned host buffer; two of each so that the host copy of one chunk overlaps the transfer of
+the other; one host-to-device copy per chunk for a load, one device-to-host copy per chunk for a
+save. Both
 calls return after the engine's blocks (load) or the rows (save) are written.
 
 torch is imported inside functions only; this module never imports vllm or ray.
@@ -120,7 +122,7 @@ class BlockCopier:
         import torch
 
         ids = self._check(rows, block_ids)
-        pending: tuple[_Slot, npt.NDArray[np.uint8]] | None = None
+        pending: tuple[_Slot, npt.NDArray[np.uint8], bool] | None = None
         for i, (lo, hi) in enumerate(self._chunks(len(ids))):
             pick = self._pick(ids[lo:hi])
             slot = self._staging.slot(i, hi - lo) if self._staging is not None else None
@@ -133,12 +135,12 @@ class BlockCopier:
                     else:  # straight into the page rows (strided out), one pass
                         torch.index_select(part, 0, pick[0], out=page)
             if slot is not None:
-                slot.download(hi - lo)
+                direct = slot.download(hi - lo, rows[lo:hi])
                 if pending is not None:
-                    pending[0].finish(pending[1])
-                pending = (slot, rows[lo:hi])
+                    pending[0].finish(pending[1], pending[2])
+                pending = (slot, rows[lo:hi], direct)
         if pending is not None:
-            pending[0].finish(pending[1])
+            pending[0].finish(pending[1], pending[2])
 
     def load(self, rows: npt.NDArray[np.uint8], block_ids: Sequence[int]) -> None:
         """Write ``rows[i]`` into engine block ``block_ids[i]`` for every i."""
@@ -243,23 +245,36 @@ class _Slot:
             self.event.record(torch.cuda.current_stream(self.device))
 
     def upload(self, rows: npt.NDArray[np.uint8]) -> Any:
-        """``rows`` on the device (``[n, page_bytes]``), through the host buffer."""
+        """``rows`` on the device (``[n, page_bytes]``): straight from ``rows`` when they are
+        pinned (page-locked or registered with CUDA), else through the host buffer."""
         n = len(rows)
-        self._ready()
-        np.copyto(self.host_np[:n], rows)
-        self.dev[:n].copy_(self.host[:n], non_blocking=self.cuda)
+        source = _pinned_tensor(rows) if self.cuda else None
+        if source is None:
+            self._ready()
+            np.copyto(self.host_np[:n], rows)
+            source = self.host[:n]
+        self.dev[:n].copy_(source, non_blocking=self.cuda)
         self._sent()
         return self.dev[:n]
 
-    def download(self, n: int) -> None:
-        """Start copying the device buffer's first ``n`` rows to the host buffer."""
-        self.host[:n].copy_(self.dev[:n], non_blocking=self.cuda)
+    def download(self, n: int, rows: npt.NDArray[np.uint8]) -> bool:
+        """Start copying the device buffer's first ``n`` rows to the host: straight into
+        ``rows`` when they are pinned (True: nothing left for :meth:`finish` but the wait), else
+        into the host buffer."""
+        target = _pinned_tensor(rows) if self.cuda else None
+        direct = target is not None
+        if target is None:
+            self._ready()
+            target = self.host[:n]
+        target.copy_(self.dev[:n], non_blocking=self.cuda)
         self._sent()
+        return direct
 
-    def finish(self, rows: npt.NDArray[np.uint8]) -> None:
-        """Wait for :meth:`download` and copy its rows into ``rows``."""
+    def finish(self, rows: npt.NDArray[np.uint8], direct: bool) -> None:
+        """Wait for :meth:`download`; unless it went straight to ``rows``, copy its rows there."""
         self._ready()
-        np.copyto(rows, self.host_np[: len(rows)])
+        if not direct:
+            np.copyto(rows, self.host_np[: len(rows)])
 
 
 class _Staging:
@@ -309,6 +324,13 @@ def _as_tensor(rows: npt.NDArray[np.uint8]) -> Any:
     with warnings.catch_warnings():  # read-only rows (a peer's mapped tier) are only read
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(rows)
+
+
+def _pinned_tensor(rows: npt.NDArray[np.uint8]) -> Any:
+    """``rows`` as a tensor when their memory is pinned (page-locked by torch or registered with
+    ``cudaHostRegister``), so a device copy may DMA it directly; else None."""
+    tensor = _as_tensor(rows)
+    return tensor if tensor.is_pinned() else None
 
 
 def _numpy_rows(blocks: Any) -> npt.NDArray[np.uint8] | None:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from raykv import CacheConfig, CacheManager, KVLayout, OutOfPagesError, TierConfig, TransferError
+from raykv.core.tiers.host import HostPool
 from raykv.integrations.vllm.copier import BlockCopier
 from raykv.integrations.vllm.plan import EngineLink, LoadOp, RaykvMetadata, StoreOp, WorkerReport
 from raykv.transfer import PageClient, PageServer, TransferConfig
@@ -50,6 +51,7 @@ class WorkerSide:
         self.staging: CacheManager | None = None
         self.server: PageServer | None = None
         self._rows = np.empty((0, layout.page_bytes), dtype=np.uint8)
+        self._rows_tensor: Any = None  # owns self._rows when they are page-locked
         self._failed: set[int] = set()
         self._received: set[str] = set()
         self._report = WorkerReport()
@@ -73,12 +75,29 @@ class WorkerSide:
         self.client = PageClient(link.token, config)
         tier = TierConfig.host(link.staging_bytes, pin_memory=False, shared=True)
         self.staging = CacheManager(CacheConfig(self.layout, (tier,)))
+        if self._on_cuda():  # stores then DMA from the engine straight into staging pages
+            pool = self.staging.pools[0]
+            if isinstance(pool, HostPool):
+                pool.pin_for_cuda()
         self.server = PageServer(self.staging, link.token, config)
         self._report.staging = self.server.start()
 
+    def _on_cuda(self) -> bool:
+        """Whether the engine's KV tensors are on a CUDA device."""
+        return self.copier is not None and getattr(self.copier.device, "type", "cpu") == "cuda"
+
     def _buffer(self, n: int) -> np.ndarray:
+        """``n`` rows of the reusable pull buffer: page-locked for a CUDA engine, so a load's
+        host-to-device copy reads it directly."""
         if len(self._rows) < n:
-            self._rows = np.empty((max(n, 2 * len(self._rows)), self.layout.page_bytes), dtype=np.uint8)
+            shape = (max(n, 2 * len(self._rows)), self.layout.page_bytes)
+            if self._on_cuda():
+                import torch
+
+                self._rows_tensor = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+                self._rows = self._rows_tensor.numpy()
+            else:
+                self._rows = np.empty(shape, dtype=np.uint8)
         return self._rows[:n]
 
     # ---- loads -----------------------------------------------------------------------------------
