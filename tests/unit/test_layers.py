@@ -124,6 +124,7 @@ ALLOWED_PRIVATE_READS = {
     ("raykv.transfer.serving", "LeasedBlock._fields"),  # namedtuple API
     ("raykv.transfer.runtime", "ucxx.core._get_ctx"),  # ucxx has no public way to ask
     ("raykv.core.threads", "copy_threads()._max_workers"),  # ThreadPoolExecutor's size
+    ("raykv.bench.gpu", "torch.cuda._sleep"),  # torch's only GPU-side sleep (GPU-time rows)
 }
 
 
