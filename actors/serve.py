@@ -299,9 +299,11 @@ class CacheRanker:
         queued = int(stats.get("queued_prefill_tokens", 0))
         rid = replica.replica_id
         queued += sum(s.tokens for s in self._sent.values() if s.replica == rid and s.at > since)
-        # requests the report still counted that have completed since: no longer queued
-        queued -= sum(s.tokens for s in self._done if s.replica == rid and s.at <= since < s.done)
-        return WorkerLoad(cid, max(0, queued), int(stats.get("running_decodes", 0)))
+        # requests the report still counted that have completed since: neither queued nor decoding
+        gone = [s for s in self._done if s.replica == rid and s.at <= since < s.done]
+        queued -= sum(s.tokens for s in gone)
+        decodes = int(stats.get("running_decodes", 0)) - len(gone)
+        return WorkerLoad(cid, max(0, queued), max(0, decodes))
 
     def fallback(self, replicas: Sequence[Any]) -> list[list[Any]]:
         """Power of two choices: two random replicas, the less loaded (as reported) first."""

@@ -174,6 +174,19 @@ def test_a_completed_request_leaves_a_report_taken_while_it_ran() -> None:
     assert first(run(r.rank(reps, req(toks(4, 12))))) != ["r0"]
 
 
+def test_a_completed_request_stops_counting_as_a_running_decode() -> None:
+    index = FakeIndex()
+    index.hold(A, toks(4, 8))
+    r = ranker(index, decode_weight=500.0)
+    reps = replicas(0, 0, 0)
+    r.routed("chat", "r0", A)
+    r._sent["chat"].at = time.time() - 1.0
+    reps[0].ts, reps[0].decodes = time.time() - 0.5, 3  # reported while "chat" (and 2 more) ran
+    r.completed("chat")
+    ranker_load = r._load(WorkerId("c"), reps[0])
+    assert ranker_load.running_decodes == 2 and ranker_load.queued_prefill_tokens == 0
+
+
 def test_routing_credits_the_chosen_worker_in_the_index() -> None:
     index = FakeIndex()
     r = ranker(index)
