@@ -1,6 +1,7 @@
 """Prometheus metrics for CacheWorker actors, exported through ray.util.metrics.
 
-Counters are fed from stats deltas (so restarts of the exporter never double count); gauges show
+Counters are fed from stats deltas (so restarts of the exporter never double count), among them
+``raykv_integrity_drops`` (disk pages that failed their checksum); gauges show
 bytes in use per tier, pinned pages and the page server's open leases. Tags: worker, and tier,
 path (``shm_read``/``shm``/``ucx``/``gpu_read``/...) or failure reason (exactly the values of
 :class:`raykv.core.errors.TransferFailure`: a count under any other key is not exported).
@@ -60,6 +61,11 @@ class WorkerMetrics:
         self.demotions = backend.Counter("raykv_demotions", "Pages demoted, by source tier", tag_keys=tags)
         self.promotions = backend.Counter("raykv_promotions", "Pages promoted, by source tier", tag_keys=tags)
         self.bytes = backend.Gauge("raykv_bytes_in_use", "Bytes held, by tier", tag_keys=tags)
+        self.integrity_drops = backend.Counter(
+            "raykv_integrity_drops",
+            "Disk pages that failed their checksum (dropped, never served)",
+            tag_keys=("worker",),
+        )
         self.pinned = backend.Gauge(
             "raykv_pinned_pages", "Pages pinned by active requests", tag_keys=("worker",)
         )
@@ -98,6 +104,9 @@ class WorkerMetrics:
         miss_delta = stats.miss_blocks - (last.miss_blocks if last else 0)
         if miss_delta > 0:
             self.misses.inc(miss_delta, tags={"worker": self.worker})
+        drops_delta = stats.integrity_drops - (last.integrity_drops if last else 0)
+        if drops_delta > 0:
+            self.integrity_drops.inc(drops_delta, tags={"worker": self.worker})
         self.pinned.set(stats.pinned_pages, tags={"worker": self.worker})
         self._last = stats
         if transfer is not None:

@@ -76,9 +76,9 @@ class TestingCacheWorker(CacheWorker):
         scope = ReuseScope(lora_id, salt)
         before = self.manager.probe(tokens, scope)
         with self.manager.create(tokens, scope) as cache:
-            reused = cache.num_reused_tokens
             if not cache.resume():
                 raise OutOfPagesError(f"{self.worker_id}: request does not fit on the top tier")
+            reused = cache.num_reused_tokens  # after resume: a disk page failing its checksum cuts it
             cache.extend(tokens[reused:])
             self.oracle.fill_cache(cache, reused // cache.tokens_per_block)
             for tok in decode_tokens:

@@ -63,9 +63,9 @@ def run_turn(
     """One chat turn: reuse, prefill the rest, decode, commit. Returns (history, reused)."""
     cache = mgr.create(prompt, scope=scope)
     try:
-        reused = cache.num_reused_tokens
         if not cache.resume():
             raise RuntimeError("resume refused: demo tiers too small for one conversation")
+        reused = cache.num_reused_tokens  # after resume: a disk page failing its checksum cuts it
         oracle.verify_cache(cache)  # reused KV (maybe promoted from disk) is intact
         cache.extend(prompt[reused:])
         oracle.fill_cache(cache, reused // mgr.tokens_per_block)

@@ -11,7 +11,7 @@ Rows (every figure higher-is-better; every baseline measured in the same run on 
   a plain ``dict`` of key -> children dicts over the same keys (a floor, not a competitor).
 * ``create+close`` (tokens -> keys, match, hold, release) and the ``commit lifecycle``
   (create -> resume -> extend -> commit -> close of a new 100-block sequence): no baseline.
-* host/disk copies in :mod:`raykv.bench.core_io`.
+* host/disk copies and page checksums in :mod:`raykv.bench.core_io`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from time import perf_counter
 import numpy as np
 import numpy.typing as npt
 
-from raykv.bench.core_io import commit_new, copy_benchmark, demotion_benchmark
+from raykv.bench.core_io import checksum_benchmark, commit_new, copy_benchmark, demotion_benchmark
 from raykv.bench.core_settings import FULL, QUICK, CoreSettings
 from raykv.bench.harness import Benchmark, Row, median_seconds, paired_seconds, timed
 from raykv.core.config import CacheConfig, KVLayout, TierConfig
@@ -52,6 +52,7 @@ def core_benchmarks(settings: CoreSettings) -> list[Benchmark]:
         benches.append(
             Benchmark(f"host<->disk copies {kib} KiB", functools.partial(copy_benchmark, settings, kib))
         )
+    benches.append(Benchmark("page checksums", functools.partial(checksum_benchmark, settings)))
     benches.append(Benchmark("manager demotion", functools.partial(demotion_benchmark, settings)))
     return benches
 

@@ -5,6 +5,10 @@
 * ``demote host->disk`` / ``promote disk->host``: ``CopyEngine.copy`` between a HostPool (level 0)
   and a DiskPool (level 1) vs one ``os.pwrite`` / one ``os.preadv`` (a pread into an existing buffer)
   of one contiguous buffer of the same bytes, in a file in the disk tier's own directory.
+* ``checksum <function>``: per-page checksums of a batch of pages, as the disk tier computes them
+  on every write and read (``zlib.crc32``; ISA-L's ``crc32`` when ``isal`` is installed, the one
+  the tier uses then; ``xxhash.xxh3_64`` when ``xxhash`` is installed, for comparison) vs one
+  ``np.copyto`` of the same bytes (a memcpy). ``demote``/``promote`` above include them.
 * ``manager demotion``: a host tier full of committed blocks; ``extend`` of a new request needs N
   fresh pages, which demotes the N coldest blocks to disk (planning, copy, re-pointing, events).
   Timed is the ``extend`` call; the floor is one ``os.pwrite`` of the same number of bytes.
@@ -16,9 +20,11 @@ page cache; these are not fsync'd durability figures, for ours or for the baseli
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import tempfile
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from time import perf_counter
 
@@ -141,6 +147,42 @@ def _copy_rows(
         t_ours, t_base = paired_seconds(timed(ours), timed(base), settings.copy_repeats, settings.warmup)
         rows.append(Row(f"{name} {label}", nbytes / t_ours / 1e6, nbytes / t_base / 1e6, "MB/s"))
     return rows
+
+
+def checksum_functions() -> list[tuple[str, Callable[[memoryview], int]]]:
+    """(name, function of one page's buffer) of each checksum candidate installed here."""
+    found: list[tuple[str, Callable[[memoryview], int]]] = [("zlib.crc32", zlib.crc32)]
+    for module, name, label in (
+        ("isal.isal_zlib", "crc32", "isal crc32"),
+        ("xxhash", "xxh3_64_intdigest", "xxh3_64"),
+    ):
+        try:
+            found.append((label, getattr(importlib.import_module(module), name)))
+        except ImportError:
+            pass
+    return found
+
+
+def checksum_benchmark(settings: CoreSettings) -> list[Row]:
+    """MB/s of per-page checksums over a batch of 64 KiB and of 512 KiB pages vs a memcpy."""
+    rows = []
+    for kib in (64, 512):
+        batch = settings.copy_batch
+        pages = np.empty((batch, kib * 1024), dtype=np.uint8)
+        fill_random(pages, seed=kib)
+        copy = np.empty_like(pages)
+        views = [memoryview(pages[i]) for i in range(batch)]
+        memcpy = timed(functools.partial(np.copyto, copy, pages))
+        for name, fn in checksum_functions():
+            ours = timed(functools.partial(_sum_pages, fn, views))
+            t_ours, t_base = paired_seconds(ours, memcpy, settings.copy_repeats, settings.warmup)
+            label = f"checksum {name} {kib}KiB x{batch}"
+            rows.append(Row(label, pages.nbytes / t_ours / 1e6, pages.nbytes / t_base / 1e6, "MB/s"))
+    return rows
+
+
+def _sum_pages(fn: Callable[[memoryview], int], views: list[memoryview]) -> list[int]:
+    return [fn(view) for view in views]
 
 
 def commit_new(mgr: CacheManager, tokens: npt.NDArray[np.int32]) -> int:

@@ -280,12 +280,15 @@ class CacheConfig:
     first is the top tier that engines read. ``max_util_for_resume`` in (0, 1]: ``resume()`` is
     refused when the top tier's pinned fraction would exceed it. ``max_events`` bounds the event
     queue (the oldest are dropped; event ids stay monotonic so consumers see the gap).
+    ``verify_disk_checksums`` (default True): the disk tier keeps a CRC-32 of every page it writes
+    and checks it on every read; a page that fails is never served (see ``docs/design.md``).
     """
 
     layout: KVLayout
     tiers: tuple[TierConfig, ...]
     max_util_for_resume: float = 1.0
     max_events: int = 100_000
+    verify_disk_checksums: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -315,6 +318,8 @@ class CacheConfig:
         if math.isnan(util) or not 0.0 < util <= 1.0:
             raise ConfigError("max_util_for_resume", f"must be in (0, 1], got {util!r}")
         _positive_int("max_events", self.max_events)
+        if not isinstance(self.verify_disk_checksums, bool):
+            raise ConfigError("verify_disk_checksums", f"must be a bool, got {self.verify_disk_checksums!r}")
 
     @property
     def tokens_per_block(self) -> int:

@@ -1,6 +1,8 @@
 """Copy engine: batched page copies between tiers.
 
-One call moves a batch of pages from one tier to another. Empty batches are no-ops.
+One call moves a batch of pages from one tier to another. Empty batches are no-ops. A copy or
+read out of a verifying disk tier reports the pages that failed their checksum
+(:meth:`raykv.core.tiers.disk.DiskPool.failed`); the caller must not serve them.
 
 Host and disk only: host sources are gathered in one numpy copy; disk reads land directly in host
 rows when the destination slots are consecutive; every other pair goes through a host staging
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from raykv.core.errors import PageCorruptError
 from raykv.core.tiers.base import PagePool, is_run
 from raykv.core.tiers.cuda_util import SlotEvents
 from raykv.core.tiers.disk import DiskPool
@@ -57,12 +60,31 @@ class CopyEngine:
         """Pending asynchronous copies into or out of host slots, per host level."""
 
     def read(self, level: int, slots: Sequence[PageId]) -> npt.NDArray[np.uint8]:
-        """Return a new host array [len(slots), page_bytes] holding the pages' bytes."""
-        out = np.empty((len(slots), self.page_bytes), dtype=np.uint8)
-        if slots:
-            self.settle(level, slots)
-            self.pools[level].read_pages(list(slots), out)
+        """Return a new host array [len(slots), page_bytes] holding the pages' bytes.
+
+        Raises PageCorruptError (``positions``: the bad pages) when a disk page fails its
+        checksum: no bytes are returned then. :meth:`read_checked` returns the good ones."""
+        out, bad = self.read_checked(level, slots)
+        if bad:
+            kind = self.pools[level].kind.name
+            raise PageCorruptError(f"{len(bad)} {kind} page(s) failed their checksum", positions=tuple(bad))
         return out
+
+    def read_checked(self, level: int, slots: Sequence[PageId]) -> tuple[npt.NDArray[np.uint8], list[int]]:
+        """(a new host array [len(slots), page_bytes] of the pages' bytes, the positions of the
+        pages that failed their checksum: their rows must not be served)."""
+        out = np.empty((len(slots), self.page_bytes), dtype=np.uint8)
+        if not slots:
+            return out, []
+        self.settle(level, slots)
+        self.pools[level].read_pages(list(slots), out)
+        return out, self.failed(level, slots)
+
+    def failed(self, level: int, slots: Sequence[PageId]) -> list[int]:
+        """Positions in ``slots`` of pages of tier ``level`` known to have failed a checksum
+        (only a verifying disk tier has any)."""
+        pool = self.pools[level]
+        return pool.failed(slots) if isinstance(pool, DiskPool) else []
 
     def write(self, level: int, slots: Sequence[PageId], data: npt.NDArray[np.uint8]) -> None:
         """Write host rows ``data`` into pages ``slots`` of one tier."""
@@ -91,12 +113,15 @@ class CopyEngine:
 
     def copy(
         self, src_level: int, src_slots: Sequence[PageId], dst_level: int, dst_slots: Sequence[PageId]
-    ) -> None:
-        """Copy pages ``src_slots`` of one tier into ``dst_slots`` of another (same count)."""
+    ) -> list[int]:
+        """Copy pages ``src_slots`` of one tier into ``dst_slots`` of another (same count).
+
+        Returns the positions of the source pages that failed their checksum (a disk source
+        only; empty otherwise): their destination pages hold bytes that must not be served."""
         if len(src_slots) != len(dst_slots):
             raise ValueError("source and destination batches differ in length")
         if not src_slots:
-            return
+            return []
         src, dst = self.pools[src_level], self.pools[dst_level]
         src_list, dst_list = list(src_slots), list(dst_slots)
         if TierKind.GPU in (src.kind, dst.kind):
@@ -106,6 +131,7 @@ class CopyEngine:
             self.settle(dst_level, dst_list)
             self._copy_host_disk(src, src_list, dst, dst_list)
         self.bytes_moved[(src.kind, dst.kind)] += len(src_list) * self.page_bytes
+        return self.failed(src_level, src_list)
 
     def _copy_host_disk(
         self, src: PagePool, src_list: list[PageId], dst: PagePool, dst_list: list[PageId]

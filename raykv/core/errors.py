@@ -184,3 +184,11 @@ class CudaError(RayKVError):
     """A CUDA call failed; ``cuda_error`` holds the CUDA error name."""
 
     cuda_error: str
+
+
+class PageCorruptError(RayKVError):
+    """Pages read back from a tier failed their checksum or came back short (a disk tier file
+    changed under the cache); their bytes were not returned. ``positions`` lists which of the
+    pages asked for, as indices into the request. The blocks they back are no longer served."""
+
+    positions: tuple[int, ...]

@@ -31,14 +31,24 @@ from raykv.core.types import BlockKey, PageId, Priority, check_block_key
 
 
 def export_blocks(mgr: PageStore, keys: list[BlockKey]) -> list[ExportedBlock]:
-    """Read the pages of the committed blocks among ``keys`` (batched per tier). Under the lock."""
+    """Read the pages of the committed blocks among ``keys`` (batched per tier). Under the lock.
+
+    A page that fails its checksum (disk tier) is dropped with its descendants
+    (``PageStore.drop_corrupt``), and neither it nor they are exported: they are missing keys now.
+    """
     found = [b for b in (mgr.tree.get(k) for k in keys) if b is not None]
     data: dict[int, bytes] = {}
+    dropped = False
     for level in sorted({b.page.level for b in found}):
         group = [b for b in found if b.page.level == level]
-        rows = mgr.copy.read(level, [b.page.slot for b in group])
+        rows, bad = mgr.copy.read_checked(level, [b.page.slot for b in group])
+        if bad:
+            mgr.drop_corrupt([group[i].page for i in bad], mgr.tier_kinds[level])
+            dropped = True
         for block, row in zip(group, rows):
             data[id(block)] = row.tobytes()
+    if dropped:
+        found = [b for b in found if mgr.tree.get(b.key) is b]
     out = []
     for block in found:
         raw = data[id(block)]

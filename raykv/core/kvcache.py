@@ -11,13 +11,20 @@ demoted (never dropped). A cache garbage-collected while open warns and closes i
 
 If a block this request commits is already in the tree (another request committed the same
 tokens), this request's page stays private to it: page ids never change under an active engine.
+
+A page that fails its checksum when read back from the disk tier is never served: ``resume`` (and
+``commit``) cut the cache before the first such page, so ``num_tokens``, ``num_blocks``,
+``num_committed_blocks`` and ``num_reused_tokens`` may shrink there (a shorter hit, as if those
+blocks had not been cached): read them after ``resume``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -79,9 +86,10 @@ class KvCache:
     def _lookup_stats(self, matched: list[Block], n_full: int, n_tokens: int) -> StatsDelta:
         n = len(self._store.pools)
         hit_blocks, hit_tokens = [0] * n, [0] * n
-        for block in matched:
-            hit_blocks[block.page.level] += 1
-            hit_tokens[block.page.level] += self.tokens_per_block
+        self._hit_levels = [block.page.level for block in matched]
+        for level in self._hit_levels:
+            hit_blocks[level] += 1
+            hit_tokens[level] += self.tokens_per_block
         zero = StatsDelta.zero(n)
         return StatsDelta(
             hit_blocks=tuple(hit_blocks),
@@ -165,7 +173,9 @@ class KvCache:
 
         Returns False, changing nothing, when the top tier's pinned fraction would exceed the
         config's ``max_util_for_resume`` or room cannot be made. True if already active. Raises
-        StateError when closed.
+        StateError when closed. A page that fails its checksum on the way up (or failed one
+        earlier) is dropped and the cache is cut before it (see the module docstring): the
+        caller sees a shorter ``num_reused_tokens``/``num_tokens``, never an exception.
         """
         mgr = self._store
         with mgr.locked():
@@ -185,6 +195,7 @@ class KvCache:
                 lower.sort(key=lambda p: p.level)
                 for level in sorted({p.level for p in lower}):
                     mgr.move_pages([p for p in lower if p.level == level], 0)
+            self._cut_corrupt()
             for page in self._pages:
                 mgr.pin(page)
             self.status = Status.ACTIVE
@@ -232,11 +243,13 @@ class KvCache:
         (an event recorded there orders every later copy or peer read after it). Each newly
         committed block becomes matchable (a BlockStored event) unless an identical block is
         already cached. Folds this request's pending stats into the manager. Returns how many
-        blocks were newly committed.
+        blocks were newly committed. A suspended cache holding a page that failed its checksum is
+        cut first (the module docstring), so ``num_tokens`` may then be fewer than asked for.
         """
         mgr = self._store
         with mgr.locked():
             self._check_not_closed()
+            self._cut_corrupt()
             upto = self._len if num_tokens is None else num_tokens
             if isinstance(upto, bool) or not isinstance(upto, int) or not 0 <= upto <= self._len:
                 raise InvalidArgumentError("num_tokens", f"must be in 0..{self._len}, got {upto!r}")
@@ -285,6 +298,43 @@ class KvCache:
             self.status = Status.CLOSED
             self._pages = []
             mgr.forget_cache(self.cache_id)
+
+    def _cut_corrupt(self) -> None:
+        """Keep only the blocks before the first page that failed its checksum (if any): the
+        rest are released, and the lookup stats count the reused blocks cut as misses."""
+        corrupt = self._store.corrupt
+        if not corrupt:
+            return
+        cut = next((i for i, p in enumerate(self._pages) if p.uid in corrupt), None)
+        if cut is None:
+            return
+        self._store.release_cache_pages(self._pages[cut:], self.status is Status.ACTIVE)
+        del self._pages[cut:]
+        del self._keys[cut:]
+        tpb = self.tokens_per_block
+        self._num_committed = min(self._num_committed, cut)
+        self._len = min(self._len, cut * tpb)
+        lost = self._hit_levels[cut:]
+        del self._hit_levels[cut:]
+        self.num_reused_tokens = min(self.num_reused_tokens, cut * tpb)
+        if self._pending is not None and lost:
+            self._pending = self._pending + self._as_misses(lost)
+
+    def _as_misses(self, levels: Sequence[int]) -> StatsDelta:
+        """A delta that turns hits on ``levels`` (one entry per block) into misses."""
+        n, tpb = len(self._store.pools), self.tokens_per_block
+        blocks, tokens = [0] * n, [0] * n
+        for level in levels:
+            blocks[level] -= 1
+            tokens[level] -= tpb
+        zero = StatsDelta.zero(n)
+        return dataclasses.replace(
+            zero,
+            hit_blocks=tuple(blocks),
+            hit_tokens=tuple(tokens),
+            miss_blocks=len(levels),
+            miss_tokens=len(levels) * tpb,
+        )
 
     def _fold_stats(self) -> None:
         if self._pending is not None:

@@ -169,6 +169,7 @@ class CacheManager:
     def export_blocks(self, keys: Sequence[bytes]) -> list[ExportedBlock]:
         """Bytes and metadata of the committed blocks among ``keys`` (missing keys are skipped;
         order follows ``keys``). Pages stay where they are. Raises ValueError for a malformed key.
+        A disk page that fails its checksum is dropped (with its descendants) and skipped too.
         """
         checked = [check_block_key(k) for k in keys]
         with self.locked():
@@ -264,7 +265,9 @@ class CacheManager:
 
     def leased_page(self, block: LeasedBlock) -> Any:
         """The page of a leased block, in place: a numpy (host) or torch (GPU) uint8 view; a
-        disk page is read into a new array. Valid until the lease is released."""
+        disk page is read into a new array, checked: PageCorruptError when it fails its checksum
+        (the block is dropped at its next read under the lock). Valid until the lease is
+        released."""
         pool = self.pools[block.level]
         if hasattr(pool, "page"):
             self.copy.settle(block.level, [PageId(block.slot)])  # a copy into it may be in flight

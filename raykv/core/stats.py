@@ -19,7 +19,11 @@ def _sub(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class StatsDelta:
-    """Counter differences between two snapshots (same fields as CacheStats' counters)."""
+    """Counter differences between two snapshots (same fields as CacheStats' counters).
+
+    ``integrity_drops``: pages that failed their checksum when read back from the disk tier (each
+    dropped, never served; see ``PageStore.drop_corrupt``).
+    """
 
     hit_blocks: tuple[int, ...]
     hit_tokens: tuple[int, ...]
@@ -31,6 +35,7 @@ class StatsDelta:
     imported_blocks: int
     exported_blocks: int
     committed_blocks: int
+    integrity_drops: int = 0
 
     @property
     def hit_ratio(self) -> float:
@@ -83,6 +88,7 @@ class CacheStats(StatsDelta):
         rows.append(
             f"misses: {self.miss_blocks} blocks / {self.miss_tokens} tokens; "
             f"hit ratio {self.hit_ratio:.3f}; pinned pages {self.pinned_pages}"
+            + (f"; integrity drops {self.integrity_drops}" if self.integrity_drops else "")
         )
         return "\n".join(rows)
 
@@ -113,6 +119,7 @@ class Counters:
         self.imported_blocks = 0
         self.exported_blocks = 0
         self.committed_blocks = 0
+        self.integrity_drops = 0
 
     def fold(self, delta: StatsDelta, request_id: int | None = None) -> None:
         """Add a per-request delta into the totals and remember it in ``recent``."""
@@ -136,4 +143,5 @@ class Counters:
             "imported_blocks": self.imported_blocks,
             "exported_blocks": self.exported_blocks,
             "committed_blocks": self.committed_blocks,
+            "integrity_drops": self.integrity_drops,
         }

@@ -11,13 +11,16 @@ Rules of the interface: every method that changes state must be called under :me
 (unless its docstring says otherwise); a method that raises changes nothing. The attributes are
 read-only to everyone else: ``pinned_top``, ``leases`` and ``closed`` change only through methods.
 :meth:`cache_blocks` is the one place blocks become cached (tree insert, eviction queueing,
-``BlockStored`` events, counters).
+``BlockStored`` events, counters); :meth:`drop_corrupt` is where pages that failed their
+checksum (a disk tier file changed under the cache) leave it.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
@@ -33,6 +36,10 @@ from raykv.core.radix import Block, BlockRadixTree
 from raykv.core.stats import Counters, StatsDelta
 from raykv.core.tiers import PagePool, make_pool, shm_directory
 from raykv.core.types import BlockKey, PageId, Priority, TierKind, TierLevel
+
+log = logging.getLogger(__name__)
+WARN_INTERVAL_S = 10.0
+"""At most one integrity warning per this many seconds per store (the rest are counted)."""
 
 
 def _close_pools(pools: list[PagePool]) -> None:
@@ -54,7 +61,8 @@ class PageStore:
     Attributes (read-only outside this class): ``config``, ``layout``, ``tokens_per_block``,
     ``pools`` (index = tier level), ``tier_kinds``, ``copy``, ``tree``, ``policy``, ``events``,
     ``counters``; ``pinned_top``: top-tier pages pinned by active requests; ``leases``: lease id ->
-    the pages it holds.
+    the pages it holds; ``corrupt``: uids of pages whose bytes failed their checksum and that a
+    request still holds (each request cuts itself before them at its next resume or commit).
     """
 
     def __init__(self, config: CacheConfig, policy: EvictionPolicy | None = None) -> None:
@@ -65,7 +73,7 @@ class PageStore:
         pools: list[PagePool] = []
         try:
             for tier in config.tiers:
-                pools.append(make_pool(tier, config.layout, pin_host=pin_host))
+                pools.append(make_pool(tier, config.layout, pin_host, config.verify_disk_checksums))
         except BaseException:
             _close_pools(pools)
             raise
@@ -78,6 +86,10 @@ class PageStore:
         self.counters = Counters(len(pools))
         self.pinned_top = 0
         self.leases: dict[int, list[Page]] = {}
+        self.corrupt: set[int] = set()
+        self._orphans: dict[int, Page] = {}  # dropped from the tree while leased: freed at release
+        self._warned_at = -WARN_INTERVAL_S
+        self._unwarned = 0
         self._lock = threading.RLock()
         self._locked = StoreLock(self)
         self._open: dict[int, weakref.ref[Any]] = {}
@@ -233,15 +245,17 @@ class PageStore:
         slots = self.pools[0].allocate(count)
         return new_pages(TierLevel(0), slots, priority)
 
-    def move_pages(self, pages: list[Page], dst: int) -> None:
-        """Copy unpinned pages (all on one level) to level ``dst`` and re-point them."""
+    def move_pages(self, pages: list[Page], dst: int) -> list[Page]:
+        """Copy unpinned pages (all on one level) to level ``dst`` and re-point them. Returns the
+        pages whose bytes failed their checksum on the way (read from a disk tier), already
+        given to :meth:`drop_corrupt`."""
         if not pages:
-            return
+            return []
         src = pages[0].level
         dst_slots = self.pools[dst].allocate(len(pages))
         src_slots: list[PageId] = [p.slot for p in pages]
         try:
-            self.copy.copy(src, src_slots, dst, dst_slots)
+            bad = self.copy.copy(src, src_slots, dst, dst_slots)
         except BaseException:
             self.pools[dst].release(dst_slots)
             raise
@@ -257,6 +271,10 @@ class PageStore:
             counter[src] += 1
             if page.block is not None:
                 self.events.tier_changed(page.block.key, self.tier_kinds[src], self.tier_kinds[dst])
+        corrupt = [pages[i] for i in bad]
+        if corrupt:
+            self.drop_corrupt(corrupt, self.tier_kinds[src])
+        return corrupt
 
     def pin(self, page: Page) -> None:
         """An active request starts using ``page`` (which must be on the top tier)."""
@@ -285,7 +303,64 @@ class PageStore:
         """Unqueue ``page`` and give its slot back (it must back no block any more)."""
         if page.queued:
             self.policy.remove(page)
+        if self.corrupt:
+            self.corrupt.discard(page.uid)
         self.pools[page.level].release([page.slot])
+
+    # ---- integrity -----------------------------------------------------------------------------
+    def drop_corrupt(self, pages: Sequence[Page], tier: TierKind) -> None:
+        """Pages whose bytes failed their checksum when read from ``tier``: never serve them.
+
+        Each new one counts one ``integrity_drops``; the block it backs leaves the tree with its
+        descendants (one BlockRemoved each: a miss from now on, as for an eviction). Pages no one
+        references any more are freed; a leased one when its lease ends; one a request holds
+        stays in :attr:`corrupt` until that request cuts it (``KvCache.resume``/``commit``).
+        Logs a WARNING at most every :data:`WARN_INTERVAL_S`. Under the lock."""
+        for page in pages:
+            if page.uid not in self.corrupt:
+                self.counters.integrity_drops += 1
+                self._warn(page, tier)
+            if page.block is not None:
+                self._drop_subtree(cast(Block, page.block))
+            if page.holders or page.pins:
+                self.corrupt.add(page.uid)
+
+    def _drop_subtree(self, top: Block) -> None:
+        """Remove ``top`` and every block below it from the tree, deepest first."""
+        stack, blocks = [top], []
+        while stack:
+            block = stack.pop()
+            blocks.append(block)
+            stack.extend(block.children.values())
+        blocks.sort(key=lambda b: -b.ordinal)
+        for block in blocks:
+            page = block.page
+            self.events.removed(block.key, self.tier_kinds[page.level])
+            self.tree.remove(block)
+            if page.holders or page.pins:
+                continue  # now a private page of the requests holding it
+            if page.leases:
+                if page.queued:
+                    self.policy.remove(page)
+                self._orphans[page.uid] = page
+            else:
+                self.free_page(page)
+
+    def _warn(self, page: Page, tier: TierKind) -> None:
+        now = time.monotonic()
+        if now - self._warned_at < WARN_INTERVAL_S:
+            self._unwarned += 1
+            return
+        block = page.block
+        log.warning(
+            "%s page of block %s failed its checksum: dropped, not served (%d more since the "
+            "last warning, %d in all); the tier's file changed under the cache",
+            tier.name,
+            block.key.hex()[:16] if block is not None else "(private)",
+            self._unwarned,
+            self.counters.integrity_drops,
+        )
+        self._warned_at, self._unwarned = now, 0
 
     # ---- leases --------------------------------------------------------------------------------
     def hold_pages(self, pages: list[Page]) -> int:
@@ -304,6 +379,8 @@ class PageStore:
         with self.locked():
             for page in self.leases.pop(lease_id, []):
                 page.leases -= 1
+                if not page.leases and self._orphans and self._orphans.pop(page.uid, None) is not None:
+                    self.free_page(page)
 
     # ---- caching blocks ------------------------------------------------------------------------
     def cache_blocks(

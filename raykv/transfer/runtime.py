@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from raykv.core.errors import StateError, TransferError, TransferFailure
+from raykv.core.errors import PageCorruptError, StateError, TransferError, TransferFailure
 from raykv.core.threads import copy_threads, pieces
 
 log = logging.getLogger(__name__)
@@ -286,9 +286,14 @@ def abort_endpoint(ep: Any) -> None:
 
 
 def as_transfer_error(exc: Exception) -> TransferError:
-    """A TransferError for an OS or UCX error (anything else is a bug and is re-raised)."""
+    """A TransferError for an OS or UCX error, or a source page that failed its checksum
+    (anything else is a bug and is re-raised)."""
     if isinstance(exc, TransferError):
         return exc
+    if isinstance(exc, PageCorruptError):
+        return TransferError(
+            f"a page failed its checksum at the source ({exc})", reason=TransferFailure.INTEGRITY
+        )
     if isinstance(exc, TimeoutError):
         return TransferError("timed out", reason=TransferFailure.TIMEOUT)
     if isinstance(exc, (OSError, ConnectionError)):

@@ -10,6 +10,7 @@ import pytest
 
 from actors.cli import main as cli_main
 from raykv.bench import run_benchmarks
+from raykv.bench.core_io import checksum_functions
 from raykv.bench.harness import Benchmark, Row, format_table, run_suite
 
 KEY_ROWS = [f"block_keys {kind} tpb={tpb}" for tpb in (16, 32, 64) for kind in ("numpy int32", "list")]
@@ -23,6 +24,7 @@ WITH_BASELINE = [
     "probe(keys) 100-block prefix",
     "tree.match 100-block prefix",
     *COPY_ROWS,
+    *(f"checksum zlib.crc32 {kib}KiB x64" for kib in (64, 512)),
     "manager demotion 64KiB x128 (extend)",
 ]
 WITHOUT_BASELINE = ["commit lifecycle 100 blocks", "create+close 100-block prefix"]
@@ -57,7 +59,7 @@ def test_core_quick_returns_zero_and_prints_every_row(quick_run: tuple[int, str,
     for name in WITHOUT_BASELINE:
         ours, base, _unit, ratio = parse_row(out, name)[:4]
         assert float(ours) > 0 and base == "-" and ratio == "-", name
-    assert err.count("bench core [") == 7  # one progress line per benchmark
+    assert err.count("bench core [") == 8  # one progress line per benchmark
 
 
 def test_numpy_block_keys_rows_carry_the_goal(quick_run: tuple[int, str, str]) -> None:
@@ -104,4 +106,5 @@ def test_rows_ratio_goal_and_alignment() -> None:
 
 def test_cli_bench_core_quick_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["bench", "core", "--quick"]) == 0
-    assert "core: 17 rows, 0 errors" in capsys.readouterr().out
+    rows = 17 + 2 * len(checksum_functions())  # one checksum row per installed function and page size
+    assert f"core: {rows} rows, 0 errors" in capsys.readouterr().out

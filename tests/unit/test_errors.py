@@ -20,6 +20,7 @@ from raykv.core.errors import (
     NotFoundError,
     OutOfMemoryError,
     OutOfPagesError,
+    PageCorruptError,
     RayKVError,
     ResourceBusyError,
     RoleNotFoundError,
@@ -92,6 +93,11 @@ SAMPLES: dict[type, tuple[RayKVError, str, dict]] = {
         CudaError("cudaMemcpyAsync failed", cuda_error="cudaErrorIllegalAddress"),
         "cudaMemcpyAsync failed",
         {"cuda_error": "cudaErrorIllegalAddress"},
+    ),
+    PageCorruptError: (
+        PageCorruptError("2 disk pages failed their checksum", positions=(0, 3)),
+        "2 disk pages failed their checksum",
+        {"positions": (0, 3)},
     ),
 }
 

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from actors.metrics import WorkerMetrics
 from actors.testing import TestingCacheWorker
-from raykv import CacheConfig, KVLayout, TierConfig, TransferError
+from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError
 from raykv.transfer import PeerAddress, TransferConfig
 
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
@@ -122,3 +123,24 @@ def test_failure_labels_are_exactly_the_enum_values() -> None:
     labels = {dict(tags)["reason"] for tags in rec.named("raykv_transfer_failures")}
     assert labels == REASON_LABELS
     assert {dict(tags)["reason"] for tags in rec.named("raykv_transfer_server_errors")} == {"internal"}
+
+
+def test_integrity_drops_are_exported(layout: KVLayout) -> None:
+    page = layout.page_bytes
+    config = CacheConfig(layout, (TierConfig.host(2 * page, pin_memory=False), TierConfig.disk(8 * page)))
+    oracle, recorder = ContentOracle(layout), Recorder()
+    metrics = WorkerMetrics("w", recorder)
+    with CacheManager(config) as mgr:
+        for seed in range(3):
+            with mgr.create(list(range(seed * 100, seed * 100 + layout.tokens_per_block))) as cache:
+                assert cache.resume()
+                cache.extend(list(range(seed * 100, seed * 100 + layout.tokens_per_block)))
+                oracle.fill_cache(cache)
+                cache.commit()
+        disk = mgr.pools[1]
+        with open(disk.path, "r+b") as f:  # type: ignore[attr-defined]
+            f.write(bytes(disk.num_slots * disk.stride))  # type: ignore[attr-defined]
+        assert oracle.verify_manager(mgr) == 2  # the two host blocks; the disk one is dropped
+        for _ in range(2):
+            metrics.update(mgr.stats())
+            assert recorder.get("raykv_integrity_drops", worker="w") == 1
