@@ -1,10 +1,12 @@
 """Prometheus metrics for CacheWorker actors, exported through ray.util.metrics.
 
 Counters are fed from stats deltas (so restarts of the exporter never double count), among them
-``raykv_integrity_drops`` (disk pages that failed their checksum); gauges show
-bytes in use per tier, pinned pages and the page server's open leases. Tags: worker, and tier,
+``raykv_integrity_drops`` (disk pages that failed their checksum); gauges show bytes in use per
+tier, pinned pages and the page server's open leases and connections. Tags: worker, and tier,
 path (``shm_read``/``shm``/``ucx``/``gpu_read``/...) or failure reason (exactly the values of
-:class:`raykv.core.errors.TransferFailure`: a count under any other key is not exported).
+:class:`raykv.core.errors.TransferFailure`: a count under any other key is not exported). The
+page server's guard counts (connections closed before authenticating, refused over a cap, closed
+idle) have the worker tag only: nothing a peer sends becomes a label.
 
 ``CacheWorker`` exports on its publisher thread every ``METRICS_INTERVAL_S`` (actor mode) and on
 ``export_metrics()``; each pull's duration goes to a histogram as it ends. ``backend`` is
@@ -47,6 +49,22 @@ _TRANSFER_COUNTERS = (
 )
 
 
+_SERVER_TOTALS = (
+    # (series, help, ServerStats field): plain counts, no tag but the worker
+    (
+        "raykv_transfer_preauth_rejected",
+        "Connections its page server closed before they authenticated",
+        "preauth_rejected",
+    ),
+    (
+        "raykv_transfer_refused_connections",
+        "Connections its page server refused over a connection cap",
+        "connections_refused",
+    ),
+    ("raykv_transfer_idle_closed", "Idle connections its page server closed", "idle_closed"),
+)
+
+
 class WorkerMetrics:
     """Publishes one worker's CacheStats and page-transfer stats as Prometheus series."""
 
@@ -73,8 +91,14 @@ class WorkerMetrics:
             (side, field): (backend.Counter(name, text, tag_keys=("worker", tag)), tag)
             for name, text, side, field, tag in _TRANSFER_COUNTERS
         }
+        self.server_totals = {
+            field: backend.Counter(name, text, tag_keys=("worker",)) for name, text, field in _SERVER_TOTALS
+        }
         self.open_leases = backend.Gauge(
             "raykv_transfer_open_leases", "Leases the page server holds now", tag_keys=("worker",)
+        )
+        self.open_connections = backend.Gauge(
+            "raykv_transfer_open_connections", "Connections open to the page server now", tag_keys=("worker",)
         )
         self.pull_seconds = backend.Histogram(
             "raykv_transfer_pull_seconds",
@@ -84,6 +108,7 @@ class WorkerMetrics:
         )
         self._last: CacheStats | None = None
         self._last_transfer: dict[tuple[str, str], dict[str, int]] = {}
+        self._last_totals: dict[str, int] = {}
 
     def update(self, stats: CacheStats, transfer: Mapping[str, Any] | None = None) -> None:
         """Export the change since the previous call (``transfer``: ``WorkerTransfer.stats()``)."""
@@ -129,5 +154,17 @@ class WorkerMetrics:
                 if delta > 0:
                     counter.inc(delta, tags={"worker": self.worker, tag: key})
             self._last_transfer[(side, field)] = now
+        self._update_server_totals(transfer.get("server", {}))
         if "open_leases" in transfer:
             self.open_leases.set(transfer["open_leases"], tags={"worker": self.worker})
+        if "open_connections" in transfer:
+            self.open_connections.set(transfer["open_connections"], tags={"worker": self.worker})
+
+    def _update_server_totals(self, server: Mapping[str, Any]) -> None:
+        """Export the change of the page server's plain counts (``_SERVER_TOTALS``)."""
+        for field, counter in self.server_totals.items():
+            now = int(server.get(field, 0))
+            delta = now - self._last_totals.get(field, 0)
+            if delta > 0:
+                counter.inc(delta, tags={"worker": self.worker})
+            self._last_totals[field] = now

@@ -162,12 +162,13 @@ class WorkerTransfer:
         return get_runtime().run(coro, timeout)
 
     def stats(self) -> dict[str, Any]:
-        """Server and client counters (per path), the leases the server holds right now, and the
-        shared host tier's file (None without one)."""
+        """Server and client counters (per path), the leases and connections the server holds
+        right now, and the shared host tier's file (None without one)."""
         out: dict[str, Any] = {"address": self.address}
         if self.server is not None:
             out["server"] = self.server.stats.as_dict()
             out["open_leases"] = self.server.open_leases
+            out["open_connections"] = self.server.open_connections
             out["shm_path"] = self.server.shm_path
         if self.client is not None:
             out["client"] = self.client.stats.as_dict()

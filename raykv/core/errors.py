@@ -134,6 +134,9 @@ class TransferFailure(enum.StrEnum):
     - ``refused``: the peer refused the request with a reason this process does not know.
     - ``internal``: the page server failed on an unexpected exception (logged there with its
       traceback); only the server's error counters use it.
+    - ``busy``: the page server refused the connection at once because the peer's host, or all
+      peers together, already hold as many connections as its caps allow
+      (``TransferConfig.max_connections_per_peer`` / ``max_connections``); nothing was read.
     """
 
     AUTH = "auth"
@@ -153,6 +156,7 @@ class TransferFailure(enum.StrEnum):
     STALE = "stale"
     REFUSED = "refused"
     INTERNAL = "internal"
+    BUSY = "busy"
 
     @classmethod
     def from_peer(cls, value: object) -> TransferFailure:

@@ -16,7 +16,8 @@ Paths: each way pages move is a :class:`raykv.transfer.path.TransferPath` (``shm
 the server and the client dispatch to them by name.
 
 Layers, bottom to top (a module imports only lower ones; none imports this package): ``config``,
-``auth``, ``wire`` (control messages and their limits); ``runtime`` (the loop thread that owns
+``auth``, ``wire`` (control messages and their limits), ``guard`` (the page server's connection
+caps, idle waits, paced logs and closes); ``runtime`` (the loop thread that owns
 UCX, transport checks, byte budgets), ``shm`` (same-node mappings), ``payload`` (the sender's
 chunks), ``results``, ``landing``, ``receive``; ``serving`` and ``connection`` (the server's and
 the client's side of a connection, as the paths use them), ``path`` (the base class),

@@ -294,17 +294,21 @@ class PageClient:
         (TransferError "connect"/"auth"/"timeout"/... when none can be made). Give it back with
         :meth:`checkin` after a clean exchange, else ``close()`` it."""
         idle = self._idle.get(peer, [])
+        now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.closed():
+            if not conn.closed() and not conn.stale(now):
                 return conn
-            conn.close()  # the server closed it meanwhile (restart, shutdown)
+            conn.flush()  # a pending done: the server counts the pull as served
+            conn.close()  # the server closed it meanwhile (restart, shutdown) or soon will (idle)
         conn = await asyncio.wait_for(self._connect(peer), self.config.connect_timeout_s)
         self._register_local(peer, conn)
         return conn
 
     def checkin(self, peer: tuple[str, int], conn: ClientConn) -> None:
-        """Keep ``conn`` for later pulls from ``peer`` (no request may be in flight on it)."""
+        """Keep ``conn`` for later pulls from ``peer`` (no request may be in flight on it; it is
+        retired at the next checkout once idle for half the server's idle timeout)."""
+        conn.idle_since = time.monotonic()
         self._idle.setdefault(peer, []).append(conn)
 
     @contextlib.asynccontextmanager

@@ -65,7 +65,8 @@ class TransferConfig:
     server sends (or a client receives) at once, over all peers; each is at least
     ``max_payload_bytes`` so one request always fits. ``chunk_bytes``: payload message size (the
     payload of one request goes as ``ceil(bytes / chunk_bytes)`` UCX messages, no per-page round
-    trip). ``connect_timeout_s``: connecting plus authenticating; ``timeout_s``: one whole pull.
+    trip). ``connect_timeout_s``: a client connecting plus authenticating (the server's limit is
+    ``auth_timeout_s``); ``timeout_s``: one whole pull.
     ``ucx_net_devices`` / ``ucx_tls``: UCX_NET_DEVICES / UCX_TLS for this process when UCX starts
     (None: leave UCX's default or the environment). ``ucx_progress``: ucxx's progress mode for this
     process when UCX starts (UCXPY_PROGRESS_MODE; None: the environment, else ucxx's "thread"):
@@ -94,6 +95,16 @@ class TransferConfig:
     so the first is checksummed while the second arrives; None (default): 512 KiB on a host
     where this process may use 8 cores or more, else never; 0: never
     (:func:`raykv.transfer.payload.early_split`).
+
+    Page-server guards (:mod:`raykv.transfer.guard`, docs/security.md):
+    ``auth_timeout_s``: a connection must finish the challenge-response within this long after it
+    was accepted, else it is closed (and counted in ``preauth_rejected``). ``read_timeout_s``: once
+    the first byte of a control message has arrived, the rest of it must arrive within this long.
+    ``idle_timeout_s``: an authenticated connection with no pull in flight is closed after this
+    long without a new request (clients learn it from ``welcome`` and retire idle connections at
+    half of it, so a pull never races the close). ``max_connections_per_peer`` /
+    ``max_connections``: the most connections open at once from one peer host (IP address) and in
+    all; one over either cap is refused at once with reason ``busy``.
     """
 
     host: str = "127.0.0.1"
@@ -116,6 +127,11 @@ class TransferConfig:
     use_gpu_peer: bool = True
     post_receives: bool = True
     early_split_bytes: int | None = None
+    auth_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
+    idle_timeout_s: float = 300.0
+    max_connections_per_peer: int = 64
+    max_connections: int = 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -136,7 +152,12 @@ class TransferConfig:
         object.__setattr__(
             self, "connect_timeout_s", _positive_seconds("connect_timeout_s", self.connect_timeout_s)
         )
-        object.__setattr__(self, "timeout_s", _positive_seconds("timeout_s", self.timeout_s))
+        for name in ("timeout_s", "auth_timeout_s", "read_timeout_s", "idle_timeout_s"):
+            object.__setattr__(self, name, _positive_seconds(name, getattr(self, name)))
+        if _positive_int("max_connections", self.max_connections) < _positive_int(
+            "max_connections_per_peer", self.max_connections_per_peer
+        ):
+            raise ConfigError("max_connections_per_peer", "must be <= max_connections")
         for name in ("ucx_net_devices", "ucx_tls", "node_id"):
             _optional_str(name, getattr(self, name))
         if self.ucx_progress not in (None, *UCX_PROGRESS_MODES):

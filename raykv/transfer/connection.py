@@ -21,7 +21,8 @@ class ClientConn:
     """One connection and what the server's ``welcome`` said (limits already capped by ours).
 
     ``max_header_bytes``: this client's control-message limit; ``ucx_ctx``: its UCX context
-    (None without UCX); ``endpoint``: the UCX endpoint to the server once opened."""
+    (None without UCX); ``endpoint``: the UCX endpoint to the server once opened. ``idle_s``: the
+    server's idle timeout (None: not announced); ``idle_since``: ``time.monotonic()`` at the last checkin."""
 
     peer: tuple[str, int]
     reader: asyncio.StreamReader
@@ -37,6 +38,13 @@ class ClientConn:
     pending: bytes = b""  # a framed ``done`` not written yet: goes before the next message
     max_header_bytes: int = 1 << 16
     ucx_ctx: Any = None
+    idle_s: float | None = None
+    idle_since: float = 0.0
+
+    def stale(self, now: float) -> bool:
+        """Idle for more than half the server's idle timeout: the server may close it at any
+        moment, so a pull should not start on it."""
+        return self.idle_s is not None and now - self.idle_since > self.idle_s / 2
 
     def write(self, data: bytes) -> None:
         """Write ``data`` to the stream, after a ``done`` still pending (in the same write)."""
@@ -138,6 +146,14 @@ async def handshake(
         wire.ShmInfo.from_msg(welcome.get("shm")),
         server_ucx if isinstance(server_ucx, bytes) and server_ucx else None,
         gpu=welcome.get("gpu") is True,
+        idle_s=_idle_seconds(welcome.get("idle_s")),
         max_header_bytes=config.max_header_bytes,
         ucx_ctx=ucx_ctx,
     )
+
+
+def _idle_seconds(value: object) -> float | None:
+    """The ``idle_s`` of a ``welcome``: a positive finite number of seconds, else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if 0 < value < float("inf") else None

@@ -17,12 +17,33 @@ lease ends, so UCX never reads a page that has been released.
 
 Backpressure: at most ``server_inflight_bytes`` of payload are being served at once (a byte
 semaphore; further pulls wait their turn).
+
+Guards (:mod:`raykv.transfer.guard`; docs/security.md): a connection over
+``max_connections_per_peer`` (per peer host) or ``max_connections`` (in all) is refused at once
+with reason ``busy`` and counted in ``connections_refused``. An admitted connection must
+authenticate within ``auth_timeout_s``; until it has, nothing it sends reaches the stats beyond
+the one counter ``preauth_rejected``, nor the log beyond a rate-limited line naming the reason
+this server chose (never the peer's text or its ``error`` reason as sent). Once a control
+message starts arriving, all of it must arrive within ``read_timeout_s``; an authenticated
+connection with no pull in flight is closed after ``idle_timeout_s`` without a request (counted
+in ``idle_closed``; the client retires idle connections before that, see ``welcome``'s
+``idle_s``). Failures of authenticated connections count in ``errors`` under their
+:class:`TransferFailure` value (a peer's reason mapped by ``TransferFailure.from_peer``). Every
+end of a connection releases its slot, its lease, its UCX endpoint and its socket (aborted when
+the peer does not read its last bytes within a second).
+
+UCX has no accept path to guard: this server opens no UCX listener. It opens at most one
+endpoint per authenticated control connection, to the worker address the client sent in
+``auth``, and aborts it when that connection ends, so the caps and deadlines above bound the
+endpoints too. Its own worker address goes out only in ``welcome``, after the client proved the
+token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +56,7 @@ from raykv.core.types import TierKind
 from raykv.transfer.auth import CLIENT_LABEL, NONCE_BYTES, SERVER_LABEL, AuthToken, new_nonce
 from raykv.transfer.config import PeerAddress, TransferConfig
 from raykv.transfer.gpu_peer import GpuPeerExport
+from raykv.transfer.guard import ConnectionSlots, LogLimiter, close_stream, frame_start
 from raykv.transfer.path import TransferPath
 from raykv.transfer.paths import server_paths
 from raykv.transfer.runtime import (
@@ -57,10 +79,20 @@ MAX_UCX_ADDRESS = 1 << 16
 
 @dataclass
 class ServerStats:
-    """Counters of one page server (``pulls``/``pages``/``bytes`` are per path)."""
+    """Counters of one page server (``pulls``/``pages``/``bytes`` per path, ``errors`` per
+    :class:`TransferFailure` value and nothing else).
+
+    ``connections``: connections admitted; ``preauth_rejected``: admitted connections that ended
+    before they authenticated (wrong token, deadline, malformed or ``error`` message, EOF): the
+    only trace an unauthenticated peer leaves here; ``connections_refused``: connections refused
+    over a cap (reason ``busy``); ``idle_closed``: authenticated connections closed after
+    ``idle_timeout_s`` without a request. ``errors``: authenticated connections that failed.
+    """
 
     connections: int = 0
-    auth_failures: int = 0
+    preauth_rejected: int = 0
+    connections_refused: int = 0
+    idle_closed: int = 0
     pulls: collections.Counter[str] = field(default_factory=collections.Counter)
     pages: collections.Counter[str] = field(default_factory=collections.Counter)
     bytes: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -105,6 +137,9 @@ class PageServer:
         self.paths: dict[str, TransferPath] = server_paths(shm_level, self.config, self.gpu_peer)
         """The paths this server answers on, by name (see :mod:`raykv.transfer.paths`)."""
         self._site: ServerSite | None = None
+        self._slots = ConnectionSlots(self.config.max_connections_per_peer, self.config.max_connections)
+        self._refusals = LogLimiter(log)  # connections refused or rejected before authentication
+        self._failures = LogLimiter(log)  # authenticated connections that failed
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> PeerAddress:
@@ -157,6 +192,16 @@ class PageServer:
         return len(self._leases)
 
     @property
+    def open_connections(self) -> int:
+        """Connections admitted and not yet closed (0 when idle)."""
+        return self._slots.total
+
+    @property
+    def connections_by_peer(self) -> dict[str, int]:
+        """Open connections per peer host (a copy; hosts with none are absent)."""
+        return self._slots.by_host()
+
+    @property
     def shm_path(self) -> str | None:
         """The shared host tier's file that same-node peers map (None without a shared tier)."""
         return self._shm_info.path if self._shm_info is not None else None
@@ -167,20 +212,96 @@ class PageServer:
 
     # ---- connections -----------------------------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
+        """One accepted connection: admit it (or refuse it at once), authenticate it before the
+        deadline, serve its pulls until it ends; its slot, endpoint and socket are freed in every
+        case."""
         peer = writer.get_extra_info("peername")
-        assert self._site is not None
-        conn = ServerConn(reader, writer, f"{peer[0]}:{peer[1]}" if peer else "?", self._site)
+        host = str(peer[0]) if peer else "?"
+        if not self._slots.admit(host):
+            self._turn_away(writer, host)
+            return
+        task = asyncio.current_task()
+        assert task is not None and self._site is not None
+        self._tasks.add(task)
+        conn = ServerConn(reader, writer, f"{host}:{peer[1]}" if peer else "?", self._site)
         self.stats.connections += 1
         try:
-            await asyncio.wait_for(self._handshake(conn), self.config.connect_timeout_s)
-            while True:
-                msg = await wire.read_message(reader, self.config.max_header_bytes)
-                await self._pull(conn, wire.expect_type(msg, "pull"))
+            if await self._authenticate(conn):
+                await self._serve_pulls(conn)
         except asyncio.CancelledError:
             pass
+        finally:
+            abort_endpoint(conn.endpoint)
+            close_stream(writer)
+            self._slots.release(host)
+            self._tasks.discard(task)
+
+    def _turn_away(self, writer: asyncio.StreamWriter, host: str) -> None:
+        """Refuse a connection over a cap: count it, tell the peer ``busy`` (no waiting), close."""
+        self.stats.connections_refused += 1
+        self._refusals.log(
+            logging.WARNING,
+            "page server %s: refused a connection from %s (%d open from it, %d in all)",
+            self.address,
+            host,
+            self._slots.held(host),
+            self._slots.total,
+        )
+        with contextlib.suppress(Exception):
+            writer.write(
+                wire.encode(
+                    wire.error_message(None, TransferFailure.BUSY.value, "too many connections"), 4096
+                )
+            )
+        close_stream(writer)
+
+    async def _authenticate(self, conn: ServerConn) -> bool:
+        """Run the challenge-response within ``auth_timeout_s``; False when the connection ends
+        before it succeeded. Whatever the peer sent then (its ``error`` reason, its text, a
+        malformed frame) counts only in ``preauth_rejected`` and reaches the log only as the
+        reason this server chose, through the rate-limited :class:`LogLimiter`."""
+        try:
+            async with asyncio.timeout(self.config.auth_timeout_s):
+                await self._handshake(conn)
+            return True
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._reject(conn, exc)
+            return False
+
+    async def _reject(self, conn: ServerConn, exc: Exception) -> None:
+        """Count, log (rate-limited, the reason only) and answer a connection that failed
+        before it authenticated."""
+        reason = _preauth_reason(exc)
+        self.stats.preauth_rejected += 1
+        self._refusals.log(
+            logging.WARNING if reason is TransferFailure.AUTH else logging.INFO,
+            "page server %s: closed %s before authentication (%s)",
+            self.address,
+            conn.peer,
+            reason.value,
+            exc_info=exc if reason is TransferFailure.INTERNAL else None,
+        )
+        if reason not in (TransferFailure.CLOSED, TransferFailure.REFUSED):
+            text = _PREAUTH_TEXT.get(reason, reason.value)
+            await conn.try_send(wire.error_message(None, reason.value, text))
+
+    async def _serve_pulls(self, conn: ServerConn) -> None:
+        """Serve pulls one at a time until the peer goes, fails, or stays idle ``idle_timeout_s``."""
+        try:
+            while True:
+                first = await frame_start(conn.reader, self.config.idle_timeout_s)
+                if first is None:
+                    self.stats.idle_closed += 1
+                    log.debug("page server %s: closed idle connection from %s", self.address, conn.peer)
+                    return
+                msg = await wire.read_message(
+                    conn.reader, self.config.max_header_bytes, self.config.read_timeout_s, first
+                )
+                await self._pull(conn, wire.expect_type(msg, "pull"))
+        except asyncio.CancelledError:
+            raise
         except asyncio.TimeoutError:
             await self._refuse(conn, TransferError("timed out", reason=TransferFailure.TIMEOUT))
         except Exception as exc:
@@ -191,20 +312,15 @@ class PageServer:
                 log.exception("page server %s: connection from %s failed", self.address, conn.peer)
             else:
                 await self._refuse(conn, error)
-        finally:
-            abort_endpoint(conn.endpoint)
-            writer.close()
-            self._tasks.discard(task)
 
     async def _handshake(self, conn: ServerConn) -> None:
         nonce = new_nonce()
         await conn.send({"t": "hello", "v": wire.VERSION, "nonce": nonce})
-        msg = wire.expect_type(await wire.read_message(conn.reader, 4096 + MAX_UCX_ADDRESS), "auth")
+        limit, frame_s = 4096 + MAX_UCX_ADDRESS, self.config.read_timeout_s
+        msg = wire.expect_type(await wire.read_message(conn.reader, limit, frame_s), "auth")
         mac = wire.field(msg, "mac", bytes, 32)
         client_nonce = wire.field(msg, "nonce", bytes, NONCE_BYTES)
         if not self._token.check(mac, CLIENT_LABEL, nonce, client_nonce):
-            self.stats.auth_failures += 1
-            log.warning("page server %s: refused %s (authentication failed)", self.address, conn.peer)
             raise TransferError("authentication failed", reason=TransferFailure.AUTH)
         conn.node = wire.field(msg, "node", str)
         ucx = msg.get("ucx")
@@ -220,16 +336,21 @@ class PageServer:
                 "shm": self._shm_info.to_msg() if self._shm_info else None,
                 "ucx": self._ucx_address,
                 "gpu": self.gpu_peer.available,
+                "idle_s": self.config.idle_timeout_s,
             },
         )
 
     async def _refuse(self, conn: ServerConn, error: TransferError) -> None:
-        """Count and log a failed connection; tell the peer why unless it has gone."""
+        """Count and log a failed authenticated connection (its reason is a TransferFailure: a
+        peer's own reason was mapped by :meth:`TransferFailure.from_peer`); tell the peer why
+        unless it has gone."""
         reason = error.reason.value
         if error.reason is TransferFailure.CLOSED:
             return
         self.stats.errors[reason] += 1
-        log.info("page server %s: connection from %s ended: %s", self.address, conn.peer, error)
+        self._failures.log(
+            logging.INFO, "page server %s: connection from %s ended: %s", self.address, conn.peer, error
+        )
         await conn.try_send(wire.error_message(None, reason, str(error) or reason))
 
     # ---- pulls -----------------------------------------------------------------------------------
@@ -270,6 +391,28 @@ class PageServer:
         self.stats.pulls[path.name] += 1
         self.stats.pages[path.name] += len(lease.blocks)
         self.stats.bytes[path.name] += nbytes
+
+
+_PREAUTH_TEXT = {
+    TransferFailure.AUTH: "authentication failed",
+    TransferFailure.TIMEOUT: "authentication not complete in time",
+    TransferFailure.PROTOCOL: "malformed or unexpected message",
+    TransferFailure.LIMIT: "message too large",
+}
+"""What an unauthenticated peer is told, per reason (fixed text: nothing of what it sent)."""
+
+
+def _preauth_reason(exc: Exception) -> TransferFailure:
+    """Why a connection ended before it authenticated: the TransferError's reason (a peer's
+    ``error`` already mapped onto the enum, so ``refused`` for anything unknown), ``timeout`` at
+    the deadline, ``closed`` for a broken socket, ``internal`` for anything else (a bug)."""
+    if isinstance(exc, TransferError):
+        return exc.reason
+    if isinstance(exc, TimeoutError):
+        return TransferFailure.TIMEOUT
+    if isinstance(exc, (OSError, ConnectionError)):
+        return TransferFailure.CLOSED
+    return TransferFailure.INTERNAL
 
 
 def split_field(msg: dict[str, Any], num_keys: int, posted: bool) -> int:

@@ -150,17 +150,22 @@ class ServerConn:
                 raise TransferError("the peer went away", reason=TransferFailure.CLOSED)
             await asyncio.sleep(0.01)
 
+    async def read(self) -> dict[str, Any]:
+        """The client's next control message (at most ``max_header_bytes``; once it has started
+        arriving, all of it within ``read_timeout_s``, else TransferError "timeout")."""
+        config = self.site.config
+        return await wire.read_message(self.reader, config.max_header_bytes, config.read_timeout_s)
+
     async def await_done(self, request_id: int, sends: asyncio.Future[Any] | None) -> None:
         """Wait for the client's ``done`` of ``request_id`` and for ``sends`` (our payload sends,
         None: nothing to wait for); a closed connection or a failed send raises at once (the
         sends and the read are then cancelled)."""
-        limit = self.site.config.max_header_bytes
         if sends is None:  # nothing else to watch: read it directly
-            msg = wire.expect_type(await wire.read_message(self.reader, limit), "done")
+            msg = wire.expect_type(await self.read(), "done")
             if msg.get("id") != request_id:
                 raise wire.protocol_error("'done' for another request")
             return
-        done = asyncio.ensure_future(wire.read_message(self.reader, limit))
+        done = asyncio.ensure_future(self.read())
         waiting: set[asyncio.Future[Any]] = {done, sends}
         try:
             while waiting:

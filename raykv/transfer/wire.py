@@ -89,19 +89,41 @@ def decode(body: bytes) -> dict[str, Any]:
     return msg
 
 
-async def read_message(reader: asyncio.StreamReader, max_bytes: int) -> dict[str, Any]:
-    """Read one framed message. EOF: TransferError(reason="closed"); oversize: reason="protocol"."""
+async def read_message(
+    reader: asyncio.StreamReader, max_bytes: int, frame_timeout_s: float | None = None, first: bytes = b""
+) -> dict[str, Any]:
+    """Read one framed message. EOF: TransferError(reason="closed"); oversize: reason="protocol".
+
+    ``frame_timeout_s``: once the frame's first byte is here, the rest of it must arrive within
+    this many seconds (TransferError "timeout"); None: no limit. Waiting for that first byte has
+    no limit here: the caller bounds it (an auth deadline, an idle timeout, a pull's timeout).
+    ``first``: the frame's leading bytes when the caller has already read them (at most 4)."""
     try:
-        prefix = await reader.readexactly(_LEN.size)
-        (length,) = _LEN.unpack(prefix)
-        if length > max_bytes:
-            raise protocol_error(f"control message of {length} bytes exceeds the {max_bytes}-byte limit")
-        body = await reader.readexactly(length)
+        if frame_timeout_s is None:
+            return decode(await _read_body(reader, max_bytes, first))
+        if not first:
+            first = await reader.readexactly(1)
+        try:
+            async with asyncio.timeout(frame_timeout_s):
+                body = await _read_body(reader, max_bytes, first)
+        except TimeoutError:
+            raise TransferError(
+                f"control message not complete within {frame_timeout_s:g} s", reason=TransferFailure.TIMEOUT
+            ) from None
     except (asyncio.IncompleteReadError, ConnectionError) as exc:
         raise TransferError(
             f"connection closed by peer ({type(exc).__name__})", reason=TransferFailure.CLOSED
         ) from None
     return decode(body)
+
+
+async def _read_body(reader: asyncio.StreamReader, max_bytes: int, first: bytes) -> bytes:
+    """The body of one frame whose first ``len(first)`` bytes were already read."""
+    prefix = first + await reader.readexactly(_LEN.size - len(first))
+    (length,) = _LEN.unpack(prefix)
+    if length > max_bytes:
+        raise protocol_error(f"control message of {length} bytes exceeds the {max_bytes}-byte limit")
+    return await reader.readexactly(length)
 
 
 def expect_type(msg: dict[str, Any], kind: str) -> dict[str, Any]:

@@ -131,7 +131,7 @@ def test_wrong_token_is_refused(remote: Remote) -> None:
     finally:
         stranger.close()
     assert info.value.reason == "auth"
-    assert remote.stats("staged")["auth_failures"] >= 1
+    assert remote.stats("staged")["preauth_rejected"] >= 1
     assert not remote.mgr.committed_blocks()
 
 

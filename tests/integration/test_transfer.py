@@ -104,6 +104,6 @@ def test_peer_without_the_token_is_refused(xfer: RayKVCluster) -> None:
     finally:
         intruder.close()
     assert info.value.reason == "auth"
-    assert get(wa.transfer_stats.remote())["server"]["auth_failures"] >= 1
+    assert get(wa.transfer_stats.remote())["server"]["preauth_rejected"] >= 1
     token = xfer.spec.token
     assert len(token) == 32 and token.hex() not in repr(xfer.spec) and repr(token) not in repr(xfer.spec)

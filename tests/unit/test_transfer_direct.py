@@ -160,7 +160,7 @@ def test_direct_pull_with_a_wrong_token_is_refused(
     with pytest.raises(TransferError) as info:
         get_runtime().run(pull_direct_into(stranger, server.address, dst, keys), 30)  # type: ignore[arg-type]
     stranger.close()
-    assert info.value.reason == "auth" and server.stats.auth_failures == 1
+    assert info.value.reason == "auth" and server.stats.preauth_rejected == 1
     assert not dst.committed_blocks()
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
-from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig
-from raykv.transfer import AuthToken, PageClient, PageServer, PeerAddress, TransferConfig, get_runtime
+from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError
+from raykv.transfer import AuthToken, PageClient, PageServer, PeerAddress, TransferConfig, get_runtime, wire
+from raykv.transfer.connection import ClientConn, handshake
 
 
 def commit(mgr: CacheManager, oracle: ContentOracle, tokens: list[int]) -> list[bytes]:
@@ -76,3 +80,59 @@ def host_pair(
     server = PageServer(src, token, config)
     server.start()
     return Pair(src, dst, server, PageClient(token, config), token)
+
+
+# ---- page-server guard tests: raw peers, fds, RSS ---------------------------------------------------
+def open_fds() -> int:
+    """File descriptors this process holds now."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+def rss_bytes() -> int:
+    """This process's resident set size."""
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def settle(server: PageServer, fds: int | None = None, timeout_s: float = 5.0) -> None:
+    """Wait until the server holds no connection and no lease, and (when given) this process is
+    back to ``fds`` file descriptors; assert it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not (server.open_connections or server.open_leases) and (fds is None or open_fds() <= fds):
+            break
+        time.sleep(0.02)
+    assert server.open_connections == 0 and server.connections_by_peer == {}
+    assert server.open_leases == 0
+    if fds is not None:
+        assert open_fds() <= fds, (open_fds(), fds)
+
+
+async def raw_connect(
+    address: PeerAddress, source: str | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A plain TCP connection to a page server (from ``source``'s address when given)."""
+    local = (source, 0) if source is not None else None
+    return await asyncio.open_connection(address.host, address.port, local_addr=local)
+
+
+async def authed(
+    address: PeerAddress, token: AuthToken, config: TransferConfig, node: str = "raw-peer"
+) -> ClientConn:
+    """A raw authenticated connection (no UCX) to a page server, from node ``node``."""
+    reader, writer = await raw_connect(address)
+    return await handshake(token, config, node, None, address.endpoint, reader, writer)
+
+
+async def read_to_end(reader: asyncio.StreamReader, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+    """Every control message the server sends until it closes the stream (TimeoutError if it
+    does not within ``timeout_s``)."""
+    out: list[dict[str, Any]] = []
+    async with asyncio.timeout(timeout_s):
+        while True:
+            try:
+                out.append(await wire.read_message(reader, 1 << 20))
+            except TransferError as exc:
+                if exc.reason == "closed":
+                    return out
+                raise
