@@ -26,6 +26,7 @@ from raykv.core.errors import (
     StateError,
     TransferError,
     TransferFailure,
+    UnavailableError,
 )
 
 ALL_ERROR_CLASSES = sorted(
@@ -92,6 +93,11 @@ SAMPLES: dict[type, tuple[RayKVError, str, dict]] = {
         CudaError("cudaMemcpyAsync failed", cuda_error="cudaErrorIllegalAddress"),
         "cudaMemcpyAsync failed",
         {"cuda_error": "cudaErrorIllegalAddress"},
+    ),
+    UnavailableError: (
+        UnavailableError("raykv-index-1 did not answer", reason="timeout", actors=("raykv-index-1",)),
+        "raykv-index-1 did not answer",
+        {"reason": "timeout", "actors": ("raykv-index-1",)},
     ),
 }
 
