@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from actors.liveness import START_TIMEOUT_S
 from actors.ray_util import shutdown_ray
 from raykv.bench import SUITES
 from raykv.bench.harness import Benchmark, Row
@@ -30,7 +31,7 @@ def _shard(blocks: int) -> tuple[Any, list[list[bytes]]]:
     from actors.index import IndexShard
 
     shard = ray.remote(IndexShard).options(max_concurrency=64, num_cpus=0).remote(0, 1, "raykv-bench")
-    ray.get(shard.register_lanes.remote([(f"w{i}", i, 1) for i in range(64)]))
+    ray.get(shard.register_lanes.remote([(f"w{i}", i, 1) for i in range(64)]), timeout=START_TIMEOUT_S)
     chains = [[os.urandom(32) for _ in range(100)] for _ in range(blocks // 100)]
     batches = [
         EventBatch(
@@ -42,7 +43,7 @@ def _shard(blocks: int) -> tuple[Any, list[list[bytes]]]:
         )
         for i, chain in enumerate(chains)
     ]
-    ray.get(shard.load_batches.remote(batches))
+    ray.get(shard.load_batches.remote(batches), timeout=START_TIMEOUT_S)
     return shard, chains
 
 
@@ -81,11 +82,11 @@ def _ray_rows(quick: bool) -> list[Row]:
         shard, chains = _shard(20_000 if quick else 100_000)
         n = 50 if quick else 300
         q = lambda i: chains[i % len(chains)]  # noqa: E731
-        ping_sync = _threads(lambda i: ray.get(shard.ping.remote()), n)
+        ping_sync = _threads(lambda i: ray.get(shard.ping.remote(), timeout=START_TIMEOUT_S), n)
         rows = [
             Row(
                 "Ray route, 4 clients, sync",
-                _threads(lambda i: ray.get(shard.route.remote(q(i))), n),
+                _threads(lambda i: ray.get(shard.route.remote(q(i)), timeout=START_TIMEOUT_S), n),
                 ping_sync,
                 "calls/s",
                 info="baseline: ping round trip",
@@ -102,7 +103,10 @@ def _ray_rows(quick: bool) -> list[Row]:
             )
         )
         batched = _threads(
-            lambda i: ray.get(shard.route_batch.remote([q(i + j) for j in range(BATCH)])), max(1, n // 4)
+            lambda i: ray.get(
+                shard.route_batch.remote([q(i + j) for j in range(BATCH)]), timeout=START_TIMEOUT_S
+            ),
+            max(1, n // 4),
         )
         rows.append(
             Row(

@@ -20,16 +20,18 @@ from typing import Any
 import ray
 
 from actors.index import IndexClient, IndexShard
+from actors.liveness import CALL_TIMEOUT_S, START_TIMEOUT_S, Pinger, wait
 from actors.transfer import deployment_transfer_config
 from actors.worker import CacheWorker
 from raykv.core.config import CacheConfig, KVLayout, TierConfig
-from raykv.core.errors import StateError
+from raykv.core.errors import StateError, TransferError, TransferFailure, UnavailableError
 from raykv.core.keys import MultimodalItem, ReuseScope, TokenSeq, block_keys
 from raykv.core.stats import CacheStats
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
+from raykv.routing.liveness import Health
 from raykv.routing.policy import Decision, RoutingConfig, WorkerLoad, choose
-from raykv.transfer import TransferConfig
+from raykv.transfer import PullOutcome, TransferConfig
 
 log = logging.getLogger(__name__)
 
@@ -71,17 +73,67 @@ def default_config(use_gpu: bool) -> CacheConfig:
 
 
 class RayKVCluster:
-    """Handle on a running deployment: workers, the index client, routing, stats, shutdown."""
+    """Handle on a running deployment: workers, the index client, routing, stats, shutdown.
+
+    Liveness: a :class:`actors.liveness.Pinger` thread pings every worker and index shard (every
+    ``PING_INTERVAL_S``). ``pick_worker`` chooses among the workers that are up (a worker is down
+    once a ping fails or stays unanswered for ``PING_LATE_S``, and up again after a good one, e.g.
+    once Ray restarted it); ``route`` skips shards that are down. Decisions read that state and
+    never wait on a ping. ``health()`` and ``unavailable`` report what is down; a worker or shard
+    that could not be found when the handle was made (dead) is reported dead, not raised.
+    Every blocking call waits at most ``call_timeout_s`` (``actors.liveness.CALL_TIMEOUT_S``) and
+    raises raykv errors, never Ray's. ``close()`` stops the thread (``shutdown()`` does too).
+    """
 
     def __init__(self, spec: DeploymentSpec, owner: bool) -> None:
         self.spec = spec
         self.namespace = spec.namespace
         self.config = spec.config
+        self.call_timeout_s = CALL_TIMEOUT_S
         self.worker_ids = [WorkerId(name) for name, _ in spec.workers]
-        self.workers = {WorkerId(n): ray.get_actor(n, namespace=spec.namespace) for n, _ in spec.workers}
-        self.shards = [ray.get_actor(n, namespace=spec.namespace) for n in spec.shards]
-        self.index = IndexClient(self.shards, {lane: WorkerId(n) for n, lane in spec.workers})
+        self.liveness = Pinger(
+            spec.namespace,
+            {n: _lookup(n, spec.namespace) for n, _ in spec.workers},
+            {n: _lookup(n, spec.namespace) for n in spec.shards},
+        )
+        now = time.monotonic()
+        for kind, names in ((self.liveness.workers, self.worker_ids), (self.liveness.shards, spec.shards)):
+            for name in names:
+                if self.liveness.handle(name) is None:
+                    kind.failed(name, now, dead=True)
+        self.liveness.start()
+        self.shards = [self.liveness.handle(n) for n in spec.shards]
+        self.index = IndexClient(
+            self.shards,
+            {lane: WorkerId(n) for n, lane in spec.workers},
+            names=spec.shards,
+            liveness=self.liveness.shards,
+            timeout_s=self.call_timeout_s,
+        )
         self._owner = owner
+
+    @property
+    def workers(self) -> dict[WorkerId, Any]:
+        """Actor handles of the workers that exist (a dead worker found at connect has none)."""
+        handles = {w: self.liveness.handle(w) for w in self.worker_ids}
+        return {w: h for w, h in handles.items() if h is not None}
+
+    def health(self) -> dict[str, dict[str, str]]:
+        """``{"workers": {name: health}, "shards": {name: health}}``, each health one of "up",
+        "late", "unreachable", "dead" (:class:`raykv.routing.liveness.Health`) as pinged now."""
+        now = time.monotonic()
+        kinds = {"workers": self.liveness.workers, "shards": self.liveness.shards}
+        return {kind: {t: str(live.health(t, now)) for t in live.targets} for kind, live in kinds.items()}
+
+    @property
+    def unavailable(self) -> list[str]:
+        """Names of the workers and shards that are not up right now (see :meth:`health`)."""
+        now = time.monotonic()
+        return [*self.liveness.workers.down(now), *self.liveness.shards.down(now)]
+
+    def live_workers(self) -> list[WorkerId]:
+        """The workers routing may use now: those up, else those not dead ([] if all are dead)."""
+        return [WorkerId(w) for w in self.liveness.workers.usable(self.worker_ids, time.monotonic())]
 
     def keys(
         self, tokens: TokenSeq, scope: ReuseScope | None = None, mm_items: Sequence[MultimodalItem] = ()
@@ -90,7 +142,9 @@ class RayKVCluster:
         return list(block_keys(tokens, self.config.tokens_per_block, scope, mm_items))
 
     def route(self, tokens: TokenSeq, scope: ReuseScope | None = None) -> dict[WorkerId, RouteMatch]:
-        """Per worker, the cached prefix of ``tokens`` (workers with none are omitted)."""
+        """Per worker, the cached prefix of ``tokens`` (workers with none are omitted). Returns
+        within ``call_timeout_s``; a shard that is down or late answers for none of its keys (see
+        :meth:`IndexClient.route`)."""
         return self.index.route(self.keys(tokens, scope))
 
     def route_keys(self, keys: Sequence[bytes]) -> dict[WorkerId, RouteMatch]:
@@ -105,45 +159,123 @@ class RayKVCluster:
     ) -> Decision:
         """Route with the cost model and credit the chosen worker with the request's blocks.
 
-        ``loads`` defaults to every worker idle. The credit (a predicted index entry with a short
-        TTL) makes parallel requests with the same prefix follow the first one before its events
-        arrive. Raises ValueError for bad tokens.
+        ``loads`` defaults to every worker idle. Only live workers are candidates
+        (:meth:`live_workers`; a load for a worker not in the deployment is kept as given). The
+        credit (a predicted index entry with a short TTL) makes parallel requests with the same
+        prefix follow the first one before its events arrive. Returns within ``call_timeout_s``.
+        Raises ValueError for bad tokens, UnavailableError when every candidate is dead.
         """
         keys = self.keys(tokens, scope)
         matches = self.index.route(keys)
         cfg = routing or RoutingConfig(tokens_per_block=self.config.tokens_per_block)
         cands = list(loads) if loads is not None else [WorkerLoad(w) for w in self.worker_ids]
-        decision = choose(len(tokens), cands, matches, cfg)
+        known = set(self.worker_ids)
+        usable = set(
+            self.liveness.workers.usable([c.worker for c in cands if c.worker in known], time.monotonic())
+        )
+        live = [c for c in cands if c.worker in usable or c.worker not in known]
+        if not live:
+            names = tuple(str(c.worker) for c in cands)
+            raise UnavailableError(f"no live worker among {', '.join(names)}", reason="dead", actors=names)
+        decision = choose(len(tokens), live, matches, cfg)
         if keys:
             self.index.predict(decision.worker, keys)
         return decision
 
     def flush(self) -> list[WorkerId]:
-        """Publish every live worker's pending events and wait until the shards applied them.
+        """Publish every worker's pending events and wait until the shards applied them.
 
-        Returns the workers that could not be flushed because they are dead or unreachable.
+        Returns within ``call_timeout_s`` the workers that could not be flushed (dead, missing or
+        no answer in time). Raises UnavailableError (``shards``: their names, ``workers``: the
+        workers that could not be flushed) when a shard did not confirm a worker's events in time.
         """
-        refs = {w: h.flush_and_wait.remote() for w, h in self.workers.items()}
-        failed = []
+        inner = max(0.1, 0.8 * self.call_timeout_s)  # the workers' wait on the shards fits in ours
+        refs = {w: h.flush_and_wait.remote(inner) for w, h in self.workers.items()}
+        failed = [w for w in self.worker_ids if w not in refs]
+        ready, _ = (
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.call_timeout_s)
+            if refs
+            else ([], [])
+        )
+        done = set(ready)
+        shards: set[str] = set()
         for worker, ref in refs.items():
             try:
-                ray.get(ref)
+                if ref not in done:
+                    raise UnavailableError(f"{worker}: no answer", reason="timeout", actors=(worker,))
+                ray.get(ref, timeout=self.call_timeout_s)
+            except UnavailableError as exc:
+                shards.update(getattr(exc, "shards", ()))
+                failed.append(worker)
             except ray.exceptions.RayActorError:
                 failed.append(worker)
+        if shards:
+            names = tuple(sorted(shards))
+            raise UnavailableError(
+                f"index shards {', '.join(names)} did not apply events in time",
+                reason="timeout",
+                actors=names,
+                shards=names,
+                workers=tuple(failed),
+            )
         return failed
 
+    def pull(
+        self, dst: WorkerId, src: WorkerId, keys: Sequence[bytes], prefer_shm: bool = True
+    ) -> PullOutcome:
+        """Worker ``dst`` pulls ``keys`` from worker ``src`` (``CacheWorker.pull``).
+
+        Raises TransferError when the pull fails, nothing imported (the caller recomputes):
+        reason ``unavailable`` at once when either worker is known down or dead, ``timeout`` when
+        no answer came within the transfer timeout plus ``call_timeout_s``.
+        """
+        now = time.monotonic()
+        down = [w for w in (dst, src) if self.liveness.workers.health(w, now) is not Health.UP]
+        handle = self.workers.get(dst)
+        if down or handle is None:
+            raise TransferError(
+                f"pull {src} -> {dst}: {', '.join(down or [dst])} down", reason=TransferFailure.UNAVAILABLE
+            )
+        limit = (self.spec.transfer or TransferConfig()).timeout_s + self.call_timeout_s
+        try:
+            return ray.get(handle.pull.remote(str(src), list(keys), prefer_shm), timeout=limit)  # type: ignore[no-any-return]
+        except ray.exceptions.GetTimeoutError:
+            raise TransferError(
+                f"pull {src} -> {dst}: no answer in {limit:g}s", reason=TransferFailure.TIMEOUT
+            ) from None
+        except ray.exceptions.RayActorError as exc:
+            raise TransferError(f"pull {src} -> {dst}: {exc}", reason=TransferFailure.UNAVAILABLE) from None
+
     def stats(self) -> dict[WorkerId, CacheStats]:
+        """Stats of the workers that answered within ``call_timeout_s`` (the others are omitted)."""
         refs = {w: h.stats.remote() for w, h in self.workers.items()}
-        return {w: ray.get(r) for w, r in refs.items()}
+        out = {}
+        for worker, ref in refs.items():
+            try:
+                out[worker] = wait(ref, worker, self.call_timeout_s)
+            except UnavailableError:
+                pass
+        return out
 
     def index_info(self) -> list[dict[str, Any]]:
-        return ray.get([s.info.remote() for s in self.shards])  # type: ignore[no-any-return]
+        """Every shard's info; UnavailableError when one is missing or does not answer in time."""
+        missing = [n for n, s in zip(self.spec.shards, self.shards) if s is None]
+        if missing:
+            raise UnavailableError(
+                f"index shards {', '.join(missing)} not found", reason="dead", actors=tuple(missing)
+            )
+        return wait([s.info.remote() for s in self.shards], "raykv index shards", self.call_timeout_s)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Stop the liveness thread (the deployment keeps running). Idempotent."""
+        self.liveness.close()
 
     def shutdown(self) -> None:
         """Stop every actor of the deployment (workers release their tiers first)."""
+        self.close()
         for handle in self.workers.values():
             try:
-                ray.get(handle.shutdown.remote(), timeout=30)
+                ray.get(handle.shutdown.remote(), timeout=START_TIMEOUT_S)
             except Exception:
                 pass
         names = [n for n, _ in self.spec.workers] + list(self.spec.shards) + [REGISTRY]
@@ -152,6 +284,15 @@ class RayKVCluster:
                 ray.kill(ray.get_actor(name, namespace=self.namespace), no_restart=True)
             except ValueError:
                 pass
+
+
+def _lookup(name: str, namespace: str) -> Any:
+    """The named actor's handle, or None (logged) when it is dead or unknown."""
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        log.warning("raykv actor %s not found in namespace %r: reported dead", name, namespace)
+        return None
 
 
 def _ensure_ray(address: str | None, namespace: str) -> None:
@@ -270,17 +411,22 @@ def start(
     _start_shards(spec)
     _start_workers(spec, worker_class, use_gpu, worker_resources, max_restarts)
     handle = RayKVCluster(spec, owner=True)
-    ray.get([w.health.remote() for w in handle.workers.values()])
-    ray.get([s.ping.remote() for s in handle.shards])
+    wait([w.health.remote() for w in handle.workers.values()], "raykv workers", START_TIMEOUT_S)
+    wait([s.ping.remote() for s in handle.shards], "raykv index shards", START_TIMEOUT_S)
     log.info("raykv deployment %r up: %d workers, %d index shards", namespace, n, index_shards)
     return handle
 
 
 def connect(namespace: str = "raykv", address: str | None = None) -> RayKVCluster:
-    """Attach to a running deployment (e.g. from a Serve replica). StateError if none runs."""
+    """Attach to a running deployment (e.g. from a Serve replica).
+
+    A degraded deployment still connects: dead workers and shards are reported (``health()``,
+    ``unavailable``) and routing uses the rest. StateError if no deployment runs in
+    ``namespace``; UnavailableError if its registry does not answer within ``CALL_TIMEOUT_S``.
+    """
     _ensure_ray(address, namespace)
     try:
         registry = ray.get_actor(REGISTRY, namespace=namespace)
     except ValueError:
         raise StateError(f"no raykv deployment in namespace {namespace!r}") from None
-    return RayKVCluster(ray.get(registry.get.remote()), owner=False)
+    return RayKVCluster(wait(registry.get.remote(), REGISTRY), owner=False)

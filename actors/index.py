@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import ray
 
+from actors.liveness import CALL_TIMEOUT_S, died
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import ApplyResult, EventBatch, PrefixIndex, RouteMatch, merge_route, shard_of
+from raykv.routing.liveness import Health, Liveness
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +161,7 @@ class IndexShard:
             "shard": self.index.shard,
             "entries": len(self.index),
             "restarted": self.restarted,
+            "pid": os.getpid(),
             "workers": self.index.workers,
             "counters": dict(self.index.counters),
         }
@@ -169,12 +174,27 @@ class IndexShard:
 class IndexClient:
     """Fans route/predict calls out to the shards and merges the answers.
 
-    ``lanes`` maps each worker's lane to its id (the same map the shards use).
+    ``lanes`` maps each worker's lane to its id (the same map the shards use). ``shards[i]`` may
+    be None (a shard that could not be found: its keys are never answered). With ``liveness`` (a
+    :class:`raykv.routing.liveness.Liveness` over the shards' ``names``) the blocking
+    :meth:`route` skips shards that are not up and reports the ones that time out or fail.
+    Blocking calls wait at most ``timeout_s`` (default :data:`actors.liveness.CALL_TIMEOUT_S`).
     """
 
-    def __init__(self, shards: Sequence[Any], lanes: dict[int, WorkerId]) -> None:
+    def __init__(
+        self,
+        shards: Sequence[Any],
+        lanes: dict[int, WorkerId],
+        names: Sequence[str] | None = None,
+        liveness: Liveness | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         self.shards = list(shards)
         self.lanes = dict(lanes)
+        self.names = list(names) if names is not None else [f"shard-{i}" for i in range(len(self.shards))]
+        self.liveness = liveness
+        self.timeout_s = CALL_TIMEOUT_S if timeout_s is None else timeout_s
+        self.missed = 0  # shard answers given up on (timed out or failed)
 
     def _split(self, keys: Sequence[bytes]) -> list[list[int]]:
         n = len(self.shards)
@@ -195,16 +215,66 @@ class IndexClient:
                     predicted[pos] = preds[j]
         return merge_route(entries, predicted, self.lanes)
 
+    def live(self) -> list[int]:
+        """Positions of the shards a blocking route asks now (found, and up per ``liveness``)."""
+        now = time.monotonic()
+        return [
+            i
+            for i, shard in enumerate(self.shards)
+            if shard is not None
+            and (self.liveness is None or self.liveness.health(self.names[i], now) is Health.UP)
+        ]
+
     def route(self, keys: Sequence[bytes]) -> dict[WorkerId, RouteMatch]:
-        """Blocking route (for plain Python callers)."""
+        """Blocking route (for plain Python callers); returns within ``timeout_s``.
+
+        Degrades instead of failing: the keys of a shard that is down, missing, fails or does not
+        answer within ``timeout_s`` count as held by nobody, so each worker's prefix ends at the
+        first such key (a lower bound of what is cached). Such shards are reported to
+        ``liveness`` (and skipped until their next good ping) and counted in ``missed``.
+        """
+        live = self.live()
         if len(self.shards) == 1:
-            return ray.get(self.shards[0].route.remote(list(keys)))  # type: ignore[no-any-return]
+            if not live:
+                return {}
+            answer = self._collect({0: self.shards[0].route.remote(list(keys))})
+            return answer.get(0, {})  # type: ignore[no-any-return]
         parts = self._split(keys)
-        refs = [s.lookup.remote([keys[i] for i in p]) for s, p in zip(self.shards, parts)]
-        return self._merge(keys, parts, ray.get(refs))
+        refs = {i: self.shards[i].lookup.remote([keys[k] for k in parts[i]]) for i in live if parts[i]}
+        got = self._collect(refs)
+        answers = [got.get(i, ([None] * len(p), [])) for i, p in enumerate(parts)]
+        return self._merge(keys, parts, answers)
+
+    def _collect(self, refs: dict[int, Any]) -> dict[int, Any]:
+        """The answers of ``refs`` (shard position -> ref) that arrive within ``timeout_s``."""
+        if not refs:
+            return {}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
+        done = set(ready)
+        out: dict[int, Any] = {}
+        for i, ref in refs.items():
+            if ref not in done:
+                self._missed(i, None)
+                continue
+            try:
+                out[i] = ray.get(ref, timeout=self.timeout_s)
+            except Exception as exc:
+                self._missed(i, exc)
+        return out
+
+    def _missed(self, i: int, exc: BaseException | None) -> None:
+        self.missed += 1
+        log.warning("index shard %s: %s", self.names[i], "no answer in time" if exc is None else exc)
+        if self.liveness is not None:
+            now = time.monotonic()
+            if exc is None:
+                self.liveness.late(self.names[i], now)
+            else:
+                self.liveness.failed(self.names[i], now, dead=died(exc))
 
     async def route_async(self, keys: Sequence[bytes]) -> dict[WorkerId, RouteMatch]:
-        """Non-blocking route for event-loop callers (Serve routers)."""
+        """Non-blocking route for event-loop callers (Serve routers bound it with their own
+        time budget); raises Ray's error when a shard fails."""
         if len(self.shards) == 1:
             return await self.shards[0].route.remote(list(keys))  # type: ignore[no-any-return]
         parts = self._split(keys)
@@ -214,10 +284,11 @@ class IndexClient:
         return self._merge(keys, parts, list(answers))
 
     def predict(self, worker: WorkerId, keys: Sequence[bytes]) -> None:
-        """Credit ``worker`` with ``keys`` on every owning shard (fire and forget)."""
-        for shard, positions in zip(self.shards, self._split(keys)):
-            if positions:
-                shard.predict.remote(worker, [keys[i] for i in positions])
+        """Credit ``worker`` with ``keys`` on every owning shard that is live (fire and forget)."""
+        live = set(self.live())
+        for i, (shard, positions) in enumerate(zip(self.shards, self._split(keys))):
+            if positions and i in live:
+                shard.predict.remote(worker, [keys[k] for k in positions])
 
 
 def shard_sink(shards: Sequence[Any]) -> Any:

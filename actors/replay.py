@@ -88,6 +88,13 @@ class InProcessBackend:
                 wid, lane, config, sink=self.index.apply_batch, incarnation=1
             )
 
+    @staticmethod
+    def _get(refs: Any) -> Any:
+        """``ray.get`` bounded by START_TIMEOUT_S (offline replays); UnavailableError past it."""
+        from actors.liveness import START_TIMEOUT_S, wait
+
+        return wait(refs, "raykv workers", START_TIMEOUT_S)
+
     def set_clock(self, now: float) -> None:
         self._now = now
 
@@ -132,15 +139,19 @@ class RayBackend:
     """A running raykv deployment seen as a replay Backend (see the module docstring)."""
 
     def __init__(self, cluster: Any, blocks: int) -> None:
-        import ray
-
-        self._ray = ray
         self.cluster = cluster
         self.worker_ids = list(cluster.worker_ids)
         self.capacity_blocks = blocks
         self.page_bytes = cluster.config.layout.page_bytes
         self.kinds = [t.kind for t in cluster.config.tiers]
         self.pull_paths: dict[str, int] = {}
+
+    @staticmethod
+    def _get(refs: Any) -> Any:
+        """``ray.get`` bounded by START_TIMEOUT_S (offline replays); UnavailableError past it."""
+        from actors.liveness import START_TIMEOUT_S, wait
+
+        return wait(refs, "raykv workers", START_TIMEOUT_S)
 
     def set_clock(self, now: float) -> None:
         """The deployment's index runs on real time (predictions expire in real seconds)."""
@@ -153,8 +164,8 @@ class RayBackend:
 
     def run(self, worker: WorkerId, tokens: Any, salt: int | None) -> Outcome:
         handle = self.cluster.workers[worker]
-        out = self._ray.get(handle.run_request.remote(tokens, salt=salt))
-        self._ray.get(handle.flush_and_wait.remote())
+        out = self._get(handle.run_request.remote(tokens, salt=salt))
+        self._get(handle.flush_and_wait.remote())
         return _levels(out, self.kinds)
 
     def pull(self, src: WorkerId, dst: WorkerId, keys: Sequence[bytes]) -> int:
@@ -163,25 +174,23 @@ class RayBackend:
         without page servers fall back to export -> import through the object store."""
         handle = self.cluster.workers[dst]
         if hasattr(handle, "pull"):
-            outcome = self._ray.get(handle.pull.remote(src, list(keys)))
+            outcome = self._get(handle.pull.remote(src, list(keys)))
             self.pull_paths[outcome.path] = self.pull_paths.get(outcome.path, 0) + len(outcome.imported)
             imported = len(outcome.imported)
         else:
             exported = self.cluster.workers[src].export_blocks.remote(list(keys))
-            imported = len(self._ray.get(handle.import_blocks.remote(exported)).imported)
+            imported = len(self._get(handle.import_blocks.remote(exported)).imported)
             self.pull_paths["object store"] = self.pull_paths.get("object store", 0) + imported
-        self._ray.get(
-            [handle.flush_and_wait.remote(), self.cluster.workers[src].cool_blocks.remote(list(keys))]
-        )
+        self._get([handle.flush_and_wait.remote(), self.cluster.workers[src].cool_blocks.remote(list(keys))])
         return imported
 
     def verify(self, sample: int) -> int:
         """Oracle-check every committed page of every worker actor (a superset of a sample)."""
-        return sum(self._ray.get([h.verify_all.remote() for h in self.cluster.workers.values()]))
+        return sum(self._get([h.verify_all.remote() for h in self.cluster.workers.values()]))
 
     def reset(self) -> None:
         """Empty every worker's cache and wait until the index has forgotten it."""
-        self._ray.get([h.clear.remote() for h in self.cluster.workers.values()])
+        self._get([h.clear.remote() for h in self.cluster.workers.values()])
         self.cluster.flush()
 
 

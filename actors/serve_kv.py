@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from actors.liveness import Pinger
 from actors.serve import WORKER_FIELD, IndexLink, RoutedRequest, connect_index
 from raykv.core.keys import ReuseScope, block_keys
 from raykv.core.records import ExportedBlock
@@ -172,7 +173,13 @@ class ReplicaCache:
 # ---- prefill/decode pairing -----------------------------------------------------------------------
 class PDPairer:
     """Chooses (prefill worker, decode worker) pairs for a PD proxy from the index and the load
-    this proxy has in flight on each worker. Falls back to load only when the index is slow."""
+    this proxy has in flight on each worker. Falls back to load only when the index is slow.
+
+    Only live workers are paired: ``liveness`` (default: a :class:`actors.liveness.Pinger` over
+    these workers, started here) drops a worker whose ping failed or stayed unanswered for
+    ``PING_LATE_S`` and takes it back after a good one; when no worker of a role is live, every
+    worker of that role stays a candidate. ``close()`` stops the default pinger.
+    """
 
     def __init__(
         self,
@@ -183,9 +190,13 @@ class PDPairer:
         nodes: Mapping[str, str] | None = None,
         time_budget_s: float = 0.05,
         seed: int = 0,
+        liveness: Pinger | None = None,
     ) -> None:
         self.prefill = [WorkerId(w) for w in prefill_workers]
         self.decode = [WorkerId(w) for w in decode_workers]
+        names = dict.fromkeys(str(w) for w in (*self.prefill, *self.decode))
+        self._own_pinger = liveness is None
+        self.liveness = (liveness or Pinger(namespace, dict.fromkeys(names))).start()
         self.config = config
         self.nodes = {WorkerId(k): v for k, v in (nodes or {}).items()}
         self.link = IndexLink(lambda: connect_index(namespace), 5.0)
@@ -206,12 +217,22 @@ class PDPairer:
             except Exception:
                 self.link.failed()
         cfg = self.config or PDConfig(RoutingConfig(tokens_per_block=tpb))
-        pre = [WorkerLoad(w, self.queued[w], self.decodes[w]) for w in self.prefill]
-        dec = [WorkerLoad(w, self.queued[w], self.decodes[w]) for w in self.decode]
+        pre = [WorkerLoad(w, self.queued[w], self.decodes[w]) for w in self.live(self.prefill)]
+        dec = [WorkerLoad(w, self.queued[w], self.decodes[w]) for w in self.live(self.decode)]
         decision = choose_pair(len(request.tokens), pre, dec, matches, cfg, self.nodes, self.rng)
         if view is not None and keys:
             view.index.predict(decision.prefill, keys)
         return decision
+
+    def live(self, workers: Sequence[WorkerId]) -> list[WorkerId]:
+        """The live ones of ``workers`` (all of them when none is live); reads state only."""
+        usable = self.liveness.workers.usable(workers, time.monotonic())
+        return [WorkerId(w) for w in usable] or list(workers)
+
+    def close(self) -> None:
+        """Stop the pinger this pairer started (one passed in stays with its owner)."""
+        if self._own_pinger:
+            self.liveness.close()
 
     @contextlib.contextmanager
     def running(self, decision: PDDecision, num_tokens: int) -> Iterator[None]:

@@ -106,16 +106,17 @@ class WorkerTransfer:
         return self.server.address if self.server is not None else None
 
     def resolve(self, peer: PeerRef, refresh: bool = False) -> PeerAddress:
-        """The page-server address of a worker id (through Ray), or ``peer`` itself."""
+        """The page-server address of a worker id (through Ray), or ``peer`` itself.
+
+        TransferError when the worker cannot tell within ``CALL_TIMEOUT_S``: reason ``timeout``
+        (no answer), ``unavailable`` (dead, unknown or unreachable, or no page server).
+        """
         if isinstance(peer, PeerAddress):
             return peer
         if isinstance(peer, tuple):
             return PeerAddress(str(peer[0]), int(peer[1]))
         if refresh or peer not in self._peers:
-            import ray
-
-            handle = ray.get_actor(peer, namespace=self.namespace)
-            address = ray.get(handle.page_server_address.remote(), timeout=30)
+            address = _page_server_of(peer, self.namespace)
             if address is None:
                 raise TransferError(f"worker {peer} runs no page server", reason=TransferFailure.UNAVAILABLE)
             self._peers[peer] = address
@@ -180,6 +181,28 @@ class WorkerTransfer:
             self.server.close()
         if self.client is not None:
             self.client.close()
+
+
+def _page_server_of(peer: str, namespace: str | None) -> PeerAddress | None:
+    """Ask worker ``peer`` for its page server's address, within ``CALL_TIMEOUT_S``."""
+    import ray
+
+    from actors.liveness import CALL_TIMEOUT_S
+
+    try:
+        handle = ray.get_actor(peer, namespace=namespace)
+    except ValueError:
+        raise TransferError(f"worker {peer} is dead or unknown", reason=TransferFailure.UNAVAILABLE) from None
+    try:
+        return ray.get(handle.page_server_address.remote(), timeout=CALL_TIMEOUT_S)  # type: ignore[no-any-return]
+    except ray.exceptions.GetTimeoutError:
+        raise TransferError(
+            f"worker {peer} did not answer within {CALL_TIMEOUT_S:g}s", reason=TransferFailure.TIMEOUT
+        ) from None
+    except ray.exceptions.RayActorError as exc:
+        raise TransferError(
+            f"worker {peer} is unavailable ({type(exc).__name__})", reason=TransferFailure.UNAVAILABLE
+        ) from None
 
 
 # ---- benchmark rows through Ray ---------------------------------------------------------------

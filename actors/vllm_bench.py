@@ -168,7 +168,7 @@ def _wait_stored(run: _Run, tokens: list[int], timeout: float = 60.0) -> None:
     handle = run.deployment.workers[run.deployment.worker_ids[0]]
     want = run.s.prefix // testing.BLOCK_SIZE
     deadline = time.monotonic() + timeout
-    while ray.get(handle.probe.remote(tokens)).num_blocks < want:
+    while ray.get(handle.probe.remote(tokens), timeout=timeout).num_blocks < want:
         if time.monotonic() > deadline:
             raise TimeoutError("raykv never held the stored prefix")
         time.sleep(0.05)

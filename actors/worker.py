@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ from typing import Any
 from actors.metrics import METRICS_INTERVAL_S, WorkerMetrics
 from actors.transfer import PeerRef, WorkerTransfer
 from raykv.core.config import CacheConfig
-from raykv.core.errors import InvalidArgumentError
+from raykv.core.errors import InvalidArgumentError, UnavailableError
 from raykv.core.keys import ReuseScope
 from raykv.core.kvcache import KvCache
 from raykv.core.manager import CacheManager
@@ -71,6 +72,7 @@ class CacheWorker:
         self._thread: threading.Thread | None = None
         self.published_batches = 0
         self._inflight: list[Any] = []
+        self._shard_names: list[str] = []
         self._metrics: WorkerMetrics | None = None
         self._metrics_lock = threading.Lock()  # one export at a time: each sends a delta
         self.metrics_exports = 0
@@ -93,6 +95,7 @@ class CacheWorker:
         from actors.index import shard_sink
 
         shards = [ray.get_actor(name, namespace=namespace) for name in shard_names]
+        self._shard_names = list(shard_names)
         sink = shard_sink(shards)
 
         def send(batch: EventBatch) -> None:
@@ -104,13 +107,37 @@ class CacheWorker:
             shard.register_worker.remote(self.worker_id, self.lane, self.incarnation)
         self.start_publisher()
 
-    def flush_and_wait(self) -> int:
-        """Publish queued events and wait until every shard has applied them."""
+    def flush_and_wait(self, timeout_s: float | None = None) -> int:
+        """Publish queued events and wait until every shard has applied them; returns how many.
+
+        Waits at most ``timeout_s`` (default :data:`actors.liveness.CALL_TIMEOUT_S`), then raises
+        UnavailableError naming (``shards``) the shards that did not confirm in time or failed.
+        """
         import ray
 
+        from actors.liveness import CALL_TIMEOUT_S
+
         n = self.flush_events()
-        if self._inflight:
-            ray.get(self._inflight)
+        inflight = list(self._inflight)
+        if not inflight:
+            return n
+        timeout = CALL_TIMEOUT_S if timeout_s is None else timeout_s
+        ready, _ = ray.wait(inflight, num_returns=len(inflight), timeout=timeout)
+        late = [i for i, ref in enumerate(inflight) if ref not in set(ready)]
+        for i, ref in enumerate(inflight):
+            if i not in late:
+                try:
+                    ray.get(ref, timeout=timeout)
+                except Exception:
+                    late.append(i)
+        if late:
+            names = tuple(self._shard_names[i] for i in sorted(late))
+            raise UnavailableError(
+                f"{self.worker_id}: index shards {', '.join(names)} did not apply events within {timeout:g}s",
+                reason="timeout",
+                actors=names,
+                shards=names,
+            )
         return n
 
     # ---- publishing ----------------------------------------------------------------------------
@@ -268,6 +295,7 @@ class CacheWorker:
     def health(self) -> dict[str, Any]:
         return {
             "worker": self.worker_id,
+            "pid": os.getpid(),
             "incarnation": self.incarnation,
             "open_requests": self.manager.num_open_requests,
             "blocks": len(self.manager.tree),

@@ -25,6 +25,7 @@ from raykv.core.errors import (
     RoleNotFoundError,
     StateError,
     TransferError,
+    UnavailableError,
 )
 from raykv.core.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged, CacheEvent
 from raykv.core.eviction import EvictionPolicy, PriorityLRU
@@ -86,6 +87,7 @@ __all__ = [
     "TierLevel",
     "TokenId",
     "TransferError",
+    "UnavailableError",
     "WorkerId",
     "block_keys",
     "lora_id_from_name",

@@ -196,3 +196,20 @@ class PageCorruptError(RayKVError):
     pages asked for, as indices into the request. The blocks they back are no longer served."""
 
     positions: tuple[int, ...]
+
+
+class UnavailableError(RayKVError):
+    """A raykv actor (a cache worker, an index shard, the registry) is dead or did not answer
+    within the call timeout; nothing was waited on past that timeout.
+
+    ``reason`` says which: ``"dead"`` (Ray reports the actor dead, or it no longer exists),
+    ``"unreachable"`` (Ray cannot reach it now, e.g. while it restarts) or ``"timeout"`` (no answer
+    in time, e.g. a stopped process). ``actors`` names the actors concerned; further keyword
+    arguments become attributes (``workers``, ``shards``, ...).
+    """
+
+    reason: str
+    actors: tuple[str, ...]
+
+    def __init__(self, message: str, *, reason: str, actors: tuple[str, ...] = (), **attrs: Any) -> None:
+        super().__init__(message, reason=reason, actors=tuple(actors), **attrs)

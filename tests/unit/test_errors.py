@@ -27,6 +27,7 @@ from raykv.core.errors import (
     StateError,
     TransferError,
     TransferFailure,
+    UnavailableError,
 )
 
 ALL_ERROR_CLASSES = sorted(
@@ -98,6 +99,11 @@ SAMPLES: dict[type, tuple[RayKVError, str, dict]] = {
         PageCorruptError("2 disk pages failed their checksum", positions=(0, 3)),
         "2 disk pages failed their checksum",
         {"positions": (0, 3)},
+    ),
+    UnavailableError: (
+        UnavailableError("raykv-index-1 did not answer", reason="timeout", actors=("raykv-index-1",)),
+        "raykv-index-1 did not answer",
+        {"reason": "timeout", "actors": ("raykv-index-1",)},
     ),
 }
 
