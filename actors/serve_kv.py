@@ -24,6 +24,7 @@ from typing import Any
 
 from actors.liveness import Pinger
 from actors.serve import WORKER_FIELD, IndexLink, RoutedRequest, connect_index
+from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope, block_keys
 from raykv.core.records import ExportedBlock
 from raykv.core.types import WorkerId
@@ -43,6 +44,22 @@ def replica_rank() -> int:
     return int(getattr(rank, "rank", rank) or 0)
 
 
+def pool_names(workers: Sequence[str], pool: Sequence[str | int]) -> list[str]:
+    """The worker names of ``pool``: names, or indices into ``workers`` (the deployment's).
+    ConfigError naming ``pool`` for an index out of range or an unknown name."""
+    names = []
+    for item in pool:
+        if isinstance(item, int) and not isinstance(item, bool):
+            if not 0 <= item < len(workers):
+                raise ConfigError("pool", f"index {item} out of range ({len(workers)} workers)")
+            names.append(workers[item])
+        elif str(item) in workers:
+            names.append(str(item))
+        else:
+            raise ConfigError("pool", f"{item!r} is none of {list(workers)}")
+    return names
+
+
 class ReplicaCache:
     """A Serve replica's side of raykv: its paired CacheWorker, page moves and load numbers.
 
@@ -55,14 +72,15 @@ class ReplicaCache:
     def __init__(
         self,
         namespace: str = "raykv",
-        pool: Sequence[str] | None = None,
+        pool: Sequence[str | int] | None = None,
         worker: str | None = None,
         timeout_s: float = 10.0,
     ) -> None:
         from actors.cluster import connect
 
         self.cluster = connect(namespace)
-        names = [str(w) for w in (pool or self.cluster.worker_ids)]
+        everyone = [str(w) for w in self.cluster.worker_ids]
+        names = pool_names(everyone, pool) if pool else everyone
         self.worker_id = WorkerId(worker or names[replica_rank() % len(names)])
         self.worker: Any = self.cluster.workers[self.worker_id]
         self.tokens_per_block = self.cluster.config.tokens_per_block

@@ -42,7 +42,7 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
     DefaultPDProtocolMixin,
 )
 
-from actors.serve import router_config
+from actors.serve import WORKER_FIELD, router_config
 from actors.serve_kv import ReplicaCache
 from raykv.core.errors import ConfigError
 
@@ -52,6 +52,9 @@ CONNECTOR = "RaykvConnector"
 CONNECTOR_MODULE = "raykv.integrations.vllm"
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
 POOL_KEY = "raykv_pool"  # kv_connector_extra_config key: the workers this deployment pairs with
+_REPLICA_CACHE: ReplicaCache | None = None
+"""This replica's pairing and load numbers (a Serve replica is one process). Ray serializes the
+LLMConfig, which holds the backend, so the backend keeps only the worker's name."""
 
 
 def with_raykv(
@@ -113,23 +116,6 @@ def register_backend() -> None:
         KVConnectorBackendFactory.register_backend(CONNECTOR, f"{__name__}:RaykvConnectorBackend")
 
 
-def _pool_names(cache_names: Sequence[str], pool: Sequence[Any] | None) -> list[str] | None:
-    """Worker names of ``pool`` (names or indices into the deployment's workers)."""
-    if pool is None:
-        return None
-    names = []
-    for item in pool:
-        if isinstance(item, int) and not isinstance(item, bool):
-            if not 0 <= item < len(cache_names):
-                raise ConfigError(POOL_KEY, f"index {item} out of range ({len(cache_names)} workers)")
-            names.append(cache_names[item])
-        elif str(item) in cache_names:
-            names.append(str(item))
-        else:
-            raise ConfigError(POOL_KEY, f"{item!r} is none of {list(cache_names)}")
-    return names
-
-
 class RaykvConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):  # type: ignore[misc]
     """Ray Serve LLM's per-replica side of RaykvConnector (every server class: ``LLMServer``,
     the PD prefill and decode servers).
@@ -144,21 +130,21 @@ class RaykvConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):  # ty
     the prefill worker and block count.
     """
 
-    cache: ReplicaCache | None = None
+    worker: str | None = None
 
     def setup(self) -> None:
-        from actors.cluster import connect
-
+        global _REPLICA_CACHE
         extra = self.kv_transfer_config.setdefault("kv_connector_extra_config", {})
         namespace = str(extra.get("namespace", "raykv"))
-        names = [str(w) for w in connect(namespace).worker_ids]
-        self.cache = ReplicaCache(namespace, pool=_pool_names(names, extra.pop(POOL_KEY, None)))
-        extra["worker"] = str(self.cache.worker_id)
+        cache = ReplicaCache(namespace, pool=extra.pop(POOL_KEY, None))
+        _REPLICA_CACHE = cache  # the replica's process state; the backend itself stays picklable
+        self.worker = str(cache.worker_id)
+        extra["worker"] = self.worker
         extra["ray_address"] = str(ray.get_runtime_context().gcs_address)
-        log.info("raykv: replica paired with %s", self.cache.worker_id)
+        log.info("raykv: replica paired with %s", self.worker)
 
     def replica_metadata(self) -> dict[str, Any]:
-        return self.cache.metadata() if self.cache is not None else {}
+        return {WORKER_FIELD: self.worker} if self.worker is not None else {}
 
 
 class RaykvLLMServer(LLMServer):  # type: ignore[misc]
@@ -167,8 +153,7 @@ class RaykvLLMServer(LLMServer):  # type: ignore[misc]
     :class:`RaykvConnectorBackend`'s."""
 
     def _cache(self) -> ReplicaCache | None:
-        backend = getattr(self._llm_config, "kv_connector_backend", None)
-        return getattr(backend, "cache", None)
+        return _REPLICA_CACHE
 
     async def record_replica_metadata(self) -> dict[str, Any]:
         cache = self._cache()
