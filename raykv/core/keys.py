@@ -129,11 +129,16 @@ class MultimodalItem:
 def tokens_to_array(tokens: TokenSeq | Iterable[int], name: str = "tokens") -> npt.NDArray[np.uint32]:
     """Validate token ids and return them as a little-endian uint32 array.
 
-    Accepts lists, tuples and numpy integer arrays (equal ids give equal arrays). Raises
-    InvalidArgumentError (a ValueError) for an id outside ``0 ..= 2**31 - 1`` or a non-integer.
+    Accepts lists, tuples and one-dimensional numpy integer arrays (equal ids give equal arrays).
+    Raises InvalidArgumentError (a ValueError) for an id outside ``0 ..= 2**31 - 1``, a
+    non-integer, an array of another rank, or ``bytes``/``str``-like input (never read as ids).
     """
+    if isinstance(tokens, (bytes, bytearray, memoryview, str)):
+        raise InvalidArgumentError(name, f"must be a sequence of token ids, got {type(tokens).__name__}")
     if isinstance(tokens, np.ndarray):
-        arr = tokens.reshape(-1)
+        if tokens.ndim != 1:
+            raise InvalidArgumentError(name, f"must be one-dimensional, got shape {tokens.shape}")
+        arr = tokens
         if arr.dtype.kind not in "iu":
             raise InvalidArgumentError(name, f"token ids must be integers, got dtype {arr.dtype}")
         if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
@@ -159,7 +164,10 @@ def _check_tokens_per_block(tokens_per_block: object) -> int:
 
 def check_mm_items(items: Iterable[MultimodalItem], num_tokens: int | None) -> tuple[MultimodalItem, ...]:
     """Validate multimodal items: right type, sorted by start, non-overlapping, inside the tokens."""
-    listed = tuple(items)
+    try:
+        listed = tuple(items)
+    except TypeError:
+        raise InvalidArgumentError("mm_items", f"must be an iterable, got {type(items).__name__}") from None
     if not all(isinstance(item, MultimodalItem) for item in listed):
         raise InvalidArgumentError("mm_items", "every item must be a MultimodalItem")
     out = tuple(sorted(listed, key=lambda it: it.start))

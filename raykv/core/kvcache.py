@@ -137,9 +137,9 @@ class KvCache:
 
     def block_key(self, index: int) -> BlockKey:
         """Key of block ``index`` over the tokens it holds now (a partial block's key is private:
-        it is never shared; the content oracle uses it to name the page's bytes)."""
-        if not 0 <= index < len(self._pages):
-            raise InvalidArgumentError("index", f"block {index} not in 0..{len(self._pages) - 1}")
+        it is never shared; the content oracle uses it to name the page's bytes).
+        InvalidArgumentError ``index`` for an index outside the blocks held."""
+        self._check_index(index)
         parent = self.root_key if index == 0 else self._full_keys(index)[index - 1]
         end = min(self._len, (index + 1) * self.tokens_per_block)  # hash this block only
         return chain_keys(
@@ -147,7 +147,9 @@ class KvCache:
         )[0]
 
     def block_num_tokens(self, index: int) -> int:
-        """Tokens held by block ``index`` (tokens_per_block except maybe for the last block)."""
+        """Tokens held by block ``index`` (tokens_per_block except maybe for the last block).
+        InvalidArgumentError ``index`` for an index outside the blocks held."""
+        self._check_index(index)
         return min(self.tokens_per_block, self._len - index * self.tokens_per_block)
 
     def _full_keys(self, upto: int) -> list[BlockKey]:
@@ -214,8 +216,8 @@ class KvCache:
     def extend(self, tokens: TokenSeq) -> None:
         """Append tokens, allocating top-tier pages for the blocks they start. ACTIVE only.
 
-        Raises ValueError for bad tokens, StateError when not active, OutOfPagesError when no
-        page can be evicted; in every case nothing changes.
+        Raises InvalidArgumentError ``tokens`` (a ValueError) for bad tokens, StateError when not
+        active, OutOfPagesError when no page can be evicted; in every case nothing changes.
         """
         mgr = self._store
         with mgr.locked():
@@ -245,13 +247,17 @@ class KvCache:
         already cached. Folds this request's pending stats into the manager. Returns how many
         blocks were newly committed. A suspended cache holding a page that failed its checksum is
         cut first (the module docstring), so ``num_tokens`` may then be fewer than asked for.
+        Raises InvalidArgumentError ``num_tokens`` for a non-int or a count outside
+        ``0 ..= num_tokens`` held, StateError when closed; either way nothing changes.
         """
         mgr = self._store
+        if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)):
+            raise InvalidArgumentError("num_tokens", f"must be an int or None, got {num_tokens!r}")
         with mgr.locked():
             self._check_not_closed()
             self._cut_corrupt()
             upto = self._len if num_tokens is None else num_tokens
-            if isinstance(upto, bool) or not isinstance(upto, int) or not 0 <= upto <= self._len:
+            if not 0 <= upto <= self._len:
                 raise InvalidArgumentError("num_tokens", f"must be in 0..{self._len}, got {upto!r}")
             last = upto // self.tokens_per_block
             keys = self._full_keys(last)
@@ -371,9 +377,12 @@ class KvCache:
             slot = self._page_at(index).slot
             return self._store.top_pool.buffer_view(slot, layer_id, role)  # type: ignore[attr-defined]
 
-    def _page_at(self, index: int) -> Page:
+    def _check_index(self, index: object) -> None:
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self._pages):
             raise InvalidArgumentError("index", f"block {index!r} not in 0..{len(self._pages) - 1}")
+
+    def _page_at(self, index: int) -> Page:
+        self._check_index(index)
         return self._pages[index]
 
     def pages(self) -> list[Page]:

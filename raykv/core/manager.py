@@ -29,7 +29,7 @@ from raykv.core.events import CacheEvent
 from raykv.core.eviction import EvictionPolicy
 from raykv.core.export_import import export_blocks, import_blocks, import_pages
 from raykv.core.invariants import check_store
-from raykv.core.keys import DEFAULT_SCOPE, MultimodalItem, ReuseScope, TokenSeq, block_keys
+from raykv.core.keys import DEFAULT_SCOPE, MultimodalItem, ReuseScope, TokenSeq, block_keys, check_mm_items
 from raykv.core.kvcache import KvCache, Status
 from raykv.core.radix import Block, Root
 from raykv.core.records import (
@@ -47,7 +47,6 @@ from raykv.core.tiers import PagePool
 from raykv.core.types import (
     DEFAULT_PRIORITY,
     PageId,
-    check_block_key,
     check_block_keys,
     check_priority,
     check_u64,
@@ -55,13 +54,20 @@ from raykv.core.types import (
 
 log = logging.getLogger(__name__)
 
+_POLICY_METHODS = ("add", "remove", "touch", "cool", "candidates", "count")
+
 
 class CacheManager:
     """The cache of one device. See the module docstring for the request lifecycle."""
 
     def __init__(self, config: CacheConfig, policy: EvictionPolicy | None = None) -> None:
+        """Build the tiers ``config`` describes. Raises InvalidArgumentError ``config`` for a
+        non-CacheConfig, ``policy`` for an object lacking the EvictionPolicy methods; OutOfMemoryError
+        when a tier cannot reserve its memory or file space."""
         if not isinstance(config, CacheConfig):
             raise InvalidArgumentError("config", "must be a CacheConfig")
+        if policy is not None and not all(callable(getattr(policy, m, None)) for m in _POLICY_METHODS):
+            raise InvalidArgumentError("policy", f"must be an EvictionPolicy, got {type(policy).__name__}")
         self.store = PageStore(config, policy)
         """The page bookkeeping every part of the cache works on (:mod:`raykv.core.store`)."""
         store = self.store
@@ -120,8 +126,12 @@ class CacheManager:
 
         Returns a SUSPENDED KvCache whose ``num_reused_tokens`` (a multiple of tokens_per_block)
         says how much KV is already cached; the cache starts holding exactly those tokens. If the
-        engine must recompute the last prompt token, drop it from ``tokens``. Raises ValueError
-        for bad tokens, scope, priority, request id or multimodal items.
+        engine must recompute the last prompt token, drop it from ``tokens``.
+
+        Raises InvalidArgumentError (a ValueError) naming the argument for bad ``tokens`` (ids
+        outside ``0 ..= 2**31 - 1``, non-integers, ``bytes``/``str``, arrays not one-dimensional),
+        ``scope``, ``priority`` (int in 0..100), ``request_id`` (u64) or ``mm_items``; StateError
+        after shutdown. A refused call changes nothing.
         """
         scope = DEFAULT_SCOPE if scope is None else scope
         if not isinstance(scope, ReuseScope):
@@ -129,9 +139,10 @@ class CacheManager:
         prio = check_priority(priority)
         if request_id is not None:
             check_u64("request_id", request_id)
+        items = check_mm_items(mm_items, None)
         with self.locked():
             self._check_open()
-            cache = KvCache(self.store, scope, tokens, prio, request_id, tuple(mm_items))
+            cache = KvCache(self.store, scope, tokens, prio, request_id, items)
             self.store.track(cache.cache_id, cache)
             return cache
 
@@ -144,14 +155,12 @@ class CacheManager:
     ) -> ProbeResult:
         """How many leading blocks of ``tokens`` (in ``scope``) or of ``keys`` are cached, and on
         which tier each one sits. Changes nothing (no LRU touch, no stats). Give exactly one of
-        ``tokens`` and ``keys``; raises ValueError otherwise or for bad tokens/keys."""
+        ``tokens`` and ``keys``; raises InvalidArgumentError (a ValueError) otherwise, and naming
+        ``tokens``/``keys``/``key``/``scope``/``mm_items`` for a bad value."""
         if (tokens is None) == (keys is None):
             raise InvalidArgumentError("tokens", "give exactly one of tokens and keys")
         if keys is not None:
-            if all(type(k) is bytes and len(k) == 32 for k in keys):
-                checked = list(keys)
-            else:
-                checked = [check_block_key(k) for k in keys]
+            checked = check_block_keys(keys)
             with self.locked():
                 blocks = self.tree.match_keys(checked)  # type: ignore[arg-type]
                 return self._probe_result(blocks)
@@ -168,10 +177,11 @@ class CacheManager:
     # ---- block exchange ------------------------------------------------------------------------
     def export_blocks(self, keys: Sequence[bytes]) -> list[ExportedBlock]:
         """Bytes and metadata of the committed blocks among ``keys`` (missing keys are skipped;
-        order follows ``keys``). Pages stay where they are. Raises ValueError for a malformed key.
+        order follows ``keys``). Pages stay where they are. Raises InvalidArgumentError ``key``
+        for a malformed key (``keys`` when not a sequence of keys), StateError after shutdown.
         A disk page that fails its checksum is dropped (with its descendants) and skipped too.
         """
-        checked = [check_block_key(k) for k in keys]
+        checked = check_block_keys(keys)
         with self.locked():
             self._check_open()
             return export_blocks(self.store, checked)
@@ -185,9 +195,14 @@ class CacheManager:
         (``parent_is_root``). Blocks already present are skipped. The batch is rejected whole,
         with nothing changed, on a checksum mismatch (IntegrityError), a missing parent or a
         malformed record (ImportRejectedError), or no room (OutOfPagesError). Returns an
-        ImportResult.
+        ImportResult. InvalidArgumentError ``blocks`` when not a sequence, ``priority`` for a
+        priority outside 0..100; StateError after shutdown.
         """
         prio = check_priority(priority)
+        if isinstance(blocks, (bytes, bytearray, str)) or not isinstance(blocks, Iterable):
+            raise InvalidArgumentError(
+                "blocks", f"must be a sequence of ExportedBlock, got {type(blocks).__name__}"
+            )
         with self.locked():
             self._check_open()
             return import_blocks(self.store, list(blocks), prio)
@@ -208,15 +223,18 @@ class CacheManager:
         None) for mismatched shapes. ``confirm`` runs after the rows are written, before any block
         is inserted, without the manager's lock (staged pages and cached parents leased): if it
         raises, the pages are given back and the error propagates (evictions made stay made).
+        InvalidArgumentError ``records`` when not a BlockRecords, ``priority`` outside 0..100.
         """
         prio = check_priority(priority)
+        if not isinstance(records, BlockRecords):
+            raise InvalidArgumentError("records", f"must be a BlockRecords, got {type(records).__name__}")
         return import_pages(self.store, records, data, checksums, verify, prio, confirm)
 
     def cool_blocks(self, keys: Sequence[bytes]) -> int:
         """Make the committed blocks among ``keys`` the first to be demoted or evicted within their
         priority (e.g. a source whose copy a peer just pulled: one copy is enough). Missing or
         pinned blocks are skipped; nothing else changes. Returns how many were cooled.
-        ValueError for a malformed key."""
+        InvalidArgumentError ``key``/``keys`` for a malformed key; StateError after shutdown."""
         checked = check_block_keys(keys)
         with self.locked():
             self._check_open()
@@ -229,8 +247,9 @@ class CacheManager:
         """Hold the committed blocks among ``keys`` in place for a zero-copy sender.
 
         Leased pages are neither moved nor dropped until :meth:`release_lease`; their bytes can be
-        read with :meth:`leased_page` meanwhile. Missing keys are skipped. ValueError for a
-        malformed key; ``clear_reusable``/``shutdown`` refuse while leases are open.
+        read with :meth:`leased_page` meanwhile. Missing keys are skipped. InvalidArgumentError
+        ``key``/``keys`` for a malformed key; ``clear_reusable``/``shutdown`` refuse while leases
+        are open.
         """
         checked = check_block_keys(keys)
         with self.locked():
@@ -256,7 +275,11 @@ class CacheManager:
         """Keep the page checksums a sender computed for leased ``blocks`` (same order), so later
         leases carry them (``LeasedBlock.checksum``) and no sender reads those pages to checksum
         them again. Call while the lease is held: its pages are then still the blocks' own. A
-        block that already has one keeps it; blocks no longer in the tree are skipped."""
+        block that already has one keeps it; blocks no longer in the tree are skipped.
+        InvalidArgumentError ``sums`` when its length differs from ``blocks``."""
+        blocks, sums = list(blocks), list(sums)
+        if len(blocks) != len(sums):
+            raise InvalidArgumentError("sums", f"{len(sums)} checksums for {len(blocks)} blocks")
         with self.locked():
             for leased, crc in zip(blocks, sums):
                 block = self.tree.get(leased.key)
@@ -275,7 +298,10 @@ class CacheManager:
         return self.copy.read(block.level, [PageId(block.slot)])[0]
 
     def release_lease(self, lease_id: int) -> None:
-        """Release a lease (idempotent); its pages become movable again."""
+        """Release a lease (idempotent); its pages become movable again. InvalidArgumentError
+        ``lease_id`` for a non-int."""
+        if isinstance(lease_id, bool) or not isinstance(lease_id, int):
+            raise InvalidArgumentError("lease_id", f"must be an int, got {type(lease_id).__name__}")
         self.store.release_lease(lease_id)
 
     def committed_blocks(self) -> list[CommittedBlockInfo]:
@@ -306,7 +332,12 @@ class CacheManager:
             return list(self.counters.recent)
 
     def drain_events(self, max_events: int | None = None) -> list[CacheEvent]:
-        """Remove and return the oldest queued events (all when ``max_events`` is None)."""
+        """Remove and return the oldest queued events (all when ``max_events`` is None).
+        InvalidArgumentError ``max_events`` unless None or an int >= 0."""
+        if max_events is not None and (
+            isinstance(max_events, bool) or not isinstance(max_events, int) or max_events < 0
+        ):
+            raise InvalidArgumentError("max_events", f"must be None or an int >= 0, got {max_events!r}")
         return self.events.drain(max_events)
 
     def top_utilization(self) -> float:

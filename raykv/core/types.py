@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import NewType
 
 from raykv import native
+from raykv.core.errors import InvalidArgumentError
 
 BlockKey = NewType("BlockKey", bytes)
 """A 32-byte SHA-256 block digest (see :mod:`raykv.core.keys`)."""
@@ -65,21 +66,23 @@ class TierKind(enum.IntEnum):
 
 
 def check_u64(name: str, value: object) -> int:
-    """Return ``value`` if it is an int in ``0 ..= 2**64 - 1`` (not a bool); else raise ValueError."""
+    """Return ``value`` if it is an int in ``0 ..= 2**64 - 1`` (not a bool); else raise
+    InvalidArgumentError (a ValueError) naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int in 0..2**64-1, got {type(value).__name__}")
+        raise InvalidArgumentError(name, f"must be an int in 0..2**64-1, got {type(value).__name__}")
     if value < 0 or value > U64_MAX:
-        raise ValueError(f"{name} must be in 0..2**64-1, got {value}")
+        raise InvalidArgumentError(name, f"must be in 0..2**64-1, got {value}")
     return value
 
 
 def check_block_key(value: object, name: str = "key") -> BlockKey:
-    """Return ``value`` as a BlockKey if it is exactly 32 bytes; else raise ValueError."""
+    """Return ``value`` as a BlockKey if it is exactly 32 bytes; else raise InvalidArgumentError
+    (a ValueError) naming ``name``."""
     if isinstance(value, (bytearray, memoryview)):
         value = bytes(value)
     if not isinstance(value, bytes) or len(value) != BLOCK_KEY_BYTES:
         shown = len(value) if isinstance(value, bytes) else type(value).__name__
-        raise ValueError(f"{name} must be {BLOCK_KEY_BYTES} bytes, got {shown}")
+        raise InvalidArgumentError(name, f"must be {BLOCK_KEY_BYTES} bytes, got {shown}")
     return BlockKey(value)
 
 
@@ -88,8 +91,16 @@ _all_keys: Callable[[list[object]], bool] | None = getattr(native.load("_chain")
 
 def check_block_keys(values: Iterable[object], name: str = "key") -> list[BlockKey]:
     """:func:`check_block_key` of each value (one fast pass when all are 32-byte ``bytes``: one
-    C loop with the compiled ``raykv.native._chain``, else two C-level set passes)."""
-    keys = list(values)
+    C loop with the compiled ``raykv.native._chain``, else two C-level set passes). A single key
+    (``bytes``) or a str in place of the sequence is refused: InvalidArgumentError ``keys``."""
+    if isinstance(values, (bytes, bytearray, memoryview, str)):
+        raise InvalidArgumentError("keys", f"must be a sequence of keys, got {type(values).__name__}")
+    try:
+        keys = list(values)
+    except TypeError:
+        raise InvalidArgumentError(
+            "keys", f"must be a sequence of keys, got {type(values).__name__}"
+        ) from None
     if len(keys) > 16:  # C-level passes; a loop for few keys (no set to build)
         if _all_keys is not None:
             if _all_keys(keys):
@@ -104,7 +115,8 @@ def check_block_keys(values: Iterable[object], name: str = "key") -> list[BlockK
 
 
 def check_priority(value: object) -> Priority:
-    """Return ``value`` as a Priority if it is an int in 0..100 (not a bool); else ValueError."""
+    """Return ``value`` as a Priority if it is an int in 0..100 (not a bool); else
+    InvalidArgumentError ``priority`` (a ValueError)."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PRIORITY:
-        raise ValueError(f"priority must be an int in 0..100, got {value!r}")
+        raise InvalidArgumentError("priority", f"must be an int in 0..100, got {value!r}")
     return Priority(value)

@@ -50,7 +50,7 @@ import raykv.transfer.shm_read as shm_read
 from raykv.core.errors import TransferError, TransferFailure
 from raykv.core.types import BlockKey
 from raykv.transfer.auth import AuthToken
-from raykv.transfer.config import Peer, TransferConfig, pull_request
+from raykv.transfer.config import Peer, TransferConfig, check_config, check_timeout, pull_request
 from raykv.transfer.connection import ClientConn, handshake
 from raykv.transfer.host_paths import Batch, checks
 from raykv.transfer.landing import Land, LeaseCheck, run_land
@@ -94,7 +94,8 @@ class PageClient:
     """Pulls pages from page servers that share ``token``. See the module docstring.
 
     Async API (``pull``, ``pull_many``, ``aclose``) runs on the transfer runtime's loop; the
-    ``*_sync`` twins call it from any other thread.
+    ``*_sync`` twins call it from any other thread. Raises InvalidArgumentError ``token`` for a
+    token shorter than 16 bytes, ``config`` for a non-TransferConfig.
     """
 
     def __init__(
@@ -104,7 +105,7 @@ class PageClient:
         runtime: TransferRuntime | None = None,
     ) -> None:
         self._token = AuthToken.coerce(token)
-        self.config = config or TransferConfig()
+        self.config = check_config(config)
         self.runtime = runtime or get_runtime()
         self.node_id = self.config.node
         self.stats = ClientStats()
@@ -141,10 +142,16 @@ class PageClient:
 
         ``out`` (optional): a writable C-contiguous uint8 array of at least ``len(keys)`` rows of
         the peer's page size; the pages land in its leading rows (no allocation) and
-        ``PulledPages.data`` is a view of them. Raises ValueError for malformed or duplicate keys
-        or a bad ``out``, TransferError for any failure (``out`` may then hold partial bytes).
+        ``PulledPages.data`` is a view of them.
+
+        Raises InvalidArgumentError (a ValueError) naming ``key``/``keys`` (malformed or
+        duplicate keys), ``peer`` (not a PeerAddress or (host, port) pair), ``timeout_s`` (not
+        None or finite seconds > 0) or ``out``; TransferError for any failure (``out`` may then
+        hold partial bytes): reason ``connect`` when nothing accepts a connection at ``peer``
+        within ``TransferConfig.connect_timeout_s``, ``timeout`` past ``timeout_s``.
         """
         checked, endpoint = pull_request(peer, keys)
+        check_timeout("timeout_s", timeout_s)
         start = time.perf_counter()
         if not checked:
             return merge([], [], 0.0)
@@ -176,6 +183,7 @@ class PageClient:
         batches (over the peer's limits) lands once, after the last one.
         """
         checked, endpoint = pull_request(peer, keys)
+        check_timeout("timeout_s", timeout_s)
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
         if not checked:
@@ -270,21 +278,31 @@ class PageClient:
 
     # ---- connections -----------------------------------------------------------------------------
     async def _connect(self, peer: tuple[str, int]) -> ClientConn:
-        """Open and authenticate a connection (mutual challenge-response, module auth)."""
+        """Open and authenticate a connection (mutual challenge-response, module auth), both
+        within ``connect_timeout_s``: TransferError ``connect`` when nothing accepts the
+        connection in time (or it is refused), ``timeout`` when the handshake runs past it."""
+        deadline = time.monotonic() + self.config.connect_timeout_s
         if self._ucx_ctx is None:
             configure_ucx(self.config.ucx_net_devices, self.config.ucx_tls, self.config.ucx_progress)
             with contextlib.suppress(TransferError):
                 self._ucx_ctx = ucx_context()
+        opening = asyncio.open_connection(*peer, limit=self.config.max_header_bytes + 8)
         try:
-            reader, writer = await asyncio.open_connection(*peer, limit=self.config.max_header_bytes + 8)
+            reader, writer = await within(opening, max(deadline - time.monotonic(), 0.001))
+        except asyncio.TimeoutError:  # before OSError: TimeoutError subclasses it
+            raise TransferError(
+                f"cannot connect to {peer[0]}:{peer[1]} (no answer within "
+                f"{self.config.connect_timeout_s:g} s)",
+                reason=TransferFailure.CONNECT,
+            ) from None
         except OSError as exc:
             raise TransferError(
-                f"cannot connect to {peer[0]}:{peer[1]} ({exc.strerror})", reason=TransferFailure.CONNECT
+                f"cannot connect to {peer[0]}:{peer[1]} ({exc.strerror or exc})",
+                reason=TransferFailure.CONNECT,
             ) from None
         try:
-            return await handshake(
-                self._token, self.config, self.node_id, self._ucx_ctx, peer, reader, writer
-            )
+            shaking = handshake(self._token, self.config, self.node_id, self._ucx_ctx, peer, reader, writer)
+            return await within(shaking, max(deadline - time.monotonic(), 0.001))
         except BaseException:
             writer.close()
             raise
@@ -301,7 +319,7 @@ class PageClient:
                 return conn
             conn.flush()  # a pending done: the server counts the pull as served
             conn.close()  # the server closed it meanwhile (restart, shutdown) or soon will (idle)
-        conn = await asyncio.wait_for(self._connect(peer), self.config.connect_timeout_s)
+        conn = await self._connect(peer)  # bounded by connect_timeout_s
         self._register_local(peer, conn)
         return conn
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import os
 import socket
 from collections.abc import Sequence
@@ -194,6 +195,11 @@ class PeerAddress:
     port: int
     node_id: str = ""
 
+    def __post_init__(self) -> None:
+        check_peer((self.host, self.port))
+        if not isinstance(self.node_id, str):
+            raise InvalidArgumentError("node_id", f"must be a str, got {type(self.node_id).__name__}")
+
     @property
     def endpoint(self) -> tuple[str, int]:
         return self.host, self.port
@@ -206,11 +212,48 @@ Peer = PeerAddress | tuple[str, int]
 """A page server's address: a PeerAddress or a (host, port) pair."""
 
 
+def check_peer(peer: object) -> tuple[str, int]:
+    """The (host, port) of ``peer``: a PeerAddress or a (non-empty str, int in 1..65535) pair;
+    else InvalidArgumentError ``peer``."""
+    if isinstance(peer, PeerAddress):
+        return peer.host, peer.port
+    if not isinstance(peer, (tuple, list)) or len(peer) != 2:
+        raise InvalidArgumentError("peer", f"must be a PeerAddress or a (host, port) pair, got {peer!r}")
+    host, port = peer
+    if not isinstance(host, str) or not host:
+        raise InvalidArgumentError("peer", f"host must be a non-empty str, got {host!r}")
+    try:
+        port = operator.index(port) if not isinstance(port, bool) else -1
+    except TypeError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise InvalidArgumentError("peer", f"port must be an int in 1..65535, got {peer[1]!r}")
+    return host, port
+
+
+def check_timeout(name: str, value: object) -> float | None:
+    """``value`` as seconds: None, or a finite number > 0; else InvalidArgumentError ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise InvalidArgumentError(name, f"must be None or finite seconds > 0, got {value!r}")
+    return float(value)
+
+
+def check_config(config: object) -> TransferConfig:
+    """``config``, or the default TransferConfig for None; else InvalidArgumentError ``config``."""
+    if config is None:
+        return TransferConfig()
+    if not isinstance(config, TransferConfig):
+        raise InvalidArgumentError("config", f"must be a TransferConfig, got {type(config).__name__}")
+    return config
+
+
 def pull_request(peer: Peer, keys: Sequence[bytes]) -> tuple[list[BlockKey], tuple[str, int]]:
-    """The checked keys of a pull (ValueError when malformed, InvalidArgumentError when
-    duplicated) and the peer's (host, port)."""
+    """The checked keys of a pull and the peer's (host, port). InvalidArgumentError (a
+    ValueError) ``key``/``keys`` for malformed or duplicate keys, ``peer`` for a bad address."""
+    endpoint = check_peer(peer)
     checked = check_block_keys(keys)
     if len(checked) > 1 and len(set(checked)) != len(checked):
         raise InvalidArgumentError("keys", "duplicate keys in one pull")
-    endpoint = (peer.host, peer.port) if isinstance(peer, PeerAddress) else (str(peer[0]), int(peer[1]))
     return checked, endpoint

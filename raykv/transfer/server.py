@@ -49,12 +49,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import raykv.transfer.wire as wire
-from raykv.core.errors import RayKVError, TransferError, TransferFailure
+from raykv.core.errors import InvalidArgumentError, RayKVError, TransferError, TransferFailure
 from raykv.core.manager import CacheManager
 from raykv.core.tiers.host import HostPool
 from raykv.core.types import TierKind
 from raykv.transfer.auth import CLIENT_LABEL, NONCE_BYTES, SERVER_LABEL, AuthToken, new_nonce
-from raykv.transfer.config import PeerAddress, TransferConfig
+from raykv.transfer.config import PeerAddress, TransferConfig, check_config
 from raykv.transfer.gpu_peer import GpuPeerExport
 from raykv.transfer.guard import ConnectionSlots, LogLimiter, close_stream, frame_start
 from raykv.transfer.path import TransferPath
@@ -108,7 +108,9 @@ class PageServer:
 
     ``start()`` binds and returns the :class:`PeerAddress`; ``close()`` stops listening, drops
     every connection and ends every lease (both idempotent; sync, callable from any thread but
-    the runtime's loop, where ``astart``/``aclose`` are awaited instead).
+    the runtime's loop, where ``astart``/``aclose`` are awaited instead). Raises
+    InvalidArgumentError ``manager`` for a non-CacheManager, ``token`` for a token shorter than
+    16 bytes, ``config`` for a non-TransferConfig.
     """
 
     def __init__(
@@ -118,9 +120,11 @@ class PageServer:
         config: TransferConfig | None = None,
         runtime: TransferRuntime | None = None,
     ) -> None:
+        if not isinstance(manager, CacheManager):
+            raise InvalidArgumentError("manager", f"must be a CacheManager, got {type(manager).__name__}")
         self.manager = manager
         self._token = AuthToken.coerce(token)
-        self.config = config or TransferConfig()
+        self.config = check_config(config)
         self.runtime = runtime or get_runtime()
         self.node_id = self.config.node
         self.faults = ServerFaults()
