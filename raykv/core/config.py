@@ -282,6 +282,10 @@ class CacheConfig:
     queue (the oldest are dropped; event ids stay monotonic so consumers see the gap).
     ``verify_disk_checksums`` (default True): the disk tier keeps a CRC-32 of every page it writes
     and checks it on every read; a page that fails is never served (see ``docs/design.md``).
+    ``max_blocks_per_salt`` (default None: no quota): at most this many committed blocks per salt
+    (tenant; blocks with no salt are one group), counted over all tiers of the manager together;
+    a salt over it drops its own least valuable blocks first, never another's
+    (:mod:`raykv.core.quota`).
     """
 
     layout: KVLayout
@@ -289,6 +293,7 @@ class CacheConfig:
     max_util_for_resume: float = 1.0
     max_events: int = 100_000
     verify_disk_checksums: bool = True
+    max_blocks_per_salt: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -320,6 +325,8 @@ class CacheConfig:
         _positive_int("max_events", self.max_events)
         if not isinstance(self.verify_disk_checksums, bool):
             raise ConfigError("verify_disk_checksums", f"must be a bool, got {self.verify_disk_checksums!r}")
+        if self.max_blocks_per_salt is not None:
+            _positive_int("max_blocks_per_salt", self.max_blocks_per_salt)
 
     @property
     def tokens_per_block(self) -> int:

@@ -252,7 +252,7 @@ def insert_staged(mgr: PageStore, records: BlockRecords, staged: Staged) -> Impo
     keys_ = cast(Sequence[BlockKey], keys)
     parents = cast(Sequence[BlockKey], records.parent_keys)
     if len(staged.new) == n and n >= 2 and records.is_chain() and mgr.tree.blocks.keys().isdisjoint(keys):
-        mgr.cache_blocks(
+        refused = mgr.cache_blocks(
             keys_,
             parents,
             records.parent_is_root,
@@ -260,8 +260,11 @@ def insert_staged(mgr: PageStore, records: BlockRecords, staged: Staged) -> Impo
             records.num_tokens,
             imported=True,
             chain=True,
-        )
-        return ImportResult(tuple(keys_), ())
+        )  # a tail the salt's quota refused (only with ``max_blocks_per_salt``)
+        if refused:
+            mgr.pools[0].release([staged.pages[j].slot for j in refused])
+        fit = len(keys_) - len(refused)
+        return ImportResult(tuple(keys_[:fit]), tuple(keys_[fit:]))
     new = staged.new
     skipped = mgr.cache_blocks(
         [keys_[i] for i in new],

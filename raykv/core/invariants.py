@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 
+from raykv.core import quota as quota_module
 from raykv.core.kvcache import KvCache, Status
 from raykv.core.page import Page
 from raykv.core.stats import CacheStats
@@ -99,13 +100,16 @@ def _check_caches_vs_tree(mgr: PageStore) -> None:
 
 
 def check_store(mgr: PageStore, stats: CacheStats) -> None:
-    """Verify tree links, slot ownership, pins, holders, queue membership and counters (``stats``:
+    """Verify tree links, slot ownership, pins, holders, queue membership, per-salt quotas and
+    counters (``stats``:
     the manager's snapshot, taken under the same lock). Under the lock."""
     mgr.tree.check()
     pages = _live_pages(mgr)
     _check_refcounts(mgr, pages)
     _check_slots(mgr, pages)
     _check_caches_vs_tree(mgr)
+    if mgr.quota is not None:  # every committed block counted in its group, each within the quota
+        quota_module.check(mgr.quota, mgr.tree.iter_blocks())
     for level, pool in enumerate(mgr.pools):
         assert stats.bytes_in_use[level] == pool.num_used * pool.page_bytes
     assert mgr.events.last_event_id >= len(mgr.events)

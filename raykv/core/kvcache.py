@@ -66,6 +66,7 @@ class KvCache:
         self.priority = priority
         self.request_id = request_id
         self.cache_id = store.next_cache_id()
+        store.note_scope(self.root_key, scope.salt)
         tpb = store.tokens_per_block
         self.tokens_per_block = tpb
         input_keys = chain_keys(self.root_key, arr, tpb, 0, self.mm_items)
@@ -245,8 +246,10 @@ class KvCache:
         (an event recorded there orders every later copy or peer read after it). Each newly
         committed block becomes matchable (a BlockStored event) unless an identical block is
         already cached. Folds this request's pending stats into the manager. Returns how many
-        blocks were newly committed. A suspended cache holding a page that failed its checksum is
-        cut first (the module docstring), so ``num_tokens`` may then be fewer than asked for.
+        blocks were newly committed (under ``max_blocks_per_salt``, blocks the salt's quota
+        refused stay private to this request and are not counted). A suspended cache holding a
+        page that failed its checksum is cut first (the module docstring), so ``num_tokens`` may
+        then be fewer than asked for.
         Raises InvalidArgumentError ``num_tokens`` for a non-int or a count outside
         ``0 ..= num_tokens`` held, StateError when closed; either way nothing changes.
         """
@@ -268,23 +271,25 @@ class KvCache:
                 # gpu_peer readers) after them, before the blocks become visible.
                 slots = [self._pages[i].slot for i in new if self._pages[i].level == 0]
                 mgr.pools[0].record_written(slots)  # type: ignore[attr-defined]
-            if new:
-                self._insert(new[0], last)
+            refused = self._insert(new[0], last, start) if new else 0
             self._num_committed = max(start, last)
-            mgr.counters.committed_blocks += max(0, last - start)
+            committed = max(0, last - start) - refused
+            mgr.counters.committed_blocks += committed
             self._fold_stats()
-            return max(0, last - start)
+            return committed
 
-    def _insert(self, first: int, last: int) -> None:
+    def _insert(self, first: int, last: int, start: int) -> int:
         """Cache blocks ``first .. last - 1`` (``first``: the first new one; any of them cached
         meanwhile is skipped), after the private ancestors whose twin is gone (the run of
-        uncached blocks just before ``first``), in one :meth:`PageStore.cache_blocks`."""
+        uncached blocks just before ``first``), in one :meth:`PageStore.cache_blocks`. Returns
+        how many blocks from ``start`` on were left uncached (the salt's quota refused them: they
+        stay this request's private pages; a later commit offers them again)."""
         keys, tree = self._keys, self._store.tree
         while first > 0 and keys[first - 1] not in tree:
             first -= 1
         parents = [self.root_key if first == 0 else keys[first - 1], *keys[first : last - 1]]
         n = last - first
-        self._store.cache_blocks(
+        skipped = self._store.cache_blocks(
             keys[first:last],
             parents,
             [first == 0] + [False] * (n - 1),
@@ -292,6 +297,7 @@ class KvCache:
             [self.tokens_per_block] * n,
             self.request_id,
         )
+        return sum(1 for j in skipped if first + j >= start)
 
     def close(self) -> None:
         """Release every page (committed blocks stay cached). Idempotent."""

@@ -22,7 +22,10 @@ class StatsDelta:
     """Counter differences between two snapshots (same fields as CacheStats' counters).
 
     ``integrity_drops``: pages that failed their checksum when read back from the disk tier (each
-    dropped, never served; see ``PageStore.drop_corrupt``).
+    dropped, never served; see ``PageStore.drop_corrupt``). ``quota_evictions``: blocks a salt
+    over ``max_blocks_per_salt`` dropped of its own to make room (each also counted in
+    ``evictions`` on its tier); ``quota_refused``: blocks not cached because their salt was at the
+    quota with none of its own blocks droppable (see :mod:`raykv.core.quota`).
     """
 
     hit_blocks: tuple[int, ...]
@@ -36,6 +39,8 @@ class StatsDelta:
     exported_blocks: int
     committed_blocks: int
     integrity_drops: int = 0
+    quota_evictions: int = 0
+    quota_refused: int = 0
 
     @property
     def hit_ratio(self) -> float:
@@ -120,6 +125,8 @@ class Counters:
         self.exported_blocks = 0
         self.committed_blocks = 0
         self.integrity_drops = 0
+        self.quota_evictions = 0
+        self.quota_refused = 0
 
     def fold(self, delta: StatsDelta, request_id: int | None = None) -> None:
         """Add a per-request delta into the totals and remember it in ``recent``."""
@@ -144,4 +151,6 @@ class Counters:
             "exported_blocks": self.exported_blocks,
             "committed_blocks": self.committed_blocks,
             "integrity_drops": self.integrity_drops,
+            "quota_evictions": self.quota_evictions,
+            "quota_refused": self.quota_refused,
         }

@@ -32,6 +32,7 @@ from raykv.core.events import EventQueue
 from raykv.core.eviction import EvictionPolicy, PriorityLRU
 from raykv.core.page import Page, new_pages
 from raykv.core.placement import RoomPlanner
+from raykv.core.quota import Group, SaltQuota, group_batch
 from raykv.core.radix import Block, BlockRadixTree
 from raykv.core.stats import Counters, StatsDelta
 from raykv.core.tiers import PagePool, make_pool, shm_directory
@@ -84,6 +85,8 @@ class PageStore:
         self.policy: EvictionPolicy = policy or PriorityLRU(len(pools))
         self.events = EventQueue(config.max_events)
         self.counters = Counters(len(pools))
+        limit = config.max_blocks_per_salt
+        self.quota: SaltQuota | None = SaltQuota(limit) if limit is not None else None
         self.pinned_top = 0
         self.leases: dict[int, list[Page]] = {}
         self.corrupt: set[int] = set()
@@ -150,6 +153,8 @@ class PageStore:
             page = block.page
             self.tree.remove(block)
             self.free_page(page)
+        if self.quota is not None:
+            self.quota.clear()
         self.events.cleared()
         return len(blocks)
 
@@ -215,17 +220,23 @@ class PageStore:
         """Carry out a plan from :meth:`plan_room`: drops first, then moves, coldest first."""
         drops, moves = planner.ordered_steps()
         for step in drops:
-            page = step.page
-            block = cast(Block, page.block)
-            assert block is not None
-            self.events.removed(block.key, self.tier_kinds[page.level])
-            self.counters.evictions[page.level] += 1
-            self.tree.remove(block)
-            self.free_page(page)
+            self.drop_block(step.page)
         moves.sort(key=lambda s: (-s.src, s.dst))
         for (_src, dst), group in itertools.groupby(moves, key=lambda s: (s.src, s.dst)):
             assert dst is not None
             self.move_pages([s.page for s in group], dst)
+
+    def drop_block(self, page: Page) -> None:
+        """Evict the droppable leaf block ``page`` backs: BlockRemoved, one eviction counted on
+        its tier, out of the tree and its quota group, page freed."""
+        block = cast(Block, page.block)
+        assert block is not None
+        self.events.removed(block.key, self.tier_kinds[page.level])
+        self.counters.evictions[page.level] += 1
+        self.tree.remove(block)
+        if self.quota is not None:
+            self.quota.forget(page)
+        self.free_page(page)
 
     def allocate_pages(self, count: int, priority: Priority, exclude: set[int]) -> list[Page]:
         """``count`` new pages on the top tier (unqueued, no holder yet), evicting as needed but
@@ -337,6 +348,8 @@ class PageStore:
             page = block.page
             self.events.removed(block.key, self.tier_kinds[page.level])
             self.tree.remove(block)
+            if self.quota is not None:
+                self.quota.forget(page)
             if page.holders or page.pins:
                 continue  # now a private page of the requests holding it
             if page.leases:
@@ -382,6 +395,12 @@ class PageStore:
                 if not page.leases and self._orphans and self._orphans.pop(page.uid, None) is not None:
                     self.free_page(page)
 
+    def note_scope(self, root_key: BlockKey, salt: int | None) -> None:
+        """A request opened the scope of ``root_key`` (salt ``salt``): blocks cached under that
+        root count in the salt's quota group (no-op without a quota). Under the lock."""
+        if self.quota is not None:
+            self.quota.note_scope(root_key, salt)
+
     # ---- caching blocks ------------------------------------------------------------------------
     def cache_blocks(
         self,
@@ -405,9 +424,31 @@ class PageStore:
         skipped. With ``chain`` the batch must be a chain (each block the parent of the next)
         with no key cached and no request id: it is inserted, queued and reported as one chain,
         with no Python step per block (returns ``[]``).
+
+        Under ``max_blocks_per_salt`` a salt over its quota first drops its own least valuable
+        blocks; blocks that still do not fit (its last in the batch, a chain's tail) are not
+        cached and are returned with the skipped positions, as for a cached key (counted in
+        ``quota_refused``; see :mod:`raykv.core.quota`).
         """
+        if self.quota is not None:
+            return self._cache_with_quota(
+                keys, parent_keys, parent_is_root, pages, num_tokens, request_id, imported, chain
+            )
         if chain:
             return self._cache_chain(keys, parent_keys, parent_is_root, pages, num_tokens, imported)
+        return self._cache_each(keys, parent_keys, parent_is_root, pages, num_tokens, request_id, imported)
+
+    def _cache_each(
+        self,
+        keys: Sequence[BlockKey],
+        parent_keys: Sequence[BlockKey],
+        parent_is_root: Sequence[bool],
+        pages: Sequence[Page],
+        num_tokens: Sequence[int],
+        request_id: int | None,
+        imported: bool,
+    ) -> list[int]:
+        """:meth:`cache_blocks` of any batch, one block at a time."""
         tree, blocks, add, kinds = self.tree, self.tree.blocks, self.policy.add, self.tier_kinds
         stored: list[tuple[BlockKey, BlockKey, TierKind, int, int | None]] = []
         skipped: list[int] = []
@@ -427,6 +468,77 @@ class PageStore:
         if imported:
             self.counters.imported_blocks += len(stored)
         return skipped
+
+    def _cache_with_quota(
+        self,
+        keys: Sequence[BlockKey],
+        parent_keys: Sequence[BlockKey],
+        parent_is_root: Sequence[bool],
+        pages: Sequence[Page],
+        num_tokens: Sequence[int],
+        request_id: int | None,
+        imported: bool,
+        chain: bool,
+    ) -> list[int]:
+        """:meth:`cache_blocks` under ``max_blocks_per_salt`` (:mod:`raykv.core.quota`): make room
+        in each group from its own blocks, cache what fits, count the rest as skipped."""
+        quota = cast(SaltQuota, self.quota)
+        refused, group_at = self._admit(keys, parent_keys, parent_is_root)
+        admitted = [i for i in range(len(keys)) if i not in refused]
+        skipped: list[int] = []
+        if chain:  # one group: ``refused`` is the chain's tail
+            n = len(admitted)
+            if n == len(keys):
+                self._cache_chain(keys, parent_keys, parent_is_root, pages, num_tokens, imported)
+            elif n:
+                self._cache_chain(
+                    list(keys[:n]),
+                    list(parent_keys[:n]),
+                    list(parent_is_root[:n]),
+                    list(pages[:n]),
+                    list(num_tokens[:n]),
+                    imported,
+                )
+        elif admitted:
+            done = self._cache_each(
+                [keys[i] for i in admitted],
+                [parent_keys[i] for i in admitted],
+                [parent_is_root[i] for i in admitted],
+                [pages[i] for i in admitted],
+                [num_tokens[i] for i in admitted],
+                request_id,
+                imported,
+            )
+            skipped = [admitted[j] for j in done]
+        raced = set(skipped)
+        for i in admitted:
+            if i not in raced:
+                quota.add(pages[i], group_at[i])
+        return sorted([*skipped, *refused])
+
+    def _admit(
+        self, keys: Sequence[BlockKey], parent_keys: Sequence[BlockKey], parent_is_root: Sequence[bool]
+    ) -> tuple[set[int], dict[int, Group]]:
+        """Before caching a batch under the quota: each group it would take over the limit drops
+        its own least valuable blocks (never the batch's cached parents or keys). Returns the
+        positions that still do not fit (each group's last) and the group of every other new one."""
+        quota = cast(SaltQuota, self.quota)
+        blocks = self.tree.blocks
+        by_group = group_batch(quota, blocks, keys, parent_keys)
+        keep = {b.page.uid for k in (*parent_keys, *keys) if (b := blocks.get(k)) is not None}
+        refused: set[int] = set()
+        group_at: dict[int, Group] = {}
+        for group, positions in by_group.items():
+            need = quota.count(group) + len(positions) - quota.limit
+            drops = quota.plan_drops(group, need, self.policy, len(self.pools), keep)
+            for page in drops:
+                self.drop_block(page)
+            self.counters.quota_evictions += len(drops)
+            fit = len(positions) - max(0, need - len(drops))
+            refused.update(positions[fit:])
+            group_at.update((i, group) for i in positions[:fit])
+        self.counters.quota_refused += len(refused)
+        return refused, group_at
 
     def _cache_chain(
         self,

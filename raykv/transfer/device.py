@@ -410,6 +410,7 @@ def import_direct(manager: CacheManager, pages: DirectPages, priority: int = DEF
         present = [i for i in range(n) if pages.keys[i] in tree]
         first = {key: i for i, key in reversed(list(enumerate(pages.keys[:n])))}
         new = [i for i in sorted(first.values()) if pages.keys[i] not in tree]  # a repeated key once
+        over: set[int] = set()
         if new:
             parents = [tree.get(pages.parent_keys[i]) for i in new]
             exclude = {b.page.uid for b in parents if b is not None}
@@ -420,7 +421,7 @@ def import_direct(manager: CacheManager, pages: DirectPages, priority: int = DEF
             except BaseException:
                 manager.pools[0].release(slots)
                 raise
-            manager.store.cache_blocks(
+            refused = manager.store.cache_blocks(  # only the salt's quota refuses any
                 [pages.keys[i] for i in new],
                 [pages.parent_keys[i] for i in new],
                 [pages.parent_is_root[i] for i in new],
@@ -428,11 +429,15 @@ def import_direct(manager: CacheManager, pages: DirectPages, priority: int = DEF
                 [pages.num_tokens[i] for i in new],
                 imported=True,
             )
+            if refused:  # not imported: reported with the dropped keys
+                manager.pools[0].release([allocated[j].slot for j in refused])
+                over = {new[j] for j in refused}
+                new = [i for i in new if i not in over]
     return PullOutcome(
         imported=tuple(pages.keys[i] for i in new),
         already_present=tuple(pages.keys[i] for i in present),
         missing=pages.missing,
-        dropped=pages.keys[n:],
+        dropped=tuple(pages.keys[i] for i in sorted(over)) + tuple(pages.keys[n:]),
         path=pages.path,
         nbytes=pages.nbytes,
         seconds=pages.seconds,
