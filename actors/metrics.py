@@ -32,6 +32,12 @@ REASON_LABELS = frozenset(reason.value for reason in TransferFailure)
 PULL_SECONDS_BOUNDARIES = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 """Histogram buckets of ``raykv_transfer_pull_seconds`` (100 us to 3 s)."""
 
+_WORKER_COUNTERS = (
+    ("quota_evictions", "Blocks a tenant's quota dropped (that tenant's own)"),
+    ("quota_refused", "Blocks not cached because their tenant was at its quota"),
+)
+"""Per-worker counters fed straight from CacheStats fields of the same name."""
+
 _TRANSFER_COUNTERS = (
     # (series, help, "client"/"server", stats field, tag for the field's keys)
     ("raykv_transfer_pulls", "Pulls this worker made, by path", "client", "pulls", "path"),
@@ -84,6 +90,10 @@ class WorkerMetrics:
             "Disk pages that failed their checksum (dropped, never served)",
             tag_keys=("worker",),
         )
+        self.worker_counters = {
+            name: backend.Counter(f"raykv_{name}", text, tag_keys=("worker",))
+            for name, text in _WORKER_COUNTERS
+        }
         self.pinned = backend.Gauge(
             "raykv_pinned_pages", "Pages pinned by active requests", tag_keys=("worker",)
         )
@@ -132,6 +142,10 @@ class WorkerMetrics:
         drops_delta = stats.integrity_drops - (last.integrity_drops if last else 0)
         if drops_delta > 0:
             self.integrity_drops.inc(drops_delta, tags={"worker": self.worker})
+        for name, counter in self.worker_counters.items():
+            delta = getattr(stats, name) - (getattr(last, name) if last else 0)
+            if delta > 0:
+                counter.inc(delta, tags={"worker": self.worker})
         self.pinned.set(stats.pinned_pages, tags={"worker": self.worker})
         self._last = stats
         if transfer is not None:

@@ -144,3 +144,26 @@ def test_integrity_drops_are_exported(layout: KVLayout) -> None:
         for _ in range(2):
             metrics.update(mgr.stats())
             assert recorder.get("raykv_integrity_drops", worker="w") == 1
+
+
+def test_quota_counters_are_exported(layout: KVLayout) -> None:
+    page = layout.page_bytes
+    config = CacheConfig(layout, (TierConfig.host(64 * page, pin_memory=False),), max_blocks_per_salt=2)
+    oracle, recorder = ContentOracle(layout), Recorder()
+    metrics = WorkerMetrics("w", recorder)
+    tpb = layout.tokens_per_block
+    with CacheManager(config) as mgr:
+        tokens = list(range(1, 5 * tpb + 1))
+        with mgr.create(tokens) as cache:  # 5 blocks of one (unsalted) group, quota 2
+            assert cache.resume()
+            cache.extend(tokens)
+            oracle.fill_cache(cache)
+            cache.commit()
+        stats = mgr.stats()
+        assert stats.quota_evictions + stats.quota_refused > 0
+        for _ in range(2):  # exported once, as deltas
+            metrics.update(mgr.stats())
+            got = recorder.get("raykv_quota_evictions", worker="w") + recorder.get(
+                "raykv_quota_refused", worker="w"
+            )
+            assert got == stats.quota_evictions + stats.quota_refused
