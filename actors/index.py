@@ -21,7 +21,7 @@ import ray
 from actors.liveness import CALL_TIMEOUT_S, died
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import ApplyResult, EventBatch, PrefixIndex, RouteMatch, merge_route, shard_of
-from raykv.routing.liveness import Health, Liveness
+from raykv.routing.liveness import Liveness
 
 log = logging.getLogger(__name__)
 
@@ -216,13 +216,13 @@ class IndexClient:
         return merge_route(entries, predicted, self.lanes)
 
     def live(self) -> list[int]:
-        """Positions of the shards a blocking route asks now (found, and up per ``liveness``)."""
-        now = time.monotonic()
+        """Positions of the shards a blocking route asks now: found, and answering per
+        ``liveness`` (a shard whose ping is merely slow is still asked, within ``timeout_s``;
+        one whose own route call timed out, failed or died is skipped until it answers a ping)."""
         return [
             i
             for i, shard in enumerate(self.shards)
-            if shard is not None
-            and (self.liveness is None or self.liveness.health(self.names[i], now) is Health.UP)
+            if shard is not None and (self.liveness is None or self.liveness.answering(self.names[i]))
         ]
 
     def route(self, keys: Sequence[bytes]) -> dict[WorkerId, RouteMatch]:

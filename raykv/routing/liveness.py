@@ -87,6 +87,14 @@ class Liveness:
             if st.health is Health.UP:
                 self._set(st, Health.LATE, now)
 
+    def answering(self, target: str) -> bool:
+        """Whether ``target`` is worth asking: nothing of its own failed or timed out since its
+        last good answer. A ping merely outstanding (``late`` by the clock, e.g. a loaded
+        machine) does not count against it; a caller's timed-out call (:meth:`late`), an error or
+        a death does."""
+        with self._lock:
+            return self._states[target].health is Health.UP
+
     def health(self, target: str, now: float) -> Health:
         with self._lock:
             return self._health(self._states[target], now)

@@ -46,3 +46,16 @@ def test_a_callers_timeout_marks_late_until_the_next_good_answer() -> None:
     assert live.health("s", 3.0) is Health.UP
     with pytest.raises(ValueError):
         Liveness(["s"], late_after_s=0)
+
+
+def test_a_slow_ping_does_not_stop_a_target_from_being_asked() -> None:
+    live = Liveness(["s0", "s1"], late_after_s=1.0)
+    live.sent("s0", 0.0)
+    assert live.health("s0", 5.0) is Health.LATE  # its ping is outstanding: a loaded machine?
+    assert live.answering("s0")  # ... still worth asking (the caller's own timeout bounds it)
+    live.late("s1", 5.0)  # a caller's call timed out: skipped until the next good answer
+    assert not live.answering("s1")
+    live.answered("s1", 6.0)
+    assert live.answering("s1")
+    live.failed("s0", 7.0, dead=True)
+    assert not live.answering("s0")
