@@ -162,7 +162,8 @@ class Faults(threading.Thread):
                 if getattr(self, f"_{kind}")():
                     self.tally.fault(kind)
             except Exception as exc:  # a fault that could not be injected is not the cache's failure
-                self.tally.errors.append(f"fault {kind} not injected: {exc!r}"[:300])
+                with self.tally.lock:
+                    self.tally.errors.append(f"fault {kind} not injected: {exc!r}"[:300])
 
     def recently(self, name: str, within_s: float = 20.0) -> bool:
         when = self.touched.get(name)
@@ -372,6 +373,7 @@ class SoakArgs:
     seed: int = 0
     fault_interval_s: float = 3.0
     pull_share: float = 0.25
+    every_kind: bool = False  # run past ``minutes`` (up to 3x) until each fault kind was injected
 
 
 def run_soak(args: SoakArgs, progress: bool = True) -> Tally:
@@ -405,7 +407,7 @@ def _soak(dep: Any, args: SoakArgs, progress: bool) -> Tally:
     bar = _Progress(duration, progress)
     faults.start()
     try:
-        _drive(driver, tally, args.seed, duration, bar)
+        _drive(driver, tally, args, bar)
     finally:
         faults.stop.set()
         faults.join(timeout=120.0)
@@ -415,13 +417,22 @@ def _soak(dep: Any, args: SoakArgs, progress: bool) -> Tally:
     return tally
 
 
-def _drive(driver: Driver, tally: Tally, seed: int, duration: float, bar: _Progress) -> None:
+def _done(tally: Tally, args: SoakArgs, elapsed: float) -> bool:
+    duration = args.minutes * 60.0
+    if elapsed < duration:
+        return False
+    with tally.lock:
+        missing = [k for k in FAULT_KINDS if not tally.faults[k]]
+    return not (args.every_kind and missing) or elapsed >= 3 * duration
+
+
+def _drive(driver: Driver, tally: Tally, args: SoakArgs, bar: _Progress) -> None:
     round_ = 0
     next_verify = WINDOW_S
     while True:
-        for req in soak_workload(seed * 1000 + round_):
+        for req in soak_workload(args.seed * 1000 + round_):
             elapsed = time.monotonic() - tally.started
-            if elapsed >= duration:
+            if _done(tally, args, elapsed):
                 return
             driver.one(req)
             if elapsed >= next_verify:

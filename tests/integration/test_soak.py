@@ -7,7 +7,7 @@ from actors.soak import FAULT_KINDS, SoakArgs, report, run_soak
 
 
 def test_short_soak_serves_only_right_pages(ray_local: None) -> None:
-    args = SoakArgs(minutes=0.75, workers=3, seed=0, fault_interval_s=1.5)
+    args = SoakArgs(minutes=0.75, workers=3, seed=0, fault_interval_s=1.5, every_kind=True)
     tally = run_soak(args, progress=False)
     text = report(tally, args)
     assert tally.mismatches == 0, text
