@@ -298,8 +298,8 @@ class Driver:
         raise AssertionError("unreachable")
 
     def _faulted(self, worker: str) -> bool:
-        """Whether the soak itself killed or stopped ``worker`` or a shard lately (no shard: any)."""
-        names = [worker, *self.dep.spec.shards] if worker else list(self.faults.touched)
+        """Whether the soak itself killed or stopped ``worker`` lately ("": any actor)."""
+        names = [worker] if worker else list(self.faults.touched)
         return any(self.faults.recently(n) for n in names)
 
     def _run(
