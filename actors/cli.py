@@ -9,6 +9,8 @@
 ``raykv bench routing`` a routing decision (index + cost model) vs Ray Serve LLM's PrefixTree
 ``raykv bench gpu``   GPU tier page copies vs raw CUDA copies (needs CUDA)
 ``raykv bench transfer`` page pulls (shared memory, UCX) vs memcpy, raw ucxx, Ray's object store
+``raykv bench soak``  fault soak: a live deployment under injected faults, content-checked
+                      (``--minutes N --workers W --seed S``; exit 1 on a wrong page or failure)
 ``raykv bench vllm``  vLLM TTFT with a cached prefix: RaykvConnector vs vLLM's caches (needs vllm)
 """
 
@@ -39,6 +41,10 @@ def _bench(args: argparse.Namespace) -> int:
         from actors.transfer import register_bench
 
         register_bench()
+    if args.suite == "soak":  # not part of "all": a live deployment for minutes
+        from actors.soak import soak_main
+
+        return soak_main(args)
     if args.suite == "vllm":  # not part of "all": it needs vllm and takes minutes
         from actors.vllm_bench import register as register_vllm
 
@@ -64,10 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         "suite",
         nargs="?",
         default=None,
-        choices=["core", "index", "routing", "gpu", "transfer", "vllm"],
-        help="default: all",
+        choices=["core", "index", "routing", "gpu", "transfer", "vllm", "soak"],
+        help="default: all (soak and vllm only when named)",
     )
     bench.add_argument("--quick", action="store_true", help="short run (CI)")
+    from actors.soak import add_soak_arguments
+
+    add_soak_arguments(bench.add_argument_group("soak"))
     bench.set_defaults(func=_bench)
     return parser
 

@@ -13,6 +13,7 @@ worker, pull exactly the committed prompt blocks into the decode worker, continu
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from actors.vllm_link import RayDeploymentLink
 from actors.worker import CacheWorker
 from raykv.core.errors import OutOfPagesError, TransferError, TransferFailure
 from raykv.core.keys import ReuseScope
+from raykv.core.tiers import DiskPool
 from raykv.core.types import TierKind, WorkerId
 from raykv.integrations.vllm.link import Match
 from raykv.testing import ContentOracle
@@ -67,11 +69,14 @@ class TestingCacheWorker(CacheWorker):
         lora_id: int | None = None,
         salt: int | None = None,
         decode_tokens: Sequence[int] = (),
+        verify: bool = False,
     ) -> RequestOutcome:
         """A whole request with the oracle as engine: reuse, prefill the rest, decode, commit.
 
         The request is closed on return; its committed blocks stay cached and publish their events
         like any commit. Raises OutOfPagesError when the request cannot fit even after eviction.
+        ``verify``: oracle-check the reused pages right after resume and every page before commit
+        (AssertionError naming the first wrong block).
         """
         scope = ReuseScope(lora_id, salt)
         before = self.manager.probe(tokens, scope)
@@ -79,11 +84,15 @@ class TestingCacheWorker(CacheWorker):
             if not cache.resume():
                 raise OutOfPagesError(f"{self.worker_id}: request does not fit on the top tier")
             reused = cache.num_reused_tokens  # after resume: a disk page failing its checksum cuts it
+            if verify:
+                self.oracle.verify_cache(cache)  # the reused blocks only, before anything is written
             cache.extend(tokens[reused:])
             self.oracle.fill_cache(cache, reused // cache.tokens_per_block)
             for tok in decode_tokens:
                 cache.extend([tok])
                 self.oracle.fill_cache(cache, cache.num_blocks - 1)
+            if verify:
+                self.oracle.verify_cache(cache)
             committed = cache.commit()
         tiers = before.tiers[: reused // self.manager.tokens_per_block]
         by_tier = tuple(sum(1 for t in tiers if t is k) for k in TierKind)
@@ -96,6 +105,26 @@ class TestingCacheWorker(CacheWorker):
     def check(self) -> None:
         """Check the manager's invariants (AssertionError naming the first broken one)."""
         self.manager.check_invariants()
+
+    def corrupt_disk(self, n: int = 1, seed: int = 0) -> int:
+        """Flip one byte in each of up to ``n`` committed pages on this worker's disk tier (picked
+        with ``seed``), in its file, as a failing disk would. Returns how many pages were hit (0
+        without a disk tier or disk pages); reads must notice them by their checksums."""
+        manager = self.manager
+        pool = manager.pools[-1]
+        if not isinstance(pool, DiskPool):
+            return 0
+        level = len(manager.pools) - 1
+        with manager.locked():
+            pages = sorted(int(b.page.slot) for b in manager.tree.iter_blocks() if b.page.level == level)
+            victims = random.Random(seed).sample(pages, min(n, len(pages)))
+            with open(pool.path, "r+b") as f:
+                for slot in victims:
+                    f.seek(slot * pool.stride)
+                    old = f.read(1)
+                    f.seek(slot * pool.stride)
+                    f.write(bytes([old[0] ^ 0xFF]))
+        return len(victims)
 
     def set_transfer_faults(self, **faults: Any) -> None:
         """Set :class:`raykv.transfer.ServerFaults` fields on this worker's page server; they stay
