@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -54,6 +55,17 @@ def _bench(args: argparse.Namespace) -> int:
     return run_benchmarks(args.suite, quick=args.quick)
 
 
+def _add_soak_arguments(parser: Any) -> None:
+    """The soak's options (on ``raykv bench``; the other suites ignore them). Kept here, not in
+    actors.soak, so building the parser never imports Ray."""
+    parser.add_argument("--minutes", type=float, default=1.0, help="soak length (default 1)")
+    parser.add_argument("--workers", type=int, default=3, help="cache workers (default 3)")
+    parser.add_argument("--seed", type=int, default=0, help="workload and fault seed (default 0)")
+    parser.add_argument(
+        "--fault-interval", type=float, default=3.0, help="mean seconds between faults (default 3)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raykv", description="raykv: distributed KV cache")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -74,9 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: all (soak and vllm only when named)",
     )
     bench.add_argument("--quick", action="store_true", help="short run (CI)")
-    from actors.soak import add_soak_arguments
-
-    add_soak_arguments(bench.add_argument_group("soak"))
+    _add_soak_arguments(bench.add_argument_group("soak"))
     bench.set_defaults(func=_bench)
     return parser
 

@@ -511,16 +511,6 @@ def report(tally: Tally, args: SoakArgs) -> str:
     return "\n".join(lines)
 
 
-def add_soak_arguments(parser: Any) -> None:
-    """The soak's options (on ``raykv bench``; the other suites ignore them)."""
-    parser.add_argument("--minutes", type=float, default=1.0, help="soak length (default 1)")
-    parser.add_argument("--workers", type=int, default=3, help="cache workers (default 3)")
-    parser.add_argument("--seed", type=int, default=0, help="workload and fault seed (default 0)")
-    parser.add_argument(
-        "--fault-interval", type=float, default=3.0, help="mean seconds between faults (default 3)"
-    )
-
-
 def soak_main(args: argparse.Namespace) -> int:
     """``raykv bench soak``: exit 1 when a page was wrong or a request failed by the cache."""
     soak = SoakArgs(
