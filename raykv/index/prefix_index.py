@@ -424,7 +424,9 @@ class PrefixIndex:
         return merge_route(entries, predicted, self._lanes)
 
     def predict(self, worker: WorkerId, keys: Iterable[bytes]) -> None:
-        """Credit ``worker`` with ``keys`` for ``predict_ttl_s`` seconds (until its events land)."""
+        """Credit ``worker`` with ``keys`` for ``predict_ttl_s`` seconds (until its events land).
+        The credit ends earlier when the worker's state is replaced wholesale: an applied clear op
+        of the worker, or an accepted snapshot for it (its real contents are known then)."""
         state = self._workers.get(worker)
         if state is None:
             return

@@ -15,13 +15,8 @@ brute-force reference (per worker, the leading keys it holds or is predicted for
 counts both, the tier fields count only confirmed stores, ``predicted`` only keys credited by
 predict() and not stored). No removed worker and no dead incarnation's entries ever show.
 
-DISCREPANCY with the docstrings, followed by the model and marked where it is: predict() says a
-worker is credited "for predict_ttl_s seconds (until its events land)", yet the credit also goes
-(before its TTL, whatever keys the events name) when the index applies a clear op of that worker
-or accepts a snapshot for it, even one of the same incarnation: both go through _drop_entries,
-which drops the lane's predictions. Minimal example: predict("w0", [k]); deliver a batch of ids
-1..1 holding only a clear (or apply_snapshot("w0", 1, 0, [])); route([k]) is then {} where the
-docstrings say {"w0": RouteMatch("w0", 1, predicted=1)}.
+Predicted credit ends at its TTL, or earlier when the worker's state is replaced wholesale (an
+applied clear op, or an accepted snapshot, even of the same incarnation), as predict() documents.
 """
 
 from __future__ import annotations
@@ -88,8 +83,8 @@ class IndexMachine(RuleBasedStateMachine):
     def _applied(self, s: _Seen, b: EventBatch) -> None:
         s.last = b.last_event_id
         if CLEAR in b.ops:
-            # DISCREPANCY (see the module docstring): a clear drops the worker's predicted credit
-            # before its TTL runs out (also when replayed by an overlapping batch).
+            # a clear drops the worker's predicted credit before its TTL (also when replayed by an
+            # overlapping batch), as predict() documents
             self.preds.pop(b.worker, None)
 
     def _drain(self, s: _Seen) -> None:
@@ -210,8 +205,8 @@ class IndexMachine(RuleBasedStateMachine):
             s = self.seen[w]
             s.last, s.needs_snapshot = upto, False
             s.pending = {f: b for f, b in s.pending.items() if b.last_event_id > upto}
-            # DISCREPANCY (see the module docstring): every accepted snapshot drops the worker's
-            # predicted credit, even one of the same incarnation, before its TTL runs out.
+            # every accepted snapshot drops the worker's predicted credit, even one of the same
+            # incarnation, as predict() documents
             self.preds.pop(w, None)
             self._drain(s)
         before = self.ix.counters["snapshots"]
