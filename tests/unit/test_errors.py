@@ -263,3 +263,16 @@ def test_a_peer_reason_maps_onto_the_enum():
     assert TransferFailure.from_peer("limit") is TransferFailure.LIMIT
     for other in ("nonsense", None, 3, b"limit"):
         assert TransferFailure.from_peer(other) is TransferFailure.REFUSED
+
+
+def test_the_api_reference_lists_every_error_and_reason() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    classes = [
+        name
+        for name, obj in vars(errors).items()
+        if isinstance(obj, type) and issubclass(obj, Exception) and obj.__module__ == errors.__name__
+    ]
+    assert classes and all(f"`{name}`" in text for name in classes), classes
+    assert all(f"`{r.value}`" in text for r in errors.TransferFailure)
