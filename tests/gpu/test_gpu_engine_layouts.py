@@ -22,7 +22,12 @@ if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
 from raykv import ConfigError, KVLayout  # noqa: E402
 from raykv.integrations.vllm.copier import BlockCopier  # noqa: E402
 from raykv.integrations.vllm.layout import native_layout  # noqa: E402
-from raykv.integrations.vllm.testing import vllm_kv_caches  # noqa: E402
+from raykv.integrations.vllm.testing import (  # noqa: E402
+    backend_kv,
+    fill_backend,
+    reference_rows,
+    vllm_kv_caches,
+)
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 BLOCKS, HEADS, TOKENS, HEAD = 64, 4, 16, 64
@@ -45,45 +50,14 @@ def _engine(kind: str, order: str, kernel: int | None, dtype: str, device: str =
     )
 
 
-def _kv(kind: str, tensor: Any) -> tuple[Any, Any]:
-    """K and V as ``[blocks, tokens, heads, head]``, read as the backends' own code reads them
-    (cpu_attn.py; flash_attn.py / flashinfer.py / triton_attn.py / flex_attention.py)."""
-    b, h, n, _ = tensor.shape
-    if kind == "cpu":
-        k, v = tensor.view(b, h, 2 * n, -1).chunk(2, dim=2)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-    else:
-        k, v = tensor.transpose(1, 2).split(HEAD, dim=-1)
-    r = TOKENS // n
-    return k.unflatten(0, (b // r, r)).flatten(1, 2), v.unflatten(0, (b // r, r)).flatten(1, 2)
-
-
 def _reference(dtype: str, seed: int) -> tuple[Any, Any]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     shape = (len(LAYERS), BLOCKS, TOKENS, HEADS, HEAD)
     return tuple(torch.randn(shape, generator=gen, device="cuda").to(getattr(torch, dtype)) for _ in range(2))
 
 
-def _fill(kind: str, caches: dict[str, Any], ref: tuple[Any, Any]) -> None:
-    for i, name in enumerate(LAYERS):
-        k, v = _kv(kind, caches[name])
-        k.copy_(ref[0][i])
-        v.copy_(ref[1][i])
-
-
 def _bits(t: Any) -> Any:
     return t.contiguous().view(torch.uint8).cpu()
-
-
-def _expected_rows(layout: KVLayout, ref: tuple[Any, Any], ids: list[int]) -> np.ndarray:
-    rows = np.zeros((len(ids), layout.page_bytes), dtype=np.uint8)
-    for i in range(len(LAYERS)):
-        for role, values in zip(("k", "v"), ref):
-            region = layout.buffer_region(i, role)
-            rows[:, region.offset : region.offset + region.nbytes] = (
-                _bits(values[i][ids]).reshape(len(ids), -1).numpy()
-            )
-    return rows
 
 
 def _check_loaded(
@@ -91,7 +65,7 @@ def _check_loaded(
 ) -> None:
     rest = [b for b in range(BLOCKS) if b not in into]
     for i, name in enumerate(LAYERS):
-        for got, values in zip(_kv(kind, caches[name]), ref):
+        for got, values in zip(backend_kv(kind, caches[name], HEAD, TOKENS), ref):
             assert torch.equal(_bits(got[into]), _bits(values[i][ids])), (kind, name)
             assert not _bits(got[rest]).any(), (kind, name)
 
@@ -106,10 +80,10 @@ def test_pages_identical_across_gpu_layouts(dtype: str, chunk_pages: int | None,
     perm = [int(b) for b in rng.permutation(BLOCKS)]
     ids, into = (perm[:23], perm[23:46]) if scattered else (list(range(3, 26)), list(range(30, 53)))
     ref = _reference(dtype, seed=3)
-    want = _expected_rows(layout, ref, ids)
+    want = reference_rows(layout, ref, ids)
     for n, (kind, order, kernel) in enumerate(GPU_ENGINES):
         src = _engine(kind, order, kernel, dtype)
-        _fill(kind, src, ref)
+        fill_backend(kind, src, LAYERS, ref, HEAD, TOKENS)
         rows = np.full((len(ids), layout.page_bytes), 0xA5, dtype=np.uint8)
         BlockCopier(layout, LAYERS, src, kind, **chunk).save(ids, rows)
         assert np.array_equal(rows, want), (kind, order, kernel)
@@ -127,7 +101,7 @@ def test_cpu_saved_pages_load_into_gpu_engines() -> None:
     ref = _reference("bfloat16", seed=4)
     ids, into = [9, 2, 40, 41, 42, 7], [0, 63, 5, 6, 8, 30]
     host = _engine("cpu", "LBHNC", None, "bfloat16", device="cpu")
-    _fill("cpu", host, tuple(r.cpu() for r in ref))
+    fill_backend("cpu", host, LAYERS, tuple(r.cpu() for r in ref), HEAD, TOKENS)
     rows = np.zeros((len(ids), layout.page_bytes), dtype=np.uint8)
     BlockCopier(layout, LAYERS, host, "cpu").save(ids, rows)
     rows.flags.writeable = False  # loads read peers' read-only mapped tiers
@@ -166,14 +140,14 @@ def test_pinned_rows_are_copied_directly_and_exactly(chunk_pages: int | None) ->
     chunk = {} if chunk_pages is None else {"chunk_bytes": chunk_pages * layout.page_bytes}
     ref = _reference("bfloat16", seed=5)
     ids, into = [5, 1, 60, 61, 62, 20, 33], [0, 63, 2, 3, 4, 40, 12]
-    want = _expected_rows(layout, ref, ids)
+    want = reference_rows(layout, ref, ids)
     pool = HostPool(TierConfig.host(16 * layout.page_bytes, shared=True), layout, pin=True)
     try:
         assert pool.pinned and torch.from_numpy(pool.array).is_pinned()
         rows = pool.array[: len(ids)]
         kind, order, kernel = GPU_ENGINES[1]
         src = _engine(kind, order, kernel, "bfloat16")
-        _fill(kind, src, ref)
+        fill_backend(kind, src, LAYERS, ref, HEAD, TOKENS)
         BlockCopier(layout, LAYERS, src, kind, **chunk).save(ids, rows)
         assert np.array_equal(rows, want)
         dst = _engine(*GPU_ENGINES[0][:2], None, "bfloat16")

@@ -18,7 +18,14 @@ from raykv import ConfigError, InvalidArgumentError, KVLayout  # noqa: E402
 from raykv.integrations.vllm.copier import BlockCopier  # noqa: E402
 from raykv.integrations.vllm.kv_blocks import check_page_layout, resolve_layout  # noqa: E402
 from raykv.integrations.vllm.layout import layer_index, native_layout  # noqa: E402
-from raykv.integrations.vllm.testing import KV_CACHE_ORDERS, tiny_layout, vllm_kv_caches  # noqa: E402
+from raykv.integrations.vllm.testing import (  # noqa: E402
+    KV_CACHE_ORDERS,
+    backend_kv,
+    fill_backend,
+    reference_rows,
+    tiny_layout,
+    vllm_kv_caches,
+)
 
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in (1, 0)]  # out of order on purpose
 LAYERS = sorted(NAMES, key=layer_index)
@@ -42,41 +49,10 @@ def _engine(kind: str, order: str, kernel: int | None, dtype: str) -> dict[str, 
     return vllm_kv_caches(LAYERS, BLOCKS, HEADS, TOKENS, HEAD, dtype, order=order, kernel_block_size=kernel)
 
 
-def _kv(kind: str, tensor: Any) -> tuple[Any, Any]:
-    """K and V as ``[blocks, tokens, heads, head]`` views, read the way the backend's own code
-    reads them (cpu_attn.py; flash_attn.py / flashinfer.py / triton_attn.py / flex_attention.py)."""
-    b, h, n, _ = tensor.shape
-    if kind == "cpu":
-        k, v = tensor.view(b, h, 2 * n, -1).chunk(2, dim=2)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-    else:
-        k, v = tensor.transpose(1, 2).split(HEAD, dim=-1)
-    r = TOKENS // n  # kernel blocks per block: block i's tokens are kernel blocks i*r .. i*r + r - 1
-    return k.unflatten(0, (b // r, r)).flatten(1, 2), v.unflatten(0, (b // r, r)).flatten(1, 2)
-
-
 def _reference(dtype: str, seed: int) -> tuple[Any, Any]:
     gen = torch.Generator().manual_seed(seed)
     shape = (len(LAYERS), BLOCKS, TOKENS, HEADS, HEAD)
     return tuple(torch.randn(shape, generator=gen).to(getattr(torch, dtype)) for _ in range(2))
-
-
-def _fill(kind: str, caches: dict[str, Any], ref: tuple[Any, Any]) -> None:
-    for i, name in enumerate(LAYERS):
-        k, v = _kv(kind, caches[name])
-        k.copy_(ref[0][i])
-        v.copy_(ref[1][i])
-
-
-def _expected_rows(layout: KVLayout, ref: tuple[Any, Any], ids: list[int]) -> np.ndarray:
-    """Token-major pages built straight from the reference K/V (what the HF adapter reads)."""
-    rows = np.zeros((len(ids), layout.page_bytes), dtype=np.uint8)
-    for i in range(len(LAYERS)):
-        for role, values in zip(("k", "v"), ref):
-            region = layout.buffer_region(i, role)
-            raw = values[i][ids].contiguous().view(torch.uint8).reshape(len(ids), -1).numpy()
-            rows[:, region.offset : region.offset + region.nbytes] = raw
-    return rows
 
 
 def _bits(t: Any) -> Any:
@@ -88,11 +64,11 @@ def _bits(t: Any) -> Any:
 def test_token_major_pages_are_the_same_for_every_backend(dtype: str, ids: list[int]) -> None:
     layout = KVLayout.uniform(len(LAYERS), HEADS, HEAD, TOKENS, dtype)
     ref = _reference(dtype, seed=1)
-    want = _expected_rows(layout, ref, ids)
+    want = reference_rows(layout, ref, ids)
     into = [(b * 5 + 2) % BLOCKS for b in ids] if len(ids) > 5 else [0, 1, 2, 3, 4]
     for kind, order, kernel in ENGINES:
         src = _engine(kind, order, kernel, dtype)
-        _fill(kind, src, ref)
+        fill_backend(kind, src, LAYERS, ref, HEAD, TOKENS)
         rows = np.full((len(ids) + 1, layout.page_bytes), 7, dtype=np.uint8)
         BlockCopier(layout, LAYERS, src, kind, chunk_bytes=3 * layout.page_bytes).save(ids, rows)
         assert np.array_equal(rows[: len(ids)], want), (kind, order, kernel)
@@ -102,7 +78,7 @@ def test_token_major_pages_are_the_same_for_every_backend(dtype: str, ids: list[
         BlockCopier(layout, LAYERS, dst, kind, chunk_bytes=3 * layout.page_bytes).load(want, into)
         rest = [b for b in range(BLOCKS) if b not in into]
         for i, name in enumerate(LAYERS):
-            for got, values in zip(_kv(kind, dst[name]), ref):
+            for got, values in zip(backend_kv(kind, dst[name], HEAD, TOKENS), ref):
                 assert torch.equal(_bits(got[into]), _bits(values[i][ids])), (kind, order, kernel)
                 assert not _bits(got[rest]).any()
 
@@ -111,7 +87,7 @@ def test_token_major_pages_are_the_same_for_every_backend(dtype: str, ids: list[
 def test_engine_native_round_trip_on_cpu(dtype: str) -> None:
     layout = native_layout(len(LAYERS), HEADS, HEAD, TOKENS, dtype)
     src, dst = _engine("cpu", "LBHNC", None, dtype), _engine("cpu", "LBHNC", None, dtype)
-    _fill("cpu", src, _reference(dtype, seed=2))
+    fill_backend("cpu", src, LAYERS, _reference(dtype, seed=2), HEAD, TOKENS)
     ids, into = [3, 4, 5, 9, 1], [0, 1, 2, 7, 11]
     rows = np.zeros((len(ids), layout.page_bytes), dtype=np.uint8)
     BlockCopier(layout, LAYERS, src, "cpu").save(ids, rows)

@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from raykv import CacheConfig, KVLayout, TierConfig
 from raykv.integrations.vllm.layout import native_layout
 
@@ -120,6 +122,52 @@ THREAD_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 """One torch thread in every engine process. vLLM's CPU worker otherwise sets OMP_NUM_THREADS
 to the cores it binds, which can differ between engines started at different times, and CPU
 GEMMs differ in the last bits between thread counts."""
+
+
+def backend_kv(kind: str, tensor: Any, head_size: int, block_tokens: int) -> tuple[Any, Any]:
+    """K and V of one layer's KV view as ``[blocks, block_tokens, heads, head_size]`` views,
+    read the way the backend's own code reads them, independently of
+    :mod:`raykv.integrations.vllm.kv_blocks` (cpu_attn.py: per (block, head) the keys, then the
+    values; flash_attn.py / flashinfer.py / triton_attn.py / flex_attention.py: per token the key,
+    then the value). Kernel-block splits (``tensor.shape[2] < block_tokens``) are joined back."""
+    b, h, n, _ = tensor.shape
+    if kind == "cpu":
+        k, v = tensor.view(b, h, 2 * n, -1).chunk(2, dim=2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    else:
+        k, v = tensor.transpose(1, 2).split(head_size, dim=-1)
+    r = block_tokens // n  # kernel blocks per block: block i's tokens are kernel blocks i*r .. i*r + r - 1
+    return k.unflatten(0, (b // r, r)).flatten(1, 2), v.unflatten(0, (b // r, r)).flatten(1, 2)
+
+
+def fill_backend(
+    kind: str,
+    caches: Mapping[str, Any],
+    names: Sequence[str],
+    ref: tuple[Any, Any],
+    head_size: int,
+    block_tokens: int,
+) -> None:
+    """Write reference K and V (``[layers, blocks, block_tokens, heads, head_size]`` each) into
+    the layers ``names`` of ``caches`` through :func:`backend_kv`."""
+    for i, name in enumerate(names):
+        k, v = backend_kv(kind, caches[name], head_size, block_tokens)
+        k.copy_(ref[0][i])
+        v.copy_(ref[1][i])
+
+
+def reference_rows(layout: KVLayout, ref: tuple[Any, Any], ids: Sequence[int]) -> np.ndarray:
+    """Token-major page rows of blocks ``ids`` built straight from reference K and V (what the HF
+    adapter reads): the bytes every backend's save must produce."""
+    import torch
+
+    rows = np.zeros((len(ids), layout.page_bytes), dtype=np.uint8)
+    for i in layout.layer_ids:
+        for role, values in zip(("k", "v"), ref):
+            region = layout.buffer_region(i, role)
+            raw = values[i][list(ids)].contiguous().view(torch.uint8).reshape(len(ids), -1).cpu().numpy()
+            rows[:, region.offset : region.offset + region.nbytes] = raw
+    return rows
 
 
 def pin_engine_threads() -> dict[str, str | None]:
