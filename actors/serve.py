@@ -110,7 +110,7 @@ def parse_request(args: Sequence[Any], kwargs: Mapping[str, Any]) -> RoutedReque
         for name in (*TOKEN_FIELDS, PROMPT_FIELD):
             tokens = _get(source, name)
             if name == PROMPT_FIELD:
-                tokens = _prompt_ids(tokens)
+                tokens = prompt_ids(tokens)
             if tokens is None:
                 continue
             try:
@@ -123,7 +123,7 @@ def parse_request(args: Sequence[Any], kwargs: Mapping[str, Any]) -> RoutedReque
     return None
 
 
-def _prompt_ids(prompt: Any) -> Any:
+def prompt_ids(prompt: Any) -> list[int] | None:
     """An OpenAI completion ``prompt`` as token ids: a list of ints, or a batch of exactly one
     such list; None for text or larger batches."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):

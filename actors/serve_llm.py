@@ -42,7 +42,7 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
     DefaultPDProtocolMixin,
 )
 
-from actors.serve import WORKER_FIELD, router_config
+from actors.serve import WORKER_FIELD, prompt_ids, router_config
 from actors.serve_kv import ReplicaCache
 from raykv.core.errors import ConfigError
 
@@ -170,7 +170,7 @@ class RaykvLLMServer(LLMServer):  # type: ignore[misc]
         """vLLM's completions, with the request's prompt tokens counted as queued while it
         runs (the router's load signal)."""
         stream = await super().completions(request, raw_request_info)
-        return self._counting(stream, _prompt_length(request))
+        return self._counting(stream, len(prompt_ids(getattr(request, "prompt", None)) or ()))
 
     async def chat(self, request: Any, raw_request_info: Any = None) -> Any:
         stream = await super().chat(request, raw_request_info)
@@ -186,13 +186,3 @@ class RaykvLLMServer(LLMServer):  # type: ignore[misc]
         with context, cache.decoding():
             async for item in stream:
                 yield item
-
-
-def _prompt_length(request: Any) -> int:
-    """Prompt tokens of a completion request given as token ids (0 for text prompts)."""
-    prompt = getattr(request, "prompt", None)
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-        prompt = prompt[0] if len(prompt) == 1 else None
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return len(prompt)
-    return 0
