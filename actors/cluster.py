@@ -14,7 +14,7 @@ import os
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -29,8 +29,9 @@ from raykv.core.keys import MultimodalItem, ReuseScope, TokenSeq, block_keys
 from raykv.core.stats import CacheStats
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
+from raykv.routing.adaptive import RoutingPolicy
 from raykv.routing.liveness import Health
-from raykv.routing.policy import Decision, RoutingConfig, WorkerLoad, choose
+from raykv.routing.policy import DEFAULT_ROUTING, Decision, RoutingConfig, WorkerLoad
 from raykv.transfer import PullOutcome, TransferConfig
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class RayKVCluster:
         self.config = spec.config
         self.call_timeout_s = CALL_TIMEOUT_S
         self.worker_ids = [WorkerId(name) for name, _ in spec.workers]
+        self._policies: dict[RoutingConfig, RoutingPolicy] = {}
         self.liveness = Pinger(
             spec.namespace,
             {n: _lookup(n, spec.namespace) for n, _ in spec.workers},
@@ -157,7 +159,11 @@ class RayKVCluster:
         loads: Sequence[WorkerLoad] | None = None,
         routing: RoutingConfig | None = None,
     ) -> Decision:
-        """Route with the cost model and credit the chosen worker with the request's blocks.
+        """Route with the routing policy and credit the chosen worker with the request's blocks.
+
+        ``routing`` defaults to :data:`~raykv.routing.policy.DEFAULT_ROUTING` (with this
+        deployment's block size); each configuration keeps one
+        :class:`~raykv.routing.adaptive.RoutingPolicy`, whose prices learn from these decisions.
 
         ``loads`` defaults to every worker idle. Only live workers are candidates
         (:meth:`live_workers`; a load for a worker not in the deployment is kept as given). The
@@ -167,7 +173,10 @@ class RayKVCluster:
         """
         keys = self.keys(tokens, scope)
         matches = self.index.route(keys)
-        cfg = routing or RoutingConfig(tokens_per_block=self.config.tokens_per_block)
+        cfg = routing or replace(DEFAULT_ROUTING, tokens_per_block=self.config.tokens_per_block)
+        policy = self._policies.get(cfg)
+        if policy is None:
+            policy = self._policies[cfg] = RoutingPolicy(cfg)
         cands = list(loads) if loads is not None else [WorkerLoad(w) for w in self.worker_ids]
         known = set(self.worker_ids)
         usable = set(
@@ -177,7 +186,8 @@ class RayKVCluster:
         if not live:
             names = tuple(str(c.worker) for c in cands)
             raise UnavailableError(f"no live worker among {', '.join(names)}", reason="dead", actors=names)
-        decision = choose(len(tokens), live, matches, cfg)
+        dw = cfg.decode_weight
+        decision = policy.decide(len(tokens), [c.worker for c in live], [c.tokens(dw) for c in live], matches)
         if keys:
             self.index.predict(decision.worker, keys)
         return decision

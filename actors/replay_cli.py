@@ -1,13 +1,17 @@
-"""``raykv replay``: compare routers on a Mooncake trace or the built-in workload.
+"""``raykv replay``: compare routers on Mooncake traces and generated workload families.
 
     raykv replay --trace ../shared/data/traces/mooncake_conversation_trace.jsonl \\
         --workers 8 --capacity-pct 2,10,30 --out raykv-results
-    raykv replay --requests 400 --tenants 3 --seed 1          # built-in workload
+    raykv replay --workload agentic --requests 6000 --seed 1  # a family (raykv.replay.families)
+    raykv replay --workload all --trace A.jsonl --trace B.jsonl  # every family, then both traces
+    raykv replay --requests 400 --tenants 3 --seed 1          # the demo's built-in workload
     raykv replay --ray --workers 4 --requests 200              # through a Ray deployment
 
-Prints the comparison table and the goal checks on stdout (progress on stderr), and writes
-``<out>/<name>.json`` and ``<out>/<name>.png``. Ctrl-C stops the replay cleanly: what was measured
-so far is still printed and written, and the exit code is 130.
+For each workload (families first, in the order named, then traces) prints the comparison table
+and the goal lines on stdout (progress on stderr) and writes ``<out>/<name>.json`` and
+``<out>/<name>.png``; then one summary line over every workload's goals. Every run uses the one
+default routing configuration (:data:`raykv.routing.policy.DEFAULT_ROUTING`). Ctrl-C stops the
+replay cleanly: what was measured so far is still printed and written, and the exit code is 130.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from raykv.core.errors import InvalidArgumentError
+from raykv.replay.families import DEFAULT_REQUESTS, FAMILIES, FamilySpec, generate_family
 from raykv.replay.grid import GridResult, GridSpec, run_grid
-from raykv.replay.report import format_table, goal_checks, write_json, write_plot
-from raykv.replay.routers import ROUTERS, RaykvTuning, parse_routers
+from raykv.replay.report import Goal, format_table, goal_checks, goal_summary, write_json, write_plot
+from raykv.replay.routers import ROUTERS, parse_routers
 from raykv.replay.trace import Request, load_mooncake
 from raykv.replay.workload import WorkloadSpec, generate
 
@@ -34,11 +40,19 @@ def _pcts(text: str) -> tuple[float, ...]:
 def add_replay_parser(sub: Any) -> argparse.ArgumentParser:
     """Register ``raykv replay`` on the CLI's subparsers."""
     p = sub.add_parser("replay", help="replay a trace or the built-in workload through every router")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--trace", type=Path, help="Mooncake-format JSONL file (default: built-in workload)")
-    src.add_argument("--requests", type=int, default=400, help="built-in workload: number of requests")
+    p.add_argument(
+        "--trace", type=Path, action="append", default=[], help="Mooncake-format JSONL file (repeatable)"
+    )
+    p.add_argument(
+        "--workload",
+        help=f"generated families, comma-separated, or all: {', '.join(FAMILIES)} (default without "
+        "--trace: the demo's built-in workload)",
+    )
+    p.add_argument(
+        "--requests", type=int, help="generated workloads: number of requests (default per family)"
+    )
     p.add_argument("--tenants", type=int, default=3, help="built-in workload: tenants (one salt each)")
-    p.add_argument("--limit", type=int, help="replay only the first N requests of the trace")
+    p.add_argument("--limit", type=int, help="replay only the first N requests of each trace")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument(
         "--capacity-pct",
@@ -47,7 +61,6 @@ def add_replay_parser(sub: Any) -> argparse.ArgumentParser:
         help="total capacity W*C as %% of the trace's unique blocks, comma-separated",
     )
     p.add_argument("--routers", default="all", help=f"comma-separated subset of: {', '.join(ROUTERS)}")
-    p.add_argument("--load-cost", type=float, default=RaykvTuning.load_cost, help="raykv: weight of load")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("raykv-results"), help="directory for the JSON and PNG")
     p.add_argument("--ray", action="store_true", help="run through a Ray deployment (embedded local Ray)")
@@ -57,21 +70,44 @@ def add_replay_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _requests(args: argparse.Namespace) -> tuple[list[Request], str]:
-    if args.trace is not None:
-        return load_mooncake(args.trace, args.limit), args.trace.stem
-    n = args.limit or args.requests
-    return generate(WorkloadSpec(requests=n, seed=args.seed, tenants=args.tenants)), "builtin"
+def _families(text: str | None) -> list[str]:
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    out: list[str] = []
+    for name in names:
+        for one in FAMILIES if name == "all" else (name,):
+            if one not in FAMILIES:
+                raise InvalidArgumentError(
+                    "workload", f"unknown workload {one!r}; known: {', '.join(FAMILIES)}"
+                )
+            if one not in out:
+                out.append(one)
+    return out
+
+
+def workloads(args: argparse.Namespace) -> list[tuple[str, list[Request]]]:
+    """``(name, requests)`` for every workload the arguments name: families, then traces; the
+    demo's built-in workload when none is named."""
+    out = []
+    for name in _families(args.workload):
+        n = args.requests or DEFAULT_REQUESTS[name]
+        out.append((name, generate_family(FamilySpec(name, n, args.seed))))
+    for trace in args.trace:
+        out.append((trace.stem, load_mooncake(trace, args.limit)))
+    if not out:
+        n = args.limit or args.requests or 400
+        out.append(("builtin", generate(WorkloadSpec(requests=n, seed=args.seed, tenants=args.tenants))))
+    return out
 
 
 def emit(
     grid: GridResult, name: str, out_dir: Path, in_process: bool | None, out: TextIO, command: str
-) -> None:
-    """Print the table and the goal checks (the issue's goals for 8-worker Mooncake grids; not
-    printed when ``in_process`` is None), write the JSON and PNG, and say where they went."""
-    out.write("\n" + format_table(grid.summaries) + "\n\n")
-    for line in goal_checks(grid.summaries, in_process) if in_process is not None else ():
-        out.write(f"  goal: {line}\n")
+) -> list[Goal]:
+    """Print the table and the goal lines (not when ``in_process`` is None), write the JSON and
+    PNG, say where they went, and return the goals."""
+    out.write(f"\n== {name}\n" + format_table(grid.summaries) + "\n\n")
+    goals = goal_checks(grid.summaries, in_process) if in_process is not None else []
+    for goal in goals:
+        out.write(f"  goal: {goal.line} -> {'met' if goal.met else 'NOT met'}\n")
     meta = dict(grid.meta, name=name, command=command, interrupted=grid.interrupted)
     json_path = write_json(out_dir / f"{name}.json", grid.summaries, meta)
     png = write_plot(
@@ -84,32 +120,40 @@ def emit(
     if grid.interrupted:
         out.write("interrupted: the table covers the runs finished before Ctrl-C\n")
     out.flush()
+    return goals
 
 
 def replay_main(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """The ``raykv replay`` command; returns the exit code (130 after Ctrl-C)."""
-    requests, name = _requests(args)
     spec = GridSpec(
         workers=args.workers,
         capacity_pcts=tuple(args.capacity_pct),
         routers=tuple(parse_routers(args.routers)),
         seed=args.seed,
-        tuning=RaykvTuning(load_cost=args.load_cost),
         verify=args.verify,
     )
-    err.write(
-        f"raykv replay: {name}, {len(requests)} requests, {spec.workers} workers, "
-        f"capacities {list(spec.capacity_pcts)}% of unique blocks, {'Ray' if args.ray else 'in-process'}\n"
-    )
+    command = "raykv " + " ".join(sys.argv[1:])
+    results: list[tuple[str, list[Goal]]] = []
+    for name, requests in workloads(args):
+        err.write(
+            f"raykv replay: {name}, {len(requests)} requests, {spec.workers} workers, capacities "
+            f"{list(spec.capacity_pcts)}% of unique blocks, {'Ray' if args.ray else 'in-process'}\n"
+        )
+        grid = _grid(requests, spec, args, err)
+        results.append((name, emit(grid, name, args.out, not args.ray, out, command)))
+        if grid.interrupted:
+            return 130
+    out.write("\n" + goal_summary(results) + "\n")
+    return 0
+
+
+def _grid(requests: list[Request], spec: GridSpec, args: argparse.Namespace, err: TextIO) -> GridResult:
     if args.ray:
         from actors.replay import RayBackends
 
         start = {"address": args.address} if args.address else {}
         with RayBackends(args.workers, **start) as backends:
-            grid = run_grid(requests, spec, backends, err)
-    else:
-        from actors.replay import in_process
+            return run_grid(requests, spec, backends, err)
+    from actors.replay import in_process
 
-        grid = run_grid(requests, spec, in_process, err)
-    emit(grid, name, args.out, not args.ray, out, "raykv " + " ".join(sys.argv[1:]))
-    return 130 if grid.interrupted else 0
+    return run_grid(requests, spec, in_process, err)

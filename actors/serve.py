@@ -35,7 +35,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import ray
@@ -46,7 +46,8 @@ from actors.index import IndexClient
 from raykv.core.keys import ReuseScope, block_keys, lora_id_from_name
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
-from raykv.routing.policy import RoutingConfig, WorkerLoad, choose
+from raykv.routing.adaptive import RoutingPolicy
+from raykv.routing.policy import DEFAULT_ROUTING, RoutingConfig, WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +211,9 @@ class _Sent:
 class CacheRanker:
     """Ranks replicas for a request: cache-aware cost model, or power of two choices.
 
-    ``routing`` overrides RoutingConfig fields (tokens_per_block comes from the deployment).
+    Decisions are made by one :class:`~raykv.routing.adaptive.RoutingPolicy` (per block size)
+    over :data:`~raykv.routing.policy.DEFAULT_ROUTING`; ``routing`` overrides its fields (for
+    deployment facts such as ``allow_pulls``; tokens_per_block comes from the deployment).
     Replicas are any objects with ``replica_id``, ``routing_stats`` and ``replica_metadata``.
     """
 
@@ -225,6 +228,7 @@ class CacheRanker:
         known = {f.name for f in fields(RoutingConfig)}
         self._overrides = {k: v for k, v in (routing or {}).items() if k in known}
         self._decode_weight = self.config(1).decode_weight  # validates the overrides now
+        self._policies: dict[int, RoutingPolicy] = {}
         self.link = IndexLink(connect, retry_after_s)
         self.time_budget_s = time_budget_s
         self.rng = random.Random(seed)
@@ -236,7 +240,15 @@ class CacheRanker:
         self.counters: collections.Counter[str] = collections.Counter()
 
     def config(self, tokens_per_block: int) -> RoutingConfig:
-        return RoutingConfig(**{**self._overrides, "tokens_per_block": tokens_per_block})
+        """The shipped default with this router's overrides, for ``tokens_per_block``."""
+        return replace(DEFAULT_ROUTING, **{**self._overrides, "tokens_per_block": tokens_per_block})
+
+    def policy(self, tokens_per_block: int) -> RoutingPolicy:
+        """The policy (and its learned prices) for deployments of ``tokens_per_block``."""
+        policy = self._policies.get(tokens_per_block)
+        if policy is None:
+            policy = self._policies[tokens_per_block] = RoutingPolicy(self.config(tokens_per_block))
+        return policy
 
     async def rank(
         self, replicas: Sequence[Any], request: RoutedRequest | None, request_id: str | None = None
@@ -283,8 +295,9 @@ class CacheRanker:
             m = matches.get(worker_of(r) or WorkerId(""))
             if m is not None:
                 per_replica[cid] = m._replace(worker=cid)
-        loads = [self._load(cid, r) for cid, r in ids.items()]
-        decision = choose(num_tokens, loads, per_replica, self.config(tpb), self.rng)
+        dw = self._decode_weight
+        loads = [self._load(cid, r).tokens(dw) for cid, r in ids.items()]
+        decision = self.policy(tpb).decide(num_tokens, list(ids), loads, per_replica, self.rng)
         costs = dict(decision.costs)
         order = sorted(costs, key=lambda c: (c != decision.worker, costs[c]))
         ranks = [[ids[c]] for c in order]

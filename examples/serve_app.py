@@ -56,10 +56,9 @@ def cache_config() -> raykv.CacheConfig:
     )
 
 
-ROUTER: dict[str, Any] = {"time_budget_s": 2.0, "routing": {"load_cost": 0.1}}
-"""Affinity first: a recomputed prompt token weighs 10x a queued one (replicas report load once a
-second, so a holder that just finished a request may still look busy), and the index gets a
-generous time budget (past it the router falls back to power-of-two: no affinity) so the
+ROUTER: dict[str, Any] = {"time_budget_s": 2.0}
+"""The shipped routing policy and its one default configuration (no routing overrides); the index
+gets a generous time budget (past it the router falls back to power-of-two: no affinity) so the
 example's claim holds even when the replicas and workers keep every CPU busy and the index
 answers late."""
 

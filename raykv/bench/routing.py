@@ -18,7 +18,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from raykv.bench.harness import Benchmark, Row, gc_paused
@@ -28,7 +28,8 @@ from raykv.index.prefix_index import OP_STORE, EventBatch, PrefixIndex
 from raykv.replay.peer_tree import new_prefix_tree
 from raykv.replay.trace import BLOCK_TOKENS, Request, block_text, tokens_for
 from raykv.replay.workload import WorkloadSpec, generate
-from raykv.routing.policy import RoutingConfig, choose_loads
+from raykv.routing.adaptive import RoutingPolicy
+from raykv.routing.policy import DEFAULT_ROUTING
 
 WORKERS = 8
 
@@ -64,12 +65,12 @@ def _raykv(
         ids[lane] += 1
         ops = tuple((OP_STORE, k, 0) for k in ks)
         index.apply_batch(EventBatch(workers[lane], 1, ids[lane], ids[lane], ops))
-    cfg = RoutingConfig(tokens_per_block=BLOCK_TOKENS, w_host=1.0, load_cost=0.1, imbalance_slack=1e5)
+    policy = RoutingPolicy(replace(DEFAULT_ROUTING, tokens_per_block=BLOCK_TOKENS, w_host=1.0))
     loads = [float(1000 * i) for i in range(WORKERS)]
     rng = random.Random(0)
 
     def decide(i: int) -> Any:
-        return choose_loads(reqs[i].input_length, workers, loads, index.route(keys[i]), cfg, rng)
+        return policy.decide(reqs[i].input_length, workers, loads, index.route(keys[i]), rng)
 
     return decide
 

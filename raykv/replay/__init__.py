@@ -5,7 +5,9 @@ Pure core (never imports ray; ``ray_prefix`` imports Ray's PrefixTree only when 
 | module | owns |
 |---|---|
 | ``trace`` | Request, Mooncake JSONL loading and validation, tokens and text derived from hash ids |
-| ``workload`` | the built-in generator: multi-turn chat, agent fan-out, tenants with salts |
+| ``workload`` | the demo's built-in generator: multi-turn chat, agent fan-out, tenants with salts |
+| ``families`` | ``--workload NAME``: chat, agentic, rag, long_context |
+| ``blocks`` | growing token sequences in block ids, shared by the generators |
 | ``timing`` | the timing model: per-worker FIFO servers, TTFT, transfer and tier costs, calibration |
 | ``routers`` | random, pow2, ray_prefix, raykv, raykv_pull, pooled, pooled_oracle |
 | ``engine`` | the replay loop over a Backend (cache workers + index) |
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from raykv.replay.engine import Backend, Outcome, RunResult, prepare, replay
 from raykv.replay.grid import GridResult, GridSpec, blocks_per_worker, run_grid
-from raykv.replay.routers import ROUTERS, RaykvTuning, make_router, parse_routers
+from raykv.replay.routers import ROUTERS, make_router, parse_routers
 from raykv.replay.timing import ServerQueues, TimingConfig
 from raykv.replay.trace import Request, TraceError, load_mooncake, unique_blocks
 from raykv.replay.workload import WorkloadSpec, generate
@@ -31,7 +33,6 @@ __all__ = [
     "GridResult",
     "GridSpec",
     "Outcome",
-    "RaykvTuning",
     "Request",
     "RunResult",
     "ServerQueues",

@@ -26,12 +26,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from raykv.core.keys import ReuseScope, block_keys
+from raykv.core.keys import ReuseScope
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
 from raykv.replay.routers import Prepared, Router, RouterContext
 from raykv.replay.timing import ServerQueues, TimingConfig
 from raykv.replay.trace import BLOCK_TOKENS, Request, tokens_for
+from raykv.routing.session_keys import SessionKeys
 
 Progress = Callable[[int, int], None]
 
@@ -61,14 +62,19 @@ class Backend(Protocol):
 
 def prepare(requests: Sequence[Request]) -> list[Prepared]:
     """Each request with its block keys (computed once, shared by every router) and the time
-    :func:`~raykv.core.keys.block_keys` took on its tokens (``keys_ns``; the tokens are given)."""
+    computing them took from its tokens (``keys_ns``; the tokens are given): a request of a
+    labelled session (``session >= 0``) reuses the keys of the session's previous prompt for the
+    blocks it shares with it (:class:`~raykv.routing.session_keys.SessionKeys`, what a router
+    that knows the session does); one without a label is hashed whole."""
     out = []
     clock = time.perf_counter_ns
+    sessions = SessionKeys(BLOCK_TOKENS)
     for i, req in enumerate(requests):
         scope = ReuseScope(salt=req.salt) if req.salt is not None else None
         tokens = tokens_for(req)
+        session = req.session if req.session >= 0 else None
         t0 = clock()
-        keys = block_keys(tokens, BLOCK_TOKENS, scope)
+        keys = sessions.keys(tokens, scope, session)
         out.append(Prepared(i, req, keys, clock() - t0))
     return out
 
@@ -165,8 +171,10 @@ def _step(
     router.routed(p, choice)
     res.update_ns.append(time.perf_counter_ns() - t1)
     tpb = BLOCK_TOKENS
-    pre_s = timing.pull_s(pulled * tpb) + timing.lower_tier_s([b * tpb for b in out.reused_by_level])
+    pull_s = timing.pull_s(pulled * tpb)
+    pre_s = pull_s + timing.lower_tier_s([b * tpb for b in out.reused_by_level])
     uncached = req.input_length - out.reused_tokens
+    router.observed(pulled * tpb, pull_s, uncached, uncached / queues.speed)
     served = queues.dispatch(
         choice.server, pre_s, uncached, uncached + timing.decode_units_per_token * req.output_length
     )

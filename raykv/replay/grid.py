@@ -25,23 +25,25 @@ from typing import Any, TextIO
 from raykv.core.errors import InvalidArgumentError
 from raykv.replay.engine import Backend, Prepared, prepare, replay
 from raykv.replay.report import Summary, summarize
-from raykv.replay.routers import ROUTERS, RaykvTuning, make_router
+from raykv.replay.routers import ROUTERS, make_router
 from raykv.replay.timing import TimingConfig
 from raykv.replay.trace import Request, span_s, unique_blocks
+from raykv.routing.policy import DEFAULT_ROUTING, RoutingConfig
 
 BackendFactory = Callable[[int, int, bool], AbstractContextManager[Backend]]
 
 
 @dataclass(frozen=True)
 class GridSpec:
-    """Workers, total capacities (% of unique blocks), routers, seed, timing and raykv's knobs."""
+    """Workers, total capacities (% of unique blocks), routers, seed, timing, and the routing
+    configuration of the raykv routers (the shipped default unless an experiment overrides it)."""
 
     workers: int = 8
     capacity_pcts: tuple[float, ...] = (2.0, 10.0, 30.0)
     routers: tuple[str, ...] = ROUTERS
     seed: int = 0
     timing: TimingConfig = field(default_factory=TimingConfig)
-    tuning: RaykvTuning = field(default_factory=RaykvTuning)
+    routing: RoutingConfig = DEFAULT_ROUTING
     verify: int = 0
 
     def __post_init__(self) -> None:
@@ -112,7 +114,7 @@ def _one(
     span: float,
     out: TextIO | None,
 ) -> Summary:
-    router = make_router(name, spec.tuning)
+    router = make_router(name, spec.routing)
     caches, per_cache = (1, blocks * spec.workers) if router.pooled else (spec.workers, blocks)
     with make_backend(caches, per_cache, router.pooled) as backend:
         bar = ProgressBar(out, f"{cap:g}% C={blocks} {name}")
@@ -151,7 +153,7 @@ def run_grid(
         "span_s": span,
         "seed": spec.seed,
         "timing": spec.timing.__dict__,
-        "tuning": spec.tuning.__dict__,
+        "routing": spec.routing.__dict__,
         "capacity_pcts": list(spec.capacity_pcts),
     }
     summaries: list[Summary] = []

@@ -55,7 +55,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from raykv.core.errors import InvalidArgumentError
@@ -64,7 +64,8 @@ from raykv.index.prefix_index import RouteMatch
 from raykv.replay.peer_tree import new_prefix_tree
 from raykv.replay.timing import ServerQueues, TimingConfig
 from raykv.replay.trace import BLOCK_TOKENS, Request, block_text
-from raykv.routing.policy import RoutingConfig, choose_loads
+from raykv.routing.adaptive import RoutingPolicy
+from raykv.routing.policy import DEFAULT_ROUTING, RoutingConfig
 
 ROUTERS = ("random", "pow2", "ray_prefix", "raykv", "raykv_pull", "pooled", "pooled_oracle")
 _NEW = tuple.__new__  # builds a NamedTuple from its field values without the generated __new__
@@ -120,6 +121,10 @@ class Router:
 
     def routed(self, p: Prepared, choice: Choice) -> None:
         """State update after the request was dispatched (no-op by default)."""
+
+    def observed(self, pulled_tokens: int, pull_s: float, prefilled_tokens: int, prefill_s: float) -> None:
+        """What the chosen worker reports once the request ran: tokens pulled and prefilled, and
+        the seconds each took (no-op by default)."""
 
 
 class RandomRouter(Router):
@@ -228,92 +233,49 @@ class RayPrefixRouter(Pow2Router):
         self.tree.insert(self._last, f"replica-{choice.server}", self.ctx.clock())
 
 
-@dataclass(frozen=True)
-class RaykvTuning:
-    """raykv's knobs for the replay: recompute penalty, load guard, tier weights.
-
-    ``load_cost`` is RoutingConfig's: 1 routes by estimated TTFT alone; 0.12 charges a recomputed
-    token ~8x (a worker holding 10 more blocks of the prompt wins unless ~43k more units are queued
-    on it), which keeps the index's prefixes in one copy (hit ratio) on the Mooncake traces.
-    ``hot_load_cost`` replaces it when the winner's prefix is hot (routed to it by a request still
-    in flight there: a burst of requests on one prefix), so bursts spread at half the recompute
-    penalty, 2x (raykv only; raykv_pull spreads them by pulling; 1, TTFT alone, made more
-    duplicate copies: 0.3 pp fewer hits and a higher TTFT p90 on both traces). Both values come
-    from a sweep on the two Mooncake traces (README). The
-    guard drops workers whose load exceeds the least-loaded one's by more than ``guard_requests``
-    mean no-cache requests. ``w_lower`` credits a block on a lower tier. ``w_remote`` caps the
-    credit of a block another worker holds (None: 1 - pull time / prefill time from the timing
-    model; lower values pull only when the holder is much busier, which keeps fewer duplicate
-    copies).
-
-    ``predict`` credits the chosen worker with the request's keys in the index until its events
-    land (what a live router does, since events lag). Off by default here: the replay applies
-    every worker's events before the next decision, so the index is already exact and a
-    prediction could only add a stale credit (in Ray mode it would live 2 s of wall time, hundreds
-    of replayed requests). In-process results are identical either way; it only costs time.
-    """
-
-    load_cost: float = 0.12
-    hot_load_cost: float = 0.5
-    guard_requests: float = 8.0
-    w_lower: float = 0.9
-    predict: bool = False
-    w_remote: float | None = None
+def replay_routing(base: RoutingConfig, allow_pulls: bool, seed: int) -> RoutingConfig:
+    """``base`` (the shipped default) with the replay deployment's facts: 512-token blocks, its
+    workers' only tier (host memory, playing the engine's GPU memory) credited fully, loads
+    computed by the router (``decode_weight`` 0: :meth:`ServerQueues.reported_loads` already
+    counts decodes), pulls on or off, and the run's seed. No policy parameter changes."""
+    return replace(
+        base, tokens_per_block=BLOCK_TOKENS, w_host=1.0, decode_weight=0.0, allow_pulls=allow_pulls, seed=seed
+    )
 
 
 class RaykvRouter(Router):
-    """Cache-aware routing on the global index with :func:`raykv.routing.policy.choose_loads`."""
+    """Cache-aware routing on the global index with :class:`raykv.routing.adaptive.RoutingPolicy`."""
 
     name = "raykv"
 
-    def __init__(self, allow_pulls: bool = False, tuning: RaykvTuning | None = None) -> None:
+    def __init__(self, allow_pulls: bool = False, routing: RoutingConfig = DEFAULT_ROUTING) -> None:
         self.allow_pulls = allow_pulls
-        self.tuning = tuning or RaykvTuning()
+        self.routing = routing
         if allow_pulls:
             self.name = "raykv_pull"
 
     def start(self, ctx: RouterContext) -> None:
         super().start(ctx)
-        t = self.tuning
-        prefill_block_s = BLOCK_TOKENS / ctx.speed
-        w_remote = max(0.0, 1.0 - ctx.timing.pull_s(BLOCK_TOKENS) / prefill_block_s)
-        if t.w_remote is not None:
-            w_remote = min(w_remote, t.w_remote)
-        self.cfg = RoutingConfig(
-            tokens_per_block=BLOCK_TOKENS,
-            w_gpu=1.0,
-            w_host=1.0,  # the replay workers' top tier (host memory) plays the engine's GPU memory
-            w_disk=t.w_lower,
-            w_predicted=1.0,
-            w_remote=min(1.0, w_remote),
-            allow_pulls=self.allow_pulls,
-            load_cost=t.load_cost,
-            hot_load_cost=t.hot_load_cost,
-            decode_weight=0.0,  # loads are computed here, with the learned decode estimate
-            imbalance_factor=1.0,
-            imbalance_slack=t.guard_requests * ctx.mean_work,
-            seed=ctx.seed,
-        )
+        self.policy = RoutingPolicy(replay_routing(self.routing, self.allow_pulls, ctx.seed))
         self.server_of = {w: i for i, w in enumerate(ctx.worker_ids)}
         self._route, self._workers = ctx.route, ctx.worker_ids
-        self._hot_rule = None if self.allow_pulls else self._hot  # with pulls a hot prefix spreads by pulling
         self._routed: dict[bytes, tuple[int, float]] = {}  # key -> (server, when) of its last request
         self._keys: Sequence[bytes] = ()
         self._queues: ServerQueues | None = None
 
     def choose(self, p: Prepared, queues: ServerQueues) -> Choice:
-        """The decision the replay times: index route, reported loads, cost model (module doc)."""
+        """The decision the replay times: index route, reported loads, the policy (module doc)."""
         keys = p.keys
         matches = self._route(keys)
         self._keys, self._queues = keys, queues
-        d = choose_loads(
+        d = self.policy.decide(
             p.req.input_length,
             self._workers,
             queues.reported_loads(),
             matches,
-            self.cfg,
             self.rng,
-            self._hot_rule,
+            self._hot,
+            queues.mean_decode_units,
         )
         server = self.server_of[d.worker]
         pull_from = d.pull_from
@@ -333,11 +295,14 @@ class RaykvRouter(Router):
 
     def routed(self, p: Prepared, choice: Choice) -> None:
         self._routed.update(dict.fromkeys(p.keys, (choice.server, self.ctx.clock())))
-        if self.tuning.predict and p.keys:
-            self.ctx.predict(self.ctx.worker_ids[choice.server], p.keys)
+
+    def observed(self, pulled_tokens: int, pull_s: float, prefilled_tokens: int, prefill_s: float) -> None:
+        """What the chosen worker reports after the request: its pull's and prefill's times."""
+        self.policy.observe_pull(pulled_tokens, pull_s)
+        self.policy.observe_prefill(prefilled_tokens, prefill_s)
 
 
-def make_router(name: str, tuning: RaykvTuning | None = None) -> Router:
+def make_router(name: str, routing: RoutingConfig = DEFAULT_ROUTING) -> Router:
     """A fresh router by name (one of :data:`ROUTERS`). Raises InvalidArgumentError otherwise."""
     if name == "random":
         return RandomRouter()
@@ -346,7 +311,7 @@ def make_router(name: str, tuning: RaykvTuning | None = None) -> Router:
     if name == "ray_prefix":
         return RayPrefixRouter()
     if name in ("raykv", "raykv_pull"):
-        return RaykvRouter(allow_pulls=name == "raykv_pull", tuning=tuning)
+        return RaykvRouter(allow_pulls=name == "raykv_pull", routing=routing)
     if name == "pooled":
         return PooledRouter()
     if name == "pooled_oracle":
@@ -379,7 +344,6 @@ __all__ = [
     "RandomRouter",
     "RayPrefixRouter",
     "RaykvRouter",
-    "RaykvTuning",
     "Router",
     "RouterContext",
     "make_router",

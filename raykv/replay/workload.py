@@ -27,9 +27,8 @@ from dataclasses import dataclass
 
 from raykv.core.errors import InvalidArgumentError
 from raykv.core.keys import ReuseScope
-from raykv.replay.trace import BLOCK_TOKENS, Request
-
-Range = tuple[int, int]
+from raykv.replay.blocks import BlockIds, Doc, Range, draw
+from raykv.replay.trace import Request
 
 
 @dataclass(frozen=True)
@@ -66,54 +65,19 @@ class WorkloadSpec:
             raise InvalidArgumentError("think_s", "think_s and interarrival_s must be > 0")
 
 
-class _Ids:
-    """Fresh block ids (a new id = content never seen before)."""
-
-    def __init__(self) -> None:
-        self.next = 0
-
-    def take(self, n: int) -> list[int]:
-        out = list(range(self.next, self.next + n))
-        self.next += n
-        return out
-
-
-@dataclass
-class _Doc:
-    """A growing token sequence: its full blocks' ids and its length."""
-
-    full: list[int]
-    length: int
-
-    def grown(self, ids: _Ids, tokens: int) -> _Doc:
-        """A copy with ``tokens`` more tokens (the old partial block becomes a new block)."""
-        length = self.length + tokens
-        full_now = length // BLOCK_TOKENS
-        return _Doc(self.full + ids.take(full_now - len(self.full)), length)
-
-    def hash_ids(self, ids: _Ids) -> tuple[int, ...]:
-        tail = ids.take(1) if self.length % BLOCK_TOKENS else []
-        return tuple(self.full + tail)
-
-
-def _draw(rng: random.Random, span: Range) -> int:
-    return rng.randint(span[0], span[1])
-
-
 class _Gen:
     def __init__(self, spec: WorkloadSpec) -> None:
         self.spec = spec
         self.rng = random.Random(spec.seed)
-        self.ids = _Ids()
+        self.ids = BlockIds()
         self.salts = [ReuseScope.from_cache_salt(f"tenant-{i}").salt for i in range(spec.tenants)]
         self.prompts = [
-            _Doc([], 0).grown(self.ids, _draw(self.rng, spec.system_tokens))
-            for _ in range(spec.system_prompts)
+            Doc([], 0).grown(self.ids, draw(self.rng, spec.system_tokens)) for _ in range(spec.system_prompts)
         ]
         self.out: list[Request] = []
         self.sessions = 0
 
-    def request(self, at: float, doc: _Doc, salt: int | None, output: int) -> None:
+    def request(self, at: float, doc: Doc, salt: int | None, output: int) -> None:
         self.out.append(Request(at, doc.length, output, doc.hash_ids(self.ids), salt, self.sessions))
 
     def chat(self, start: float) -> None:
@@ -121,9 +85,9 @@ class _Gen:
         salt = rng.choice(self.salts)
         doc = rng.choice(self.prompts)
         at = start
-        for _ in range(_draw(rng, spec.turns)):
-            doc = doc.grown(self.ids, _draw(rng, spec.user_tokens))
-            output = _draw(rng, spec.output_tokens)
+        for _ in range(draw(rng, spec.turns)):
+            doc = doc.grown(self.ids, draw(rng, spec.user_tokens))
+            output = draw(rng, spec.output_tokens)
             self.request(at, doc, salt, output)
             doc = doc.grown(self.ids, output)
             at += rng.expovariate(1.0 / spec.think_s)
@@ -131,16 +95,16 @@ class _Gen:
     def agent(self, start: float) -> None:
         spec, rng = self.spec, self.rng
         salt = rng.choice(self.salts)
-        context = rng.choice(self.prompts).grown(self.ids, _draw(rng, spec.agent_context))
+        context = rng.choice(self.prompts).grown(self.ids, draw(rng, spec.agent_context))
         answers = 0
-        for _ in range(_draw(rng, spec.fanout)):
-            branch = context.grown(self.ids, _draw(rng, spec.instruction_tokens))
-            output = _draw(rng, spec.output_tokens)
+        for _ in range(draw(rng, spec.fanout)):
+            branch = context.grown(self.ids, draw(rng, spec.instruction_tokens))
+            output = draw(rng, spec.output_tokens)
             answers += output
             self.request(start + rng.random(), branch, salt, output)
-        reduce = context.grown(self.ids, answers + _draw(rng, spec.instruction_tokens))
+        reduce = context.grown(self.ids, answers + draw(rng, spec.instruction_tokens))
         self.request(
-            start + 1.0 + rng.expovariate(1.0 / spec.think_s), reduce, salt, _draw(rng, spec.output_tokens)
+            start + 1.0 + rng.expovariate(1.0 / spec.think_s), reduce, salt, draw(rng, spec.output_tokens)
         )
 
 

@@ -9,7 +9,7 @@ decode worker pulls the prompt's committed blocks from the prefill worker. For a
                      tier-weighted cached prefix, plus P's load
     transfer(P, D) = transfer_cost * tokens_per_block * pull * (remote_node_factor if P and D are
                      on different nodes else 1),  pull = n - (blocks D already holds), 0 if P == D
-    decode(D)      = load_cost * D's load (queued prefill tokens + decode_weight x running decodes)
+    decode(D)      = D's load (queued prefill tokens + decode_weight x running decodes)
 
 so prefill goes where the prefix is, and decode goes where pulling the result is cheapest: a
 decode worker that still holds the conversation's earlier turns pulls only the new blocks, and a
@@ -22,12 +22,12 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from raykv.core.errors import InvalidArgumentError
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
-from raykv.routing.policy import RoutingConfig, WorkerLoad, choose
+from raykv.routing.policy import DEFAULT_ROUTING, RoutingConfig, WorkerLoad, choose
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class PDConfig:
     prefilling it (``routing.prefill_cost``); ``remote_node_factor`` (>= 1) scales it when the two
     workers sit on different nodes."""
 
-    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    routing: RoutingConfig = DEFAULT_ROUTING
     transfer_cost: float = 0.1
     remote_node_factor: float = 4.0
 
@@ -101,7 +101,7 @@ def choose_pair(
     for cand in _guarded(decode, rcfg):
         held = matches.get(cand.worker)
         own = min(total, held.blocks) if held is not None else 0
-        decode_cost = rcfg.load_cost * cand.tokens(rcfg.decode_weight)
+        decode_cost = cand.tokens(rcfg.decode_weight)
         for pw, p_cost in prefill_costs.items():
             pull = 0 if pw == cand.worker else total - own
             same = pw in nodes and nodes.get(pw) == nodes.get(cand.worker)

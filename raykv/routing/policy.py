@@ -54,11 +54,15 @@ class RoutingConfig:
     w_remote: float = 0.5
     allow_pulls: bool = False
     prefill_cost: float = 1.0
-    load_cost: float = 1.0
-    hot_load_cost: float = 1.0
     decode_weight: float = 64.0
-    imbalance_factor: float = 2.0
+    imbalance_factor: float = 1.0
     imbalance_slack: float = 4096.0
+    guard_requests: float = 4.0
+    recompute_budget: float = 0.003
+    price_start: float = 4.0
+    price_step: float = 0.01
+    price_max: float = 64.0
+    hot_price: float = 1.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -68,12 +72,35 @@ class RoutingConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
                 raise InvalidArgumentError(name, f"tier weight must be in [0, 1], got {value!r}")
-        for name in ("prefill_cost", "load_cost", "hot_load_cost", "decode_weight", "imbalance_slack"):
+        for name in (
+            "prefill_cost",
+            "decode_weight",
+            "imbalance_slack",
+            "guard_requests",
+            "recompute_budget",
+            "price_start",
+            "price_step",
+            "price_max",
+            "hot_price",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise InvalidArgumentError(name, f"must be finite and >= 0, got {value!r}")
         if not (math.isfinite(self.imbalance_factor) and self.imbalance_factor >= 1.0):
             raise InvalidArgumentError("imbalance_factor", "must be >= 1")
+        if not 0.0 < self.recompute_budget < 1.0:
+            raise InvalidArgumentError(
+                "recompute_budget", f"must be in (0, 1), got {self.recompute_budget!r}"
+            )
+        if self.price_start > self.price_max:
+            raise InvalidArgumentError("price_start", "must be <= price_max")
+
+
+DEFAULT_ROUTING = RoutingConfig()
+"""The one shipped routing configuration: the Serve router, ``Deployment.pick_worker``, the replay,
+the demo and the examples all start from this object (deployment facts such as
+``tokens_per_block``, the tier weights of a replay worker or ``allow_pulls`` are set with
+``dataclasses.replace``; the policy's prices are learned online, :mod:`raykv.routing.adaptive`)."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +121,8 @@ still in flight on it? (see the module docstring)"""
 
 
 class Decision(NamedTuple):
-    """The chosen worker, its cost, the blocks it already holds, and any pull it should do."""
+    """The chosen worker, its cost, the blocks it already holds, any pull it should do, and the
+    blocks it will recompute although another worker holds them (``duplicated``)."""
 
     worker: WorkerId
     cost: float
@@ -102,6 +130,7 @@ class Decision(NamedTuple):
     pull_from: WorkerId | None
     pull_blocks: int
     costs: tuple[tuple[WorkerId, float], ...]
+    duplicated: int = 0
 
 
 def choose(
@@ -110,7 +139,7 @@ def choose(
     matches: Mapping[WorkerId, RouteMatch],
     cfg: RoutingConfig,
     rng: random.Random | None = None,
-    hot: HotPrefix | None = None,
+    prices: Prices | None = None,
 ) -> Decision:
     """Pick the lowest-cost candidate. Raises InvalidArgumentError when there is none."""
     dw = cfg.decode_weight
@@ -121,8 +150,24 @@ def choose(
         matches,
         cfg,
         rng,
-        hot,
+        prices,
     )
+
+
+class Prices(NamedTuple):
+    """What one decision charges (token-equivalents per token; see the module docstring):
+    ``duplicate`` per recomputed token another worker holds, ``pull`` per pulled token, and the
+    load guard's ``slack``."""
+
+    duplicate: float
+    pull: float
+    slack: float
+
+
+def static_prices(cfg: RoutingConfig) -> Prices:
+    """The prices before anything was observed: ``price_start``, ``1 - w_remote`` and
+    ``imbalance_slack`` (what :class:`raykv.routing.adaptive.RoutingPolicy` starts from)."""
+    return Prices(cfg.price_start, 1.0 - cfg.w_remote, cfg.imbalance_slack)
 
 
 def choose_loads(
@@ -132,41 +177,40 @@ def choose_loads(
     matches: Mapping[WorkerId, RouteMatch],
     cfg: RoutingConfig,
     rng: random.Random | None = None,
-    hot: HotPrefix | None = None,
+    prices: Prices | None = None,
 ) -> Decision:
     """:func:`choose` with the candidates as parallel lists: ``workers[i]`` has ``loads[i]``
     token-equivalents queued (no per-call objects: the hot path of a router). The lowest cost wins,
     ties (within 1e-9) break by ``rng`` (else by a fresh ``Random(cfg.seed)``), and ``costs`` lists
-    every candidate the load guard kept, in order. ``hot(worker, blocks)`` is asked at most once,
-    about the winner's cached prefix; True re-makes the decision with ``cfg.hot_load_cost``."""
+    every candidate the load guard kept, in order. ``prices`` default to :func:`static_prices`."""
     if not workers:
         raise InvalidArgumentError("candidates", "no candidate workers")
-    d = _decide(num_tokens, workers, loads, matches, cfg, cfg.load_cost, rng)
-    rehome = cfg.hot_load_cost != cfg.load_cost and d.cached_blocks > 0
-    if rehome and hot is not None and hot(d.worker, d.cached_blocks):
-        d = _decide(num_tokens, workers, loads, matches, cfg, cfg.hot_load_cost, rng)
-    return d
+    return decide_at(num_tokens, workers, loads, matches, cfg, prices or static_prices(cfg), rng)
 
 
-def _decide(
+def decide_at(
     num_tokens: int,
     workers: Sequence[WorkerId],
     loads: Sequence[float],
     matches: Mapping[WorkerId, RouteMatch],
     cfg: RoutingConfig,
-    lc: float,
+    prices: Prices,
     rng: random.Random | None,
 ) -> Decision:
+    """:func:`choose_loads` at explicit ``prices``, for callers that checked ``workers`` is not
+    empty (a router's hot path; ValueError from ``min`` otherwise)."""
     floor = min(loads)
-    limit = max(floor, cfg.imbalance_factor * floor + cfg.imbalance_slack)  # the floor always stays
+    limit = max(floor, cfg.imbalance_factor * floor + prices.slack)  # the floor always stays
     best_holder, best_blocks = None, 0
-    if cfg.allow_pulls:
-        for holder, held in matches.items():
-            if held[1] > best_blocks:
-                best_holder, best_blocks = holder, held[1]
+    for holder, held in matches.items():
+        if held[1] > best_blocks:
+            best_holder, best_blocks = holder, held[1]
     wg, wh, wd, wp = cfg.w_gpu, cfg.w_host, cfg.w_disk, cfg.w_predicted
-    tpb, remote, pc = cfg.tokens_per_block, cfg.tokens_per_block * cfg.w_remote, cfg.prefill_cost
-    left_none = num_tokens - remote * best_blocks  # a worker holding none of the prefix
+    tpb, pc = cfg.tokens_per_block, cfg.prefill_cost
+    # a block another worker holds costs this much more than a cached one: its pull, or its
+    # recompute plus the price of the duplicate copy the recompute leaves
+    extra = tpb * (pc * prices.pull if cfg.allow_pulls else pc + prices.duplicate)
+    left_none = num_tokens - tpb * best_blocks  # a worker holding none of the prefix
     get = matches.get
     costs: list[tuple[WorkerId, float]] = []
     low = math.inf
@@ -175,13 +219,14 @@ def _decide(
             continue
         m = get(worker)
         if m is None:
-            left = left_none
+            left: float = left_none
+            more = best_blocks
         else:
             _, blocks, gpu, host, disk, predicted = m
             left = num_tokens - tpb * (wg * gpu + wh * host + wd * disk + wp * predicted)
-            if best_blocks > blocks and best_holder != worker:
-                left -= remote * (best_blocks - blocks)
-        cost = pc * left + lc * load if left > 0 else lc * load
+            more = best_blocks - blocks if best_blocks > blocks else 0
+            left -= tpb * more
+        cost = (pc * left if left > 0 else 0.0) + extra * more + load
         costs.append((worker, cost))
         if cost < low:
             low = cost
@@ -193,8 +238,10 @@ def _decide(
     worker, cost = ties[0] if len(ties) == 1 else (rng or random.Random(cfg.seed)).choice(ties)
     won = get(worker)
     own = won[1] if won is not None else 0
-    pull = best_blocks - own if best_blocks > own and best_holder != worker else 0
-    return _NEW(Decision, (worker, cost, own, best_holder if pull else None, pull, tuple(costs)))
+    more = best_blocks - own if best_blocks > own and best_holder != worker else 0
+    if cfg.allow_pulls:
+        return _NEW(Decision, (worker, cost, own, best_holder if more else None, more, tuple(costs), 0))
+    return _NEW(Decision, (worker, cost, own, None, 0, tuple(costs), more))
 
 
 _NEW = tuple.__new__  # builds a NamedTuple from its field values without the generated __new__

@@ -25,7 +25,8 @@ def test_prefill_goes_where_the_prefix_is() -> None:
     d = choose_pair(160, idle(P1, P2), idle(D1, D2), matches, CFG)
     assert d.prefill == P2 and d.cached_blocks == 8 and d.pull_blocks == 10
     costs = {(p, q): c for p, q, c in d.costs}
-    assert costs[(P1, D1)] - costs[(P2, D1)] == pytest.approx(128)  # 8 blocks not prefilled again
+    # 8 blocks not prefilled again, and no duplicate of P2's copy (priced at price_start)
+    assert costs[(P1, D1)] - costs[(P2, D1)] == pytest.approx(128 * (1 + CFG.routing.price_start))
 
 
 def test_decode_goes_where_pulling_the_result_is_cheapest() -> None:

@@ -1,0 +1,139 @@
+"""The one routing policy: the cost model of :mod:`raykv.routing.policy` with prices learned online.
+
+:class:`RoutingPolicy` wraps :func:`~raykv.routing.policy.choose_loads` and keeps three prices
+up to date from what the deployment shows it, instead of per-trace constants:
+
+- ``duplicate``: what a recomputed token costs *beyond* its prefill time when another worker
+  already holds it (the duplicate copy it leaves takes cache space, and the session's later
+  turns hit only on one of the copies). It is the multiplier of a constraint: recompute at most
+  ``recompute_budget`` of the prompt tokens that some worker holds. After each decision the price
+  moves by ``exp(price_step * (share - budget) / budget)`` (bounded by ``price_max``), where
+  ``share`` is the part of this prompt the chosen worker recomputes although another worker
+  holds it. When load forces many duplicates, the price rises until few remain worth it; when
+  queues are short, it falls until the cheaper-to-queue choice wins again (dual ascent).
+- ``pull``: a pulled token's time as a fraction of its prefill time, from observed pulls and
+  prefills (exponential averages of seconds per token; before any observation ``1 - w_remote``).
+  With pulls enabled, a block another worker holds costs its pull, so a burst on a hot prefix
+  spreads to the workers that load picks, each pulling the prefix, and no duplicate is priced.
+- the load guard's ``slack``: ``guard_requests`` mean requests of work (an exponential average
+  of what each routed request adds to its worker: the tokens it recomputes plus its expected
+  decode work), at least ``imbalance_slack`` tokens (no guard before the first decision).
+
+A *hot* prefix (``hot(worker, blocks)``: the winner's prefix was brought by a request still in
+flight on it) is a burst: a second copy then serves concurrent requests instead of going stale, so
+the decision is re-made with ``hot_price`` as the duplicate price. Not thread-safe; one policy per
+router.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+
+from raykv.core.errors import InvalidArgumentError
+from raykv.core.types import WorkerId
+from raykv.index.prefix_index import RouteMatch
+from raykv.routing.policy import DEFAULT_ROUTING, Decision, Prices, RoutingConfig, decide_at
+
+HotPrefix = Callable[[WorkerId, int], bool]
+"""``hot(worker, blocks)``: is ``worker``'s cached prefix of ``blocks`` blocks in use by a request
+still in flight on it?"""
+
+_EWMA = 0.02  # weight of one observation in the running averages (about the last 50)
+
+
+class RoutingPolicy:
+    """Cache-aware routing with online prices (module docstring). ``cfg`` defaults to
+    :data:`~raykv.routing.policy.DEFAULT_ROUTING`."""
+
+    def __init__(self, cfg: RoutingConfig = DEFAULT_ROUTING) -> None:
+        self.cfg = cfg
+        self.duplicate_price = cfg.price_start
+        self._work = 0.0  # running mean work a routed request adds (token-equivalents)
+        self._pull_s = 0.0  # running mean seconds per pulled token (0: none observed)
+        self._prefill_s = 0.0  # running mean seconds per prefilled token
+        self._down = math.exp(-cfg.price_step)
+        self.decisions = 0
+        self._prices = self._current()
+
+    @property
+    def pull_price(self) -> float:
+        """Seconds per pulled token / seconds per prefilled token (``1 - w_remote`` until both
+        were observed)."""
+        if self._pull_s > 0 and self._prefill_s > 0:
+            return min(1.0, self._pull_s / self._prefill_s)
+        return 1.0 - self.cfg.w_remote
+
+    def prices(self) -> Prices:
+        """The prices the next decision uses."""
+        return self._prices
+
+    def _current(self) -> Prices:
+        if not self.decisions:  # no request seen yet: no scale for the guard
+            return Prices(self.duplicate_price, self.pull_price, math.inf)
+        slack = max(self.cfg.imbalance_slack, self.cfg.guard_requests * self._work)
+        return Prices(self.duplicate_price, self.pull_price, slack)
+
+    def decide(
+        self,
+        num_tokens: int,
+        workers: Sequence[WorkerId],
+        loads: Sequence[float],
+        matches: Mapping[WorkerId, RouteMatch],
+        rng: random.Random | None = None,
+        hot: HotPrefix | None = None,
+        decode_work: float | None = None,
+    ) -> Decision:
+        """The lowest-cost worker (:func:`~raykv.routing.policy.choose_loads` at the current
+        prices; a hot winner re-decided at ``hot_price``), then learn from the decision.
+        ``decode_work``: a request's expected decode work in token-equivalents (default
+        ``decode_weight``). Raises InvalidArgumentError when there is no candidate."""
+        if not workers:
+            raise InvalidArgumentError("candidates", "no candidate workers")
+        cfg, prices = self.cfg, self._prices
+        d = decide_at(num_tokens, workers, loads, matches, cfg, prices, rng)
+        if hot is not None and d.cached_blocks > 0 and not cfg.allow_pulls and hot(d.worker, d.cached_blocks):
+            d = decide_at(
+                num_tokens,
+                workers,
+                loads,
+                matches,
+                cfg,
+                Prices(cfg.hot_price, prices.pull, prices.slack),
+                rng,
+            )
+        self.learn(num_tokens, d, cfg.decode_weight if decode_work is None else decode_work)
+        return d
+
+    def learn(self, num_tokens: int, d: Decision, decode_work: float = 0.0) -> None:
+        """Update the duplicate price and the mean work per request after decision ``d``."""
+        cfg = self.cfg
+        tpb = cfg.tokens_per_block
+        work = max(0, num_tokens - tpb * (d.cached_blocks + d.pull_blocks)) + decode_work
+        self._work = work if not self.decisions else self._work + _EWMA * (work - self._work)
+        self.decisions += 1
+        budget = cfg.recompute_budget
+        if d.duplicated:
+            share = min(1.0, d.duplicated * cfg.tokens_per_block / max(1, num_tokens))
+            price = self.duplicate_price * math.exp(cfg.price_step * (share - budget) / budget)
+            self.duplicate_price = min(cfg.price_max, price)
+        else:
+            self.duplicate_price *= self._down
+        self._prices = self._current()
+
+    def observe_pull(self, tokens: int, seconds: float) -> None:
+        """A pull of ``tokens`` tokens took ``seconds`` (from the worker's report)."""
+        if tokens > 0 and seconds > 0:
+            rate = seconds / tokens
+            self._pull_s = rate if not self._pull_s else self._pull_s + _EWMA * (rate - self._pull_s)
+            self._prices = self._current()
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill of ``tokens`` tokens took ``seconds`` (from the worker's report)."""
+        if tokens > 0 and seconds > 0:
+            rate = seconds / tokens
+            self._prefill_s = (
+                rate if not self._prefill_s else self._prefill_s + _EWMA * (rate - self._prefill_s)
+            )
+            self._prices = self._current()

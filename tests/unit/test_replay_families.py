@@ -1,0 +1,72 @@
+"""Workload families (raykv replay --workload NAME) and the replay command's goal lines."""
+
+from __future__ import annotations
+
+import collections
+import io
+import itertools
+from pathlib import Path
+
+import pytest
+
+from actors.cli import build_parser
+from raykv.core.errors import InvalidArgumentError
+from raykv.replay.families import DEFAULT_REQUESTS, FAMILIES, FamilySpec, generate_family
+from raykv.replay.trace import check_request, unique_blocks
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_families_are_valid_seeded_and_sized(name: str) -> None:
+    reqs = generate_family(FamilySpec(name, 300, seed=4))
+    assert len(reqs) == 300 and reqs == generate_family(FamilySpec(name, 300, seed=4))
+    assert reqs != generate_family(FamilySpec(name, 300, seed=5))
+    for r in reqs:
+        check_request(r)
+    assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs)
+    blocks = sum(r.num_blocks for r in reqs)
+    assert unique_blocks(reqs) < blocks  # every family shares prefixes
+    assert set(DEFAULT_REQUESTS) == set(FAMILIES)
+
+
+def test_agentic_has_tenants_growing_sessions_and_millisecond_fan_outs() -> None:
+    reqs = generate_family(FamilySpec("agentic", 2000))
+    assert len({r.salt for r in reqs}) == 6
+    by_session = collections.defaultdict(list)
+    for r in reqs:
+        by_session[r.session].append(r)
+    fanouts = grows = 0
+    for turns in by_session.values():
+        for a, b in itertools.pairwise(turns):
+            shared = a.hash_ids[: len(a.hash_ids) - 1]
+            if b.arrival_s - a.arrival_s <= 0.02 and b.hash_ids[: len(shared)] == shared:
+                fanouts += 1  # a parallel branch on the whole context (all but its own tail)
+            elif b.input_length > a.input_length and b.hash_ids[: len(shared)] == shared:
+                grows += 1  # the next step re-sends the grown context
+    assert fanouts > 300 and grows > 300
+    ideal = 1 - unique_blocks(reqs) / sum(r.num_blocks for r in reqs)
+    assert 0.8 < ideal < 0.95
+
+
+def test_bad_family_specs_are_rejected() -> None:
+    with pytest.raises(InvalidArgumentError):
+        FamilySpec("nope")
+    with pytest.raises(InvalidArgumentError):
+        FamilySpec("chat", 0)
+
+
+def test_replay_command_prints_goal_lines_per_workload_and_one_summary(tmp_path: Path) -> None:
+    argv = ["replay", "--workload", "chat,rag", "--requests", "120", "--workers", "3"]
+    argv += ["--capacity-pct", "20", "--routers", "pow2,raykv,raykv_pull,pooled", "--out", str(tmp_path)]
+    args = build_parser().parse_args(argv)
+    out, err = io.StringIO(), io.StringIO()
+    assert args.func(args, out, err) == 0
+    text = out.getvalue()
+    assert text.count("== chat") == 1 and text.count("== rag") == 1
+    assert text.count("goal: cap 20%: raykv block hit >= pooled - 1.5 pp") == 2
+    assert text.count("raykv_pull TTFT p90 <= 1.15x pooled") == 2
+    summary = [line for line in text.splitlines() if line.startswith("goals: ")]
+    assert len(summary) == 1 and "over 2 workload(s)" in summary[0]
+    assert (tmp_path / "chat.json").exists() and (tmp_path / "rag.json").exists()
+    with pytest.raises(InvalidArgumentError):
+        bad = build_parser().parse_args(["replay", "--workload", "nope"])
+        bad.func(bad, io.StringIO(), io.StringIO())

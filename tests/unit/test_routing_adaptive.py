@@ -1,0 +1,147 @@
+"""The one routing policy: prices learned online, and one default configuration everywhere."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import random
+
+import numpy as np
+import pytest
+
+from raykv.core.keys import ReuseScope, block_keys
+from raykv.core.types import WorkerId
+from raykv.index.prefix_index import RouteMatch
+from raykv.routing.adaptive import RoutingPolicy
+from raykv.routing.policy import DEFAULT_ROUTING, RoutingConfig
+from raykv.routing.session_keys import SessionKeys
+
+A, B = WorkerId("a"), WorkerId("b")
+CFG = dataclasses.replace(DEFAULT_ROUTING, tokens_per_block=16)
+
+
+def test_a_duplicate_raises_the_price_and_clean_decisions_lower_it() -> None:
+    policy = RoutingPolicy(CFG)
+    start = policy.duplicate_price
+    held = {A: RouteMatch(A, 10, gpu=10)}
+    # A is far too busy: B recomputes A's 10 blocks (a duplicate of 160 of the prompt's 160 tokens)
+    d = policy.decide(160, [A, B], [1e6, 0.0], held)
+    assert d.worker == B and d.duplicated == 10
+    up = math.exp(CFG.price_step * (1.0 / CFG.recompute_budget - 1.0))
+    assert policy.duplicate_price == pytest.approx(min(CFG.price_max, start * up))
+    high = policy.duplicate_price
+    for _ in range(10):  # nothing cached anywhere: no duplicate, the price decays
+        policy.decide(160, [A, B], [0.0, 0.0], {})
+    assert policy.duplicate_price == pytest.approx(high * math.exp(-10 * CFG.price_step))
+    assert policy.decisions == 11
+
+
+def test_the_price_settles_where_duplicates_stay_within_the_budget() -> None:
+    """A stream where keeping a prefix costs a random queue: the learned price ends up making
+    about ``recompute_budget`` of the prompt tokens duplicates (dual ascent), whatever it
+    started from."""
+    rng = random.Random(1)
+    for start in (0.5, 30.0):
+        policy = RoutingPolicy(dataclasses.replace(CFG, price_start=start, guard_requests=1e9))
+        held = {A: RouteMatch(A, 10, gpu=10)}
+        dup = 0
+        for i in range(20_000):
+            d = policy.decide(160, [A, B], [rng.expovariate(1 / 400), 0.0], held)
+            dup += d.duplicated if i >= 10_000 else 0
+        share = dup / (10 * 10_000)
+        assert 0.3 * CFG.recompute_budget < share < 3 * CFG.recompute_budget, (start, share)
+
+
+def test_the_pull_price_comes_from_observed_pulls_and_prefills() -> None:
+    policy = RoutingPolicy(dataclasses.replace(CFG, allow_pulls=True))
+    assert policy.pull_price == pytest.approx(1 - CFG.w_remote)  # nothing observed yet
+    policy.observe_prefill(1000, 1.0)
+    policy.observe_pull(1000, 0.05)
+    assert policy.pull_price == pytest.approx(0.05)
+    held = {A: RouteMatch(A, 10, gpu=10)}
+    d = policy.decide(160, [A, B], [100.0, 0.0], held)  # pull 160 tokens at 0.05 < queue of 100
+    assert d.worker == B and d.pull_from == A and d.pull_blocks == 10 and d.duplicated == 0
+    assert dict(d.costs)[B] == pytest.approx(0.05 * 160)
+
+
+def test_the_load_guard_scales_with_the_work_requests_bring() -> None:
+    policy = RoutingPolicy(CFG)
+    policy.decide(1600, [A, B], [0.0, 0.0], {}, decode_work=400.0)  # 2000 units of work
+    assert policy.prices().slack == pytest.approx(CFG.guard_requests * 2000)
+    held = {A: RouteMatch(A, 100, gpu=100)}
+    assert policy.decide(1600, [A, B], [7000.0, 0.0], held).worker == A  # within the slack
+    assert policy.decide(1600, [A, B], [9000.0, 0.0], held).worker == B  # past it
+
+
+def test_a_hot_prefix_is_re_decided_at_the_hot_price() -> None:
+    policy = RoutingPolicy(dataclasses.replace(CFG, price_start=9.0, hot_price=0.0))
+    held = {A: RouteMatch(A, 4, gpu=4)}
+    asked: list[tuple[WorkerId, int]] = []
+
+    def hot(worker: WorkerId, blocks: int) -> bool:
+        asked.append((worker, blocks))
+        return True
+
+    assert policy.decide(160, [A, B], [500.0, 0.0], held, hot=hot).worker == B and asked == [(A, 4)]
+    cold = RoutingPolicy(dataclasses.replace(CFG, price_start=9.0, hot_price=0.0))
+    assert cold.decide(160, [A, B], [500.0, 0.0], held, hot=lambda w, n: False).worker == A
+
+
+def test_session_keys_equal_block_keys_and_reuse_the_previous_turn() -> None:
+    keys = SessionKeys(16)
+    rng = np.random.default_rng(0)
+    scope = ReuseScope.from_cache_salt("t")
+    history = rng.integers(0, 50_000, 100).astype(np.uint32)
+    assert keys.keys(history, scope, session=7) == block_keys(history, 16, scope)
+    grown = np.concatenate([history, rng.integers(0, 50_000, 60).astype(np.uint32)])
+    assert keys.keys(grown, scope, session=7) == block_keys(grown, 16, scope)
+    assert keys.reused_blocks == 6 and keys.hashed_blocks == 6 + 4  # 100 // 16, then 160 // 16 - 6
+    edited = grown.copy()
+    edited[40] += 1  # block 2 changed: blocks 0 and 1 are reused
+    assert keys.keys(edited, scope, session=7) == block_keys(edited, 16, scope)
+    assert keys.reused_blocks == 8
+    other = ReuseScope.from_cache_salt("u")  # another scope shares nothing
+    assert keys.keys(edited, other, session=7) == block_keys(edited, 16, other)
+    assert keys.reused_blocks == 8
+    assert keys.keys(history, scope) == block_keys(history, 16, scope)  # no session: hashed whole
+
+
+def test_every_router_starts_from_the_one_default_configuration() -> None:
+    """The Serve router, RayKVCluster.pick_worker, the replay, the demo, the routing benchmark and
+    the examples use DEFAULT_ROUTING (the replay and Serve change deployment facts only)."""
+    from pathlib import Path
+
+    import actors.cluster
+    import actors.demo
+    import raykv.bench.routing
+    from actors.serve import CacheRanker
+    from raykv.replay.grid import GridSpec
+    from raykv.replay.routers import RaykvRouter, replay_routing
+    from raykv.routing.pd import PDConfig
+
+    assert GridSpec().routing is DEFAULT_ROUTING and RaykvRouter().routing is DEFAULT_ROUTING
+    assert PDConfig().routing is DEFAULT_ROUTING
+
+    async def connect() -> None:
+        raise AssertionError("not called")
+
+    ranker = CacheRanker(connect)  # type: ignore[arg-type]
+    assert ranker.config(16) == dataclasses.replace(DEFAULT_ROUTING, tokens_per_block=16)
+    assert ranker.policy(16).cfg == ranker.config(16)
+    facts = {"tokens_per_block", "w_host", "decode_weight", "allow_pulls", "seed"}
+    replayed = replay_routing(DEFAULT_ROUTING, True, 3)
+    changed = {f.name for f in dataclasses.fields(RoutingConfig)} - {
+        f.name
+        for f in dataclasses.fields(RoutingConfig)
+        if getattr(replayed, f.name) == getattr(DEFAULT_ROUTING, f.name)
+    }
+    assert changed <= facts
+    assert "DEFAULT_ROUTING" in inspect.getsource(actors.cluster.RayKVCluster.pick_worker)
+    assert "DEFAULT_ROUTING" in inspect.getsource(raykv.bench.routing)
+    assert "GridSpec(" in inspect.getsource(actors.demo.run_ray_demo)  # GridSpec's routing: the default
+    assert "routing=" not in inspect.getsource(actors.demo.run_ray_demo)
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    for name in ("serve_app.py", "vllm_serve.py", "pd_disagg.py", "pd_disagg_core.py"):
+        text = (examples / name).read_text()
+        assert '"routing"' not in text and "RoutingConfig(" not in text, name
