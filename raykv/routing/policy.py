@@ -122,7 +122,8 @@ still in flight on it? (see the module docstring)"""
 
 class Decision(NamedTuple):
     """The chosen worker, its cost, the blocks it already holds, any pull it should do, and the
-    blocks it will recompute although another worker holds them (``duplicated``)."""
+    blocks it will recompute although a worker that passed the load guard holds them
+    (``duplicated``: a duplicate chosen, not one the guard forced)."""
 
     worker: WorkerId
     cost: float
@@ -214,9 +215,12 @@ def decide_at(
     get = matches.get
     costs: list[tuple[WorkerId, float]] = []
     low = math.inf
+    kept = False  # did the best holder pass the guard? (else a duplicate is forced, not chosen)
     for worker, load in zip(workers, loads):
         if load > limit:
             continue
+        if worker == best_holder:
+            kept = True
         m = get(worker)
         if m is None:
             left: float = left_none
@@ -241,7 +245,7 @@ def decide_at(
     more = best_blocks - own if best_blocks > own and best_holder != worker else 0
     if cfg.allow_pulls:
         return _NEW(Decision, (worker, cost, own, best_holder if more else None, more, tuple(costs), 0))
-    return _NEW(Decision, (worker, cost, own, None, 0, tuple(costs), more))
+    return _NEW(Decision, (worker, cost, own, None, 0, tuple(costs), more if kept else 0))
 
 
 _NEW = tuple.__new__  # builds a NamedTuple from its field values without the generated __new__
