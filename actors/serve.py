@@ -43,11 +43,12 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from actors.cluster import REGISTRY
 from actors.index import IndexClient
-from raykv.core.keys import ReuseScope, block_keys, lora_id_from_name
+from raykv.core.keys import ReuseScope, lora_id_from_name
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
 from raykv.routing.adaptive import RoutingPolicy
 from raykv.routing.policy import DEFAULT_ROUTING, RoutingConfig, WorkerLoad
+from raykv.routing.session_keys import SessionKeys
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +63,14 @@ _DONE_TTL_S = 30.0  # completed requests are remembered this long (replicas repo
 # ---- requests -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RoutedRequest:
-    """What routing reads from a request: token ids, reuse scope, and an optional worker the
-    caller already chose (a PD proxy sets ``target_worker``)."""
+    """What routing reads from a request: token ids, reuse scope, an optional worker the
+    caller already chose (a PD proxy sets ``target_worker``) and an optional ``session_id`` (the
+    router then hashes only the blocks the session's previous prompt did not have)."""
 
     tokens: tuple[int, ...]
     scope: ReuseScope
     target: WorkerId | None = None
+    session: str | None = None
 
 
 def scope_of(lora_id: Any = None, cache_salt: Any = None) -> ReuseScope:
@@ -104,8 +107,8 @@ def parse_request(args: Sequence[Any], kwargs: Mapping[str, Any]) -> RoutedReque
     """Find token ids (``tokens``, ``prompt_token_ids``, ``token_ids``, or an OpenAI completion's
     ``prompt`` given as ids) in the keyword arguments
     or in a positional argument (a mapping or an object with attributes), with ``lora_id`` (or a
-    ``lora_request`` with ``lora_int_id`` / ``lora_name``), ``cache_salt`` and ``target_worker``
-    from the same place. None when there are none or they
+    ``lora_request`` with ``lora_int_id`` / ``lora_name``), ``cache_salt``, ``target_worker`` and
+    ``session_id`` from the same place. None when there are none or they
     are malformed (the request is then routed without the cache, never rejected)."""
     for source in (kwargs, *args):
         for name in (*TOKEN_FIELDS, PROMPT_FIELD):
@@ -120,7 +123,10 @@ def parse_request(args: Sequence[Any], kwargs: Mapping[str, Any]) -> RoutedReque
             except (TypeError, ValueError):
                 return None
             target = _get(source, "target_worker")
-            return RoutedRequest(ids, scope, WorkerId(str(target)) if target else None)
+            session = _get(source, "session_id")
+            return RoutedRequest(
+                ids, scope, WorkerId(str(target)) if target else None, str(session) if session else None
+            )
     return None
 
 
@@ -229,6 +235,7 @@ class CacheRanker:
         self._overrides = {k: v for k, v in (routing or {}).items() if k in known}
         self._decode_weight = self.config(1).decode_weight  # validates the overrides now
         self._policies: dict[int, RoutingPolicy] = {}
+        self._session_keys: dict[int, SessionKeys] = {}
         self.link = IndexLink(connect, retry_after_s)
         self.time_budget_s = time_budget_s
         self.rng = random.Random(seed)
@@ -242,6 +249,18 @@ class CacheRanker:
     def config(self, tokens_per_block: int) -> RoutingConfig:
         """The shipped default with this router's overrides, for ``tokens_per_block``."""
         return replace(DEFAULT_ROUTING, **{**self._overrides, "tokens_per_block": tokens_per_block})
+
+    def keys(self, request: RoutedRequest, tokens_per_block: int) -> list[bytes]:
+        """The request's block keys, reusing its session's previous keys (ValueError for bad
+        tokens)."""
+        return list(self.sessions(tokens_per_block).keys(request.tokens, request.scope, request.session))
+
+    def sessions(self, tokens_per_block: int) -> SessionKeys:
+        """The per-session key reuse for deployments of ``tokens_per_block``."""
+        sessions = self._session_keys.get(tokens_per_block)
+        if sessions is None:
+            sessions = self._session_keys[tokens_per_block] = SessionKeys(tokens_per_block)
+        return sessions
 
     def policy(self, tokens_per_block: int) -> RoutingPolicy:
         """The policy (and its learned prices) for deployments of ``tokens_per_block``."""
@@ -269,7 +288,7 @@ class CacheRanker:
         if view is None:
             return self.fallback(replicas)
         try:
-            keys = block_keys(request.tokens, view.tokens_per_block, request.scope)
+            keys = self.keys(request, view.tokens_per_block)
         except ValueError:  # token ids out of range: no cache routing for this request
             return self.fallback(replicas)
         try:

@@ -18,19 +18,22 @@ ray_prefix
     match_rate_threshold = 0.1, no eviction. The tree is called in-process (Ray calls it through
     an actor, adding RPC latency not counted here). Ray's router does not know cache salts.
 raykv
-    The global index (``PrefixIndex.route`` over the request's block keys) scored by
-    :func:`raykv.routing.policy.choose_loads`: estimated time to first token on each worker (the work
-    queued ahead of it, from what a deployment reports, plus the prefill it does not hold), with
-    recomputed tokens charged ``1 / load_cost`` (keeps prefixes where they are) unless the prefix
-    is hot (in use by a request of this router still in flight on its holder), a load guard,
-    seeded ties; optionally (``RaykvTuning.predict``) the index is credited with the request's keys
-    until the worker's events land. The load it sees per worker is ``queued_prefill + (mean decode
-    units of finished requests) x in_flight`` (:class:`~raykv.replay.timing.ServerQueues`), not
-    the simulator's exact outstanding work, which depends on output lengths no router knows.
+    The global index (``PrefixIndex.route`` over the request's block keys) and the one routing
+    policy, :class:`raykv.routing.adaptive.RoutingPolicy` over
+    :data:`~raykv.routing.policy.DEFAULT_ROUTING` (only the replay's deployment facts changed:
+    :func:`replay_routing`): estimated time to first token on each worker (the work queued ahead
+    of it, from what a deployment reports, plus the prefill it does not hold), a duplicate of a
+    block another worker holds charged the learned duplicate price unless the prefix is hot (in
+    use by a request of this router still in flight on its holder), a load guard that scales
+    with the observed work per request, seeded ties. The load it sees per worker is
+    ``queued_prefill + (mean decode units of finished requests) x in_flight``
+    (:class:`~raykv.replay.timing.ServerQueues`), not the simulator's exact outstanding work,
+    which depends on output lengths no router knows.
 raykv_pull
     raykv with ``allow_pulls``: a worker may pull the part of the prefix another worker holds; the
-    pull's credit ``w_remote`` comes from the timing model (1 - pull time / prefill time). No hot
-    waiver: a pull, not a recompute, spreads a hot prefix (the waiver only cost hits here).
+    pull is priced at the observed pull time per token over the observed prefill time per token
+    (the worker reports both after each request: :meth:`Router.observed`). A hot prefix spreads
+    by pulling to the worker that load picks.
 pooled
     The ideal: one cache of the same total capacity shared by every server (what pulls would make
     of the workers' caches), dispatched with the load information raykv has: the least reported

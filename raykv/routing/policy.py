@@ -1,31 +1,28 @@
-"""Cache-aware routing cost model (pure; Serve routers, the replay and plain callers share it).
+"""Cache-aware routing cost model (pure; the one policy, :mod:`raykv.routing.adaptive`, uses it).
 
-For a request of ``num_tokens`` tokens and each candidate worker:
+For a request of ``num_tokens`` tokens and each candidate worker, at prices ``p`` (:class:`Prices`):
 
-    credit  = tokens_per_block * (w_gpu * gpu + w_host * host + w_disk * disk + w_pred * predicted
-                                  + w_remote * pullable)
-    cost    = prefill_cost * (num_tokens - credit) + load_cost * load
+    credit  = tokens_per_block * (w_gpu * gpu + w_host * host + w_disk * disk + w_pred * predicted)
+    other   = blocks some other worker holds beyond this worker's own prefix
+    cost    = prefill_cost * (num_tokens - credit - tokens_per_block * other)
+              + tokens_per_block * other * (prefill_cost * p.pull          with pulls
+                                            prefill_cost + p.duplicate)    without
+              + load
 
-``gpu/host/disk/predicted`` come from the index's RouteMatch for that worker; ``pullable`` is how
-many more leading blocks some other worker holds beyond this worker's own prefix (only when
-cross-worker pulls are enabled; ``1 - w_remote`` is a pulled block's transfer time as a fraction of
-its prefill time). ``load`` is the work queued ahead of the request on that worker, in
-token-equivalents as its worker reports them: queued prefill tokens plus ``decode_weight`` (the
-expected decode work of one request, in prefill-token units) per request decoding or waiting to.
+``gpu/host/disk/predicted`` come from the index's RouteMatch for that worker. ``load`` is the work
+queued ahead of the request on that worker, in token-equivalents as its worker reports them:
+queued prefill tokens plus ``decode_weight`` (the expected decode work of one request, in
+prefill-token units) per request decoding or waiting to.
 
-Contract: with ``prefill_cost == load_cost == 1`` the cost is the request's estimated time to first
-token on that worker, times the worker's prefill speed (a FIFO worker first works off its queue,
-then prefills what it does not hold). ``load_cost < 1`` keeps a prefix where it is: it charges
-``1 / load_cost - 1`` extra token-equivalents per recomputed token, the price of the duplicate
-copy a recompute leaves and of the work it adds for everyone queued after it. That price is wrong
-for a *hot* prefix, one a request still in flight on its holder is using: a second copy then serves
-concurrent requests (a burst of agent branches) instead of going stale, and the holder's queue is
-made of those very requests. A caller that can tell (``hot``: was the winner's cached prefix routed
-to it by a request that has not finished?) gets the decision re-made with ``hot_load_cost``
-(default 1: pure estimated TTFT).
+Contract: the cost is the request's estimated time to first token on that worker, times the
+worker's prefill speed (a FIFO worker first works off its queue, then pulls and prefills what it
+does not hold; ``p.pull`` is a pulled token's time as a fraction of its prefill time), plus, for a
+block another worker already holds and this one would recompute, ``p.duplicate`` token-equivalents:
+the price of the duplicate copy the recompute leaves. The prices are learned online by
+:class:`raykv.routing.adaptive.RoutingPolicy`; :func:`static_prices` are its starting values.
 
 A load-imbalance guard drops candidates whose load exceeds ``imbalance_factor`` x the least-loaded
-candidate's load plus ``imbalance_slack`` tokens (so a prefix cannot pile everything on one worker).
+candidate's load plus ``p.slack`` tokens (so a prefix cannot pile everything on one worker).
 The lowest cost wins; ties break by a seeded RNG, so a router replays identically.
 """
 

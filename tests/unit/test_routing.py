@@ -85,8 +85,8 @@ def test_predicted_blocks_count_like_gpu_by_default() -> None:
 
 
 def test_equal_weights_make_the_cost_the_estimated_ttft() -> None:
-    # A FIFO worker first works off its queue, then prefills what it lacks: with prefill_cost ==
-    # load_cost == 1 the cost is that time in tokens, so a busy holder loses to an idle worker.
+    # A FIFO worker first works off its queue, then prefills what it lacks: with prefill_cost 1
+    # and no duplicate price the cost is that time in tokens, so a busy holder loses to an idle worker.
     cfg = RoutingConfig(tokens_per_block=16, price_start=0.0, imbalance_slack=1e9)
     matches = {A: RouteMatch(A, 4, gpu=4)}
     d = choose(160, loads(a=500, b=0), matches, cfg)

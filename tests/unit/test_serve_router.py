@@ -289,6 +289,7 @@ class Req:
         ((), {"token_ids": [4], "cache_salt": "s"}, RoutedRequest((4,), ReuseScope.from_cache_salt("s"))),
         ((Req(),), {}, RoutedRequest((5, 6, 7), ReuseScope(2, 99))),
         (({"tokens": [1], "target_worker": "w-a"},), {}, RoutedRequest((1,), ReuseScope(), A)),
+        (({"tokens": [1], "session_id": 12},), {}, RoutedRequest((1,), ReuseScope(), None, "12")),
         (("just text",), {}, None),
         (({"tokens": ["x"]},), {}, None),
         (({"tokens": [1], "lora_id": -1},), {}, None),
@@ -301,6 +302,18 @@ class Req:
 )
 def test_parse_request(args: tuple[Any, ...], kwargs: dict[str, Any], want: RoutedRequest | None) -> None:
     assert parse_request(args, kwargs) == want
+
+
+def test_a_session_hashes_only_its_new_blocks() -> None:
+    index = FakeIndex()
+    index.hold(B, toks(4, 24))
+    r = ranker(index)
+    turn1 = RoutedRequest(tuple(toks(4, 24)), ReuseScope(), None, "chat-1")
+    turn2 = RoutedRequest(tuple(toks(4, 40)), ReuseScope(), None, "chat-1")
+    assert first(run(r.rank(replicas(0, 0, 0), turn1))) == ["r1"]
+    assert first(run(r.rank(replicas(0, 0, 0), turn2))) == ["r1"]
+    assert r.sessions(TPB).reused_blocks == len(toks(4, 24)) // TPB
+    assert r.keys(turn2, TPB) == block_keys(toks(4, 40), TPB)
 
 
 def test_routing_overrides_are_validated() -> None:
