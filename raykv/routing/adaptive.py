@@ -19,6 +19,12 @@ up to date from what the deployment shows it, instead of per-trace constants:
   of what each routed request adds to its worker: the tokens it recomputes plus its expected
   decode work), at least ``imbalance_slack`` tokens (no guard before the first decision).
 
+- the balance: each worker's share of the work routed over about the last ``balance_window``
+  decisions (exponentially decayed, :class:`WorkShares`); a worker whose share exceeds
+  ``balance_limit`` x the mean share is left out of the decision (from the
+  ``balance_window / 10``-th decision on, when the shares mean something), so sessions that stay
+  with their prefix cannot leave a worker idle or overloaded for long.
+
 A *hot* prefix (``hot(worker, blocks)``: the winner's prefix was brought by a request still in
 flight on it) is a burst: a second copy then serves concurrent requests instead of going stale, so
 the decision is re-made with ``hot_price`` as the duplicate price. Not thread-safe; one policy per
@@ -43,6 +49,31 @@ still in flight on it?"""
 _EWMA = 0.02  # weight of one observation in the running averages (about the last 50)
 
 
+class WorkShares:
+    """Work routed to each worker, decayed by ``1 - 1/window`` per decision (lazily: the newest
+    work is scaled up instead of every total scaled down)."""
+
+    def __init__(self, window: int) -> None:
+        self._grow = 1.0 / (1.0 - 1.0 / window) if window > 1 else 1e6
+        self._scale = 1.0
+        self.totals: dict[WorkerId, float] = {}
+
+    def add(self, worker: WorkerId, work: float) -> None:
+        """``worker`` was given ``work`` token-equivalents now."""
+        self._scale *= self._grow
+        if self._scale > 1e200:  # renormalise before the floats overflow
+            self.totals = {w: t / self._scale for w, t in self.totals.items()}
+            self._scale = 1.0
+        self.totals[worker] = self.totals.get(worker, 0.0) + work * self._scale
+
+    def over(self, workers: Sequence[WorkerId], limit: float) -> list[bool]:
+        """Per worker, is its share above ``limit`` x the mean share of ``workers``?"""
+        get = self.totals.get
+        shares = [get(w, 0.0) for w in workers]
+        cap = limit * sum(shares) / len(shares)
+        return [x > cap for x in shares]
+
+
 class RoutingPolicy:
     """Cache-aware routing with online prices (module docstring). ``cfg`` defaults to
     :data:`~raykv.routing.policy.DEFAULT_ROUTING`."""
@@ -55,6 +86,8 @@ class RoutingPolicy:
         self._prefill_s = 0.0  # running mean seconds per prefilled token
         self._down = math.exp(-cfg.price_step)
         self.decisions = 0
+        self.shares = WorkShares(cfg.balance_window)
+        self._warm = cfg.balance_window // 10  # decisions before the shares are trusted
         self._prices = self._current()
 
     @property
@@ -92,6 +125,10 @@ class RoutingPolicy:
         if not workers:
             raise InvalidArgumentError("candidates", "no candidate workers")
         cfg, prices = self.cfg, self._prices
+        if self.decisions >= self._warm:
+            over = self.shares.over(workers, cfg.balance_limit)
+            if any(over):  # the least-shared worker is never over: someone stays
+                loads = [math.inf if o else load for o, load in zip(over, loads)]
         d = decide_at(num_tokens, workers, loads, matches, cfg, prices, rng)
         if hot is not None and d.cached_blocks > 0 and not cfg.allow_pulls and hot(d.worker, d.cached_blocks):
             d = decide_at(
@@ -112,6 +149,7 @@ class RoutingPolicy:
         tpb = cfg.tokens_per_block
         work = max(0, num_tokens - tpb * (d.cached_blocks + d.pull_blocks)) + decode_work
         self._work = work if not self.decisions else self._work + _EWMA * (work - self._work)
+        self.shares.add(d.worker, work)
         self.decisions += 1
         budget = cfg.recompute_budget
         if d.duplicated:

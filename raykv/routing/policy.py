@@ -54,12 +54,14 @@ class RoutingConfig:
     decode_weight: float = 64.0
     imbalance_factor: float = 1.0
     imbalance_slack: float = 4096.0
-    guard_requests: float = 4.0
+    guard_requests: float = 8.0
     recompute_budget: float = 0.003
     price_start: float = 4.0
     price_step: float = 0.01
     price_max: float = 64.0
-    hot_price: float = 1.0
+    hot_price: float = 2.0
+    balance_limit: float = 1.2
+    balance_window: int = 3000
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -89,6 +91,8 @@ class RoutingConfig:
             raise InvalidArgumentError(
                 "recompute_budget", f"must be in (0, 1), got {self.recompute_budget!r}"
             )
+        if not self.balance_limit >= 1.0 or self.balance_window < 1:
+            raise InvalidArgumentError("balance_limit", "balance_limit must be >= 1, balance_window >= 1")
         if self.price_start > self.price_max:
             raise InvalidArgumentError("price_start", "must be <= price_max")
 

@@ -77,8 +77,8 @@ TTFT_ONLY = replace(DEFAULT_ROUTING, price_start=0.0, hot_price=0.0)  # no price
 def test_a_burst_on_one_prefix_spreads_once_its_queue_outweighs_the_recompute() -> None:
     """A burst of requests on one hot prefix (the first still in flight on its holder): by
     estimated TTFT alone every other request recomputes elsewhere; at the default hot price (a
-    duplicate costs its recompute once more) the burst stays until its queue costs twice the
-    recompute, then moves once (one duplicate, not one per request), with the same worst TTFT;
+    duplicate costs its recompute twice more) the burst stays until its queue costs three times
+    the recompute, then moves once (one duplicate, not one per request);
     at a high hot price (9) it queues on the holder until the load guard (``guard_requests``
     mean requests of work above the idle worker) sends it away."""
     ctx = list(range(8))  # 4096 tokens: 4.1 s of prefill at 1000 tokens/s
@@ -90,9 +90,9 @@ def test_a_burst_on_one_prefix_spreads_once_its_queue_outweighs_the_recompute() 
     res = _raykv(burst)
     moves = sum(a != b for a, b in itertools.pairwise(res.chosen))
     assert res.chosen[:3] == [res.chosen[0]] * 3 and 1 <= moves <= 2
-    assert max(res.ttft) <= max(ttft_only.ttft) + 0.05
+    assert max(ttft_only.ttft) < max(res.ttft)  # one duplicate instead of ten costs some queueing
     sticky = _raykv(burst, replace(DEFAULT_ROUTING, hot_price=9.0))  # queues up until the load guard
-    assert sticky.chosen[:15] == [sticky.chosen[0]] * 15 and max(sticky.ttft) > max(res.ttft) + 2.0
+    assert sticky.chosen[:15] == [sticky.chosen[0]] * 15 and max(sticky.ttft) > max(res.ttft) + 1.0
 
 
 def test_a_cold_prefix_keeps_its_recompute_charge() -> None:

@@ -145,3 +145,17 @@ def test_every_router_starts_from_the_one_default_configuration() -> None:
     for name in ("serve_app.py", "vllm_serve.py", "pd_disagg.py", "pd_disagg_core.py"):
         text = (examples / name).read_text()
         assert '"routing"' not in text and "RoutingConfig(" not in text, name
+
+
+def test_a_worker_past_its_share_of_the_work_is_left_out() -> None:
+    """A holds every prefix and all loads look equal: at first everything goes to A; once the
+    shares are trusted (balance_window / 10 decisions) A is left out whenever its decayed share
+    of the work exceeds balance_limit x the mean, so B gets work although it holds nothing."""
+    cfg = dataclasses.replace(CFG, balance_window=100, balance_limit=1.2, price_start=0.5)
+    policy = RoutingPolicy(cfg)
+    held = {A: RouteMatch(A, 10, gpu=10)}
+    picks = [policy.decide(160, [A, B], [0.0, 0.0], held).worker for _ in range(400)]
+    assert picks[:10] == [A] * 10
+    assert picks[200:].count(B) > 20  # B recomputes (224 units a request), A hits (64)
+    totals = policy.shares.totals
+    assert 0.5 < totals[A] / (totals[A] + totals[B]) < 0.62  # held near balance_limit x the mean
