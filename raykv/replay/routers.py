@@ -68,7 +68,7 @@ from raykv.replay.peer_tree import new_prefix_tree
 from raykv.replay.timing import ServerQueues, TimingConfig
 from raykv.replay.trace import BLOCK_TOKENS, Request, block_text
 from raykv.routing.adaptive import RoutingPolicy
-from raykv.routing.policy import DEFAULT_ROUTING, RoutingConfig
+from raykv.routing.policy import DEFAULT_ROUTING, Decision, RoutingConfig
 
 ROUTERS = ("random", "pow2", "ray_prefix", "raykv", "raykv_pull", "pooled", "pooled_oracle")
 _NEW = tuple.__new__  # builds a NamedTuple from its field values without the generated __new__
@@ -265,6 +265,7 @@ class RaykvRouter(Router):
         self._routed: dict[bytes, tuple[int, float]] = {}  # key -> (server, when) of its last request
         self._keys: Sequence[bytes] = ()
         self._queues: ServerQueues | None = None
+        self._decided: tuple[int, Decision, float] = (0, Decision(WorkerId(""), 0.0, 0, None, 0, ()), 0.0)
 
     def choose(self, p: Prepared, queues: ServerQueues) -> Choice:
         """The decision the replay times: index route, reported loads, the policy (module doc)."""
@@ -279,7 +280,9 @@ class RaykvRouter(Router):
             self.rng,
             self._hot,
             queues.mean_decode_units,
+            learn=False,  # the policy learns in routed(), the router's update after dispatch
         )
+        self._decided = (p.req.input_length, d, queues.mean_decode_units)
         server = self.server_of[d.worker]
         pull_from = d.pull_from
         if pull_from is None:
@@ -298,6 +301,7 @@ class RaykvRouter(Router):
 
     def routed(self, p: Prepared, choice: Choice) -> None:
         self._routed.update(dict.fromkeys(p.keys, (choice.server, self.ctx.clock())))
+        self.policy.learn(*self._decided)
 
     def observed(self, pulled_tokens: int, pull_s: float, prefilled_tokens: int, prefill_s: float) -> None:
         """What the chosen worker reports after the request: its pull's and prefill's times."""

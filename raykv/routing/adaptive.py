@@ -88,6 +88,8 @@ class RoutingPolicy:
         self.decisions = 0
         self.shares = WorkShares(cfg.balance_window)
         self._warm = cfg.balance_window // 10  # decisions before the shares are trusted
+        self._excluded: frozenset[WorkerId] = frozenset()  # past their share (set by learn)
+        self._workers: Sequence[WorkerId] = ()
         self._prices = self._current()
 
     @property
@@ -117,18 +119,22 @@ class RoutingPolicy:
         rng: random.Random | None = None,
         hot: HotPrefix | None = None,
         decode_work: float | None = None,
+        learn: bool = True,
     ) -> Decision:
         """The lowest-cost worker (:func:`~raykv.routing.policy.choose_loads` at the current
-        prices; a hot winner re-decided at ``hot_price``), then learn from the decision.
-        ``decode_work``: a request's expected decode work in token-equivalents (default
-        ``decode_weight``). Raises InvalidArgumentError when there is no candidate."""
+        prices, leaving out workers past their share of the work; a hot winner re-decided at
+        ``hot_price``), then (``learn``) :meth:`learn` from it; a router that learns after
+        dispatching passes ``learn=False`` and calls :meth:`learn` itself. ``decode_work``: a
+        request's expected decode work in token-equivalents (default ``decode_weight``). Raises
+        InvalidArgumentError when there is no candidate."""
         if not workers:
             raise InvalidArgumentError("candidates", "no candidate workers")
-        cfg, prices = self.cfg, self._prices
-        if self.decisions >= self._warm:
-            over = self.shares.over(workers, cfg.balance_limit)
-            if any(over):  # the least-shared worker is never over: someone stays
-                loads = [math.inf if o else load for o, load in zip(over, loads)]
+        cfg, prices, excluded = self.cfg, self._prices, self._excluded
+        self._workers = workers
+        if excluded:
+            kept = [math.inf if w in excluded else load for w, load in zip(workers, loads)]
+            if min(kept) < math.inf:  # someone stays
+                loads = kept
         d = decide_at(num_tokens, workers, loads, matches, cfg, prices, rng)
         if hot is not None and d.cached_blocks > 0 and not cfg.allow_pulls and hot(d.worker, d.cached_blocks):
             d = decide_at(
@@ -140,17 +146,22 @@ class RoutingPolicy:
                 Prices(cfg.hot_price, prices.pull, prices.slack),
                 rng,
             )
-        self.learn(num_tokens, d, cfg.decode_weight if decode_work is None else decode_work)
+        if learn:
+            self.learn(num_tokens, d, cfg.decode_weight if decode_work is None else decode_work)
         return d
 
     def learn(self, num_tokens: int, d: Decision, decode_work: float = 0.0) -> None:
-        """Update the duplicate price and the mean work per request after decision ``d``."""
+        """After decision ``d`` (for a prompt of ``num_tokens``): update the duplicate price, the
+        mean work per request, the work shares and the workers past their share."""
         cfg = self.cfg
         tpb = cfg.tokens_per_block
         work = max(0, num_tokens - tpb * (d.cached_blocks + d.pull_blocks)) + decode_work
         self._work = work if not self.decisions else self._work + _EWMA * (work - self._work)
         self.shares.add(d.worker, work)
         self.decisions += 1
+        if self.decisions >= self._warm and self._workers:
+            over = self.shares.over(self._workers, cfg.balance_limit)
+            self._excluded = frozenset(w for w, o in zip(self._workers, over) if o)
         budget = cfg.recompute_budget
         if d.duplicated:
             share = min(1.0, d.duplicated * cfg.tokens_per_block / max(1, num_tokens))
