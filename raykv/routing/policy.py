@@ -98,7 +98,7 @@ class RoutingConfig:
 
 
 DEFAULT_ROUTING = RoutingConfig()
-"""The one shipped routing configuration: the Serve router, ``Deployment.pick_worker``, the replay,
+"""The one shipped routing configuration: the Serve router, ``RayKVCluster.pick_worker``, the replay,
 the demo and the examples all start from this object (deployment facts such as
 ``tokens_per_block``, the tier weights of a replay worker or ``allow_pulls`` are set with
 ``dataclasses.replace``; the policy's prices are learned online, :mod:`raykv.routing.adaptive`)."""
