@@ -20,6 +20,7 @@ import logging
 import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from actors.liveness import Pinger
@@ -31,7 +32,7 @@ from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
 from raykv.integrations.hf import leading_blocks
 from raykv.routing.pd import PDConfig, PDDecision, choose_pair
-from raykv.routing.policy import RoutingConfig, WorkerLoad
+from raykv.routing.policy import DEFAULT_ROUTING, WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ class PDPairer:
                 matches = await asyncio.wait_for(view.index.route_async(keys), self.time_budget_s)
             except Exception:
                 self.link.failed()
-        cfg = self.config or PDConfig(RoutingConfig(tokens_per_block=tpb))
+        cfg = self.config or PDConfig(replace(DEFAULT_ROUTING, tokens_per_block=tpb))
         pre = [WorkerLoad(w, self.queued[w], self.decodes[w]) for w in self.live(self.prefill)]
         dec = [WorkerLoad(w, self.queued[w], self.decodes[w]) for w in self.live(self.decode)]
         decision = choose_pair(len(request.tokens), pre, dec, matches, cfg, self.nodes, self.rng)

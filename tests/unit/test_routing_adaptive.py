@@ -114,6 +114,7 @@ def test_every_router_starts_from_the_one_default_configuration() -> None:
 
     import actors.cluster
     import actors.demo
+    import actors.serve_kv
     import raykv.bench.routing
     from actors.serve import CacheRanker
     from raykv.replay.grid import GridSpec
@@ -139,6 +140,7 @@ def test_every_router_starts_from_the_one_default_configuration() -> None:
     assert changed <= facts
     assert "DEFAULT_ROUTING" in inspect.getsource(actors.cluster.RayKVCluster.pick_worker)
     assert "DEFAULT_ROUTING" in inspect.getsource(raykv.bench.routing)
+    assert "DEFAULT_ROUTING" in inspect.getsource(actors.serve_kv.PDPairer)  # pd_disagg's pairing
     assert "GridSpec(" in inspect.getsource(actors.demo.run_ray_demo)  # GridSpec's routing: the default
     assert "routing=" not in inspect.getsource(actors.demo.run_ray_demo)
     examples = Path(__file__).resolve().parents[2] / "examples"
