@@ -83,6 +83,13 @@ def runs(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> list[tuple[i
 
 def _compile_kernel(device: int) -> Any:
     """Compile and load the page-copy kernel for ``device`` (NVRTC, once per process)."""
+    return compile_kernel(device, _KERNEL, "raykv_copy_pages")
+
+
+def compile_kernel(device: int, source: str, name: str) -> tuple[Any, Any]:
+    """Compile CUDA C ``source`` for ``device``'s architecture with NVRTC and load it: (module,
+    function ``name``). CudaError with NVRTC's log when it does not compile; ImportError without
+    cuda-python's nvrtc."""
     from cuda.bindings import nvrtc
 
     drv = driver()
@@ -90,7 +97,7 @@ def _compile_kernel(device: int) -> Any:
     attr = drv.CUdevice_attribute
     major = check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cc")
     minor = check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cc")
-    err, prog = nvrtc.nvrtcCreateProgram(_KERNEL.encode(), b"raykv_copy.cu", 0, [], [])
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], [])
     opts = [f"--gpu-architecture=sm_{major}{minor}".encode()]
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     if int(err) != 0:
@@ -103,7 +110,7 @@ def _compile_kernel(device: int) -> Any:
     nvrtc.nvrtcGetCUBIN(prog, cubin)
     nvrtc.nvrtcDestroyProgram(prog)
     module = check(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
-    return module, check(drv.cuModuleGetFunction(module, b"raykv_copy_pages"), "cuModuleGetFunction")
+    return module, check(drv.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
 
 
 class CudaCopier:

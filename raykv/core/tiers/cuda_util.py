@@ -138,6 +138,29 @@ def ensure_context(device: int) -> None:
     check(drv.cuCtxSetCurrent(primary_context(device)), "cuCtxSetCurrent")
 
 
+HOST_REGISTER_PORTABLE = 0x01
+HOST_REGISTER_READ_ONLY = 0x08
+
+
+def host_register(address: int, nbytes: int, read_only: bool = False, device: int = 0) -> None:
+    """Page-lock ``nbytes`` of host memory at ``address`` for every CUDA context of this process
+    (``cuMemHostRegister``, portable), so device copies DMA it directly. ``read_only``: the
+    memory is mapped without write access (a peer's tier mapped PROT_READ); devices only read it.
+    Undo with :func:`host_unregister` before the memory is unmapped. CudaError when the driver
+    refuses (no CUDA, the locked-memory limit, read-only registration unsupported)."""
+    drv = driver()
+    ensure_context(device)
+    flags = HOST_REGISTER_PORTABLE | (HOST_REGISTER_READ_ONLY if read_only else 0)
+    check(drv.cuMemHostRegister(address, nbytes, flags), "cuMemHostRegister")
+
+
+def host_unregister(address: int, device: int = 0) -> None:
+    """Undo :func:`host_register` of the memory at ``address`` (CudaError when not registered)."""
+    drv = driver()
+    ensure_context(device)
+    check(drv.cuMemHostUnregister(address), "cuMemHostUnregister")
+
+
 def device_count() -> int:
     """CUDA devices visible to this process (0 when the driver is missing)."""
     try:
