@@ -28,7 +28,7 @@ import numpy.typing as npt
 
 from raykv.core.errors import CudaError
 from raykv.core.tiers.cuda_copy import compile_kernel
-from raykv.core.tiers.cuda_util import check, driver, ensure_context, torch_errors
+from raykv.core.tiers.cuda_util import ArgTables, check, driver, ensure_context, torch_errors
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +117,10 @@ class BlockKernel:
         self.device = device
         self.geometry = geometry
         self._function = function
-        self._tables = torch.tensor(
+        self._geometry = torch.tensor(
             [*geometry.bases, *geometry.offsets], dtype=torch.int64, device=device
         )  # int64 bit patterns of the addresses; the kernel reads them as unsigned
+        self._args = ArgTables(device.index or 0)
 
     def copy(
         self, page_addresses: npt.NDArray[np.int64], block_ids: npt.NDArray[np.int64], to_engine: bool
@@ -136,15 +137,15 @@ class BlockKernel:
         parts = len(g.bases)
         grid_x = parts * g.tokens
         grid_y = max(1, min(count, 65535, TARGET_BLOCKS // max(1, grid_x)))
-        stream = torch.cuda.current_stream(self.device)
-        host = torch.from_numpy(np.concatenate((page_addresses, block_ids)).astype(np.int64)).pin_memory()
-        table = host.to(self.device, non_blocking=True)
-        bases = self._tables.data_ptr()
+        handle = torch.cuda.current_stream(self.device).cuda_stream
+        ensure_context(self.device.index or 0)
+        table = self._args.upload(handle, (page_addresses, block_ids))
+        geometry = self._geometry.data_ptr()
         values = (
-            table.data_ptr(),
-            table.data_ptr() + 8 * count,
-            bases,
-            bases + 8 * parts,
+            table,
+            table + 8 * count,
+            geometry,
+            geometry + 8 * parts,
             count,
             g.tokens,
             g.kernel_tokens,
@@ -154,12 +155,12 @@ class BlockKernel:
             int(to_engine),
         )
         types = (ctypes.c_void_p,) * 4 + (ctypes.c_int,) * 5 + (ctypes.c_longlong,) * 4 + (ctypes.c_int,)
-        ensure_context(self.device.index or 0)
         with torch_errors("block copy kernel"):
             result = driver().cuLaunchKernel(
-                self._function, grid_x, grid_y, 1, THREADS, 1, 1, 0, stream.cuda_stream, (values, types), 0
+                self._function, grid_x, grid_y, 1, THREADS, 1, 1, 0, handle, (values, types), 0
             )
         check(result, f"cuLaunchKernel({NAME})")
+        self._args.record(handle)
 
 
 def block_kernel(device: Any, geometry: PartGeometry | None) -> BlockKernel | None:
