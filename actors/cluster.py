@@ -21,10 +21,11 @@ import ray
 
 from actors.index import IndexClient, IndexShard
 from actors.liveness import CALL_TIMEOUT_S, START_TIMEOUT_S, Pinger, wait
+from actors.settings import DeploymentConfig
 from actors.transfer import deployment_transfer_config
 from actors.worker import CacheWorker
 from raykv.core.config import CacheConfig, KVLayout, TierConfig
-from raykv.core.errors import StateError, TransferError, TransferFailure, UnavailableError
+from raykv.core.errors import ConfigError, StateError, TransferError, TransferFailure, UnavailableError
 from raykv.core.keys import MultimodalItem, ReuseScope, TokenSeq, block_keys
 from raykv.core.stats import CacheStats
 from raykv.core.types import WorkerId
@@ -51,6 +52,10 @@ class DeploymentSpec:
     # the transfer settings the workers started with (None: each worker binds its node's IP).
     token: bytes = field(default=b"", repr=False)
     transfer: TransferConfig | None = None
+    # The cost model ``pick_worker`` uses by default (None: RoutingConfig's defaults), and the
+    # detached placement group holding one GPU bundle per worker (None: CPU workers).
+    routing: RoutingConfig | None = None
+    placement_group: Any = None
 
 
 class Registry:
@@ -159,7 +164,8 @@ class RayKVCluster:
     ) -> Decision:
         """Route with the cost model and credit the chosen worker with the request's blocks.
 
-        ``loads`` defaults to every worker idle. Only live workers are candidates
+        ``routing`` defaults to the deployment's (``start(routing=...)``), else RoutingConfig's
+        defaults. ``loads`` defaults to every worker idle. Only live workers are candidates
         (:meth:`live_workers`; a load for a worker not in the deployment is kept as given). The
         credit (a predicted index entry with a short TTL) makes parallel requests with the same
         prefix follow the first one before its events arrive. Returns within ``call_timeout_s``.
@@ -167,7 +173,7 @@ class RayKVCluster:
         """
         keys = self.keys(tokens, scope)
         matches = self.index.route(keys)
-        cfg = routing or RoutingConfig(tokens_per_block=self.config.tokens_per_block)
+        cfg = routing or self.spec.routing or RoutingConfig(tokens_per_block=self.config.tokens_per_block)
         cands = list(loads) if loads is not None else [WorkerLoad(w) for w in self.worker_ids]
         known = set(self.worker_ids)
         usable = set(
@@ -271,7 +277,8 @@ class RayKVCluster:
         self.liveness.close()
 
     def shutdown(self) -> None:
-        """Stop every actor of the deployment (workers release their tiers first)."""
+        """Stop every actor of the deployment (workers release their tiers first, removing their
+        disk-tier files) and remove its placement group."""
         self.close()
         for handle in self.workers.values():
             try:
@@ -284,6 +291,11 @@ class RayKVCluster:
                 ray.kill(ray.get_actor(name, namespace=self.namespace), no_restart=True)
             except ValueError:
                 pass
+        if self.spec.placement_group is not None:
+            try:
+                ray.util.remove_placement_group(self.spec.placement_group)
+            except Exception:
+                log.warning("raykv: could not remove placement group %s", self.spec.placement_group.id)
 
 
 def _lookup(name: str, namespace: str) -> Any:
@@ -327,20 +339,40 @@ def _start_shards(spec: DeploymentSpec) -> None:
             num_cpus=0,
             max_restarts=-1,
             max_concurrency=64,  # type: ignore[arg-type]
+            scheduling_strategy="SPREAD",
             **_detached(spec.namespace),
         ).remote(i, len(spec.shards), spec.namespace, spec.workers)
+
+
+def _gpu_placement_group(n: int, worker_resources: Sequence[dict[str, float]]) -> Any:
+    """A detached placement group of ``n`` bundles ``{"GPU": 1, **worker_resources[i]}``, spread
+    over the nodes as far as they allow; StateError (nothing left behind) when Ray cannot place
+    it within ``START_TIMEOUT_S``."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundles = [{"GPU": 1.0, **(dict(worker_resources[i]) if worker_resources else {})} for i in range(n)]
+    pg = placement_group(bundles, strategy="SPREAD", lifetime="detached")
+    ready, _ = ray.wait([pg.ready()], timeout=START_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(pg)
+        raise StateError(f"raykv: Ray could not place {n} GPU bundles {bundles} in {START_TIMEOUT_S:g}s")
+    return pg
 
 
 def _start_workers(
     spec: DeploymentSpec,
     worker_class: type[CacheWorker],
-    use_gpu: bool,
-    worker_resources: Sequence[dict[str, float]] | None,
+    worker_resources: Sequence[dict[str, float]],
     max_restarts: int,
 ) -> None:
     """Create the named ``worker_class`` actors of ``spec``; each attaches to the shards and starts
-    its page server with the deployment's token as it is constructed."""
+    its page server with the deployment's token as it is constructed. GPU workers take bundle i
+    of ``spec.placement_group``; CPU workers are spread over the nodes that have their
+    ``worker_resources``."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     worker_cls = ray.remote(worker_class)
+    pg = spec.placement_group
     for i, (name, lane) in enumerate(spec.workers):
         res = dict(worker_resources[i]) if worker_resources else {}
         opts: dict[str, Any] = {
@@ -348,9 +380,14 @@ def _start_workers(
             "max_concurrency": 8,
             "max_restarts": max_restarts,
             "resources": res,
+            "num_cpus": 0,
             **_detached(spec.namespace),
         }
-        opts.update({"num_gpus": 1} if use_gpu else {"num_cpus": 0})
+        if pg is not None:
+            opts["num_gpus"] = 1
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+        else:
+            opts["scheduling_strategy"] = "SPREAD"
         worker_cls.options(**opts).remote(
             name,
             lane,
@@ -371,13 +408,18 @@ def start(
     max_restarts: int = 0,
     transfer: TransferConfig | None = None,
     worker_class: type[CacheWorker] = CacheWorker,
+    routing: RoutingConfig | None = None,
 ) -> RayKVCluster:
     """Start a deployment and return its handle.
 
     Uses the cluster at ``address`` (or RAY_ADDRESS), else an embedded local Ray. One worker per
-    GPU by default (``num_gpus=1`` each), else ``num_workers`` CPU workers (default 2).
-    ``worker_resources[i]`` adds custom resources to worker i (e.g. to pin it to a node). Raises
-    StateError if a deployment already runs in ``namespace``, ValueError for bad counts.
+    GPU by default (``num_gpus=1`` each, bundle i of a detached placement group spread over the
+    nodes), else ``num_workers`` CPU workers (default 2) spread over the nodes; index shards are
+    spread over the nodes too. ``worker_resources[i]`` adds custom resources to worker i (e.g. to
+    pin it to a node). ``routing`` is the cost model ``pick_worker`` uses by default. The
+    deployment arguments are checked as :class:`actors.settings.DeploymentConfig` (ConfigError,
+    a ValueError, naming the argument). Raises StateError if a deployment already runs in
+    ``namespace`` or its GPU bundles cannot be placed.
     Every worker starts a page server (``CacheWorker.pull``) checking a fresh deployment token;
     ``transfer`` sets where it binds and its limits (default: 127.0.0.1 when every Ray node is on
     this machine, else each worker's node IP; see ``actors.transfer``).
@@ -385,8 +427,7 @@ def start(
     constructor arguments (tests, ``raykv demo`` and replays through Ray pass
     :class:`actors.testing.TestingCacheWorker`, whose content oracle stands in for an engine).
     """
-    if index_shards < 1:
-        raise ValueError(f"index_shards must be >= 1, got {index_shards}")
+    DeploymentConfig(namespace, num_workers, index_shards, max_restarts, tuple(worker_resources or ()))
     if not (isinstance(worker_class, type) and issubclass(worker_class, CacheWorker)):
         raise ValueError(f"worker_class must be CacheWorker or a subclass, got {worker_class!r}")
     _ensure_ray(address, namespace)
@@ -398,18 +439,27 @@ def start(
     gpus = int(ray.cluster_resources().get("GPU", 0))
     use_gpu = gpus > 0 and num_workers is None
     n = gpus if use_gpu else (num_workers if num_workers is not None else 2)
-    if n < 1:
-        raise ValueError(f"num_workers must be >= 1, got {n}")
+    resources = list(worker_resources or ())
+    if resources and len(resources) != n:
+        raise ConfigError("worker_resources", f"has {len(resources)} entries for {n} workers")
     config = config or default_config(use_gpu)
     transfer = deployment_transfer_config(transfer)
     workers = tuple((f"raykv-worker-{i}", i) for i in range(n))
     shards = tuple(f"raykv-index-{i}" for i in range(index_shards))
+    pg = _gpu_placement_group(n, resources) if use_gpu else None
     spec = DeploymentSpec(
-        namespace, config, workers, shards, token=secrets.token_bytes(32), transfer=transfer
+        namespace,
+        config,
+        workers,
+        shards,
+        token=secrets.token_bytes(32),
+        transfer=transfer,
+        routing=routing,
+        placement_group=pg,
     )
     ray.remote(Registry).options(name=REGISTRY, num_cpus=0, **_detached(namespace)).remote(spec)  # type: ignore[arg-type]
     _start_shards(spec)
-    _start_workers(spec, worker_class, use_gpu, worker_resources, max_restarts)
+    _start_workers(spec, worker_class, resources, max_restarts)
     handle = RayKVCluster(spec, owner=True)
     wait([w.health.remote() for w in handle.workers.values()], "raykv workers", START_TIMEOUT_S)
     wait([s.ping.remote() for s in handle.shards], "raykv index shards", START_TIMEOUT_S)
