@@ -330,8 +330,18 @@ def _detached(namespace: str) -> dict[str, Any]:
     return {"namespace": namespace, "lifetime": "detached"}
 
 
+def _spread(i: int) -> Any:
+    """Scheduling for the i-th actor of a kind: round robin over the alive nodes (sorted by
+    id), soft, so Ray places it elsewhere when that node cannot take it or is gone."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    return NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=True) if nodes else "DEFAULT"
+
+
 def _start_shards(spec: DeploymentSpec) -> None:
-    """Create the named IndexShard actors of ``spec`` (they restart without limit)."""
+    """Create the named IndexShard actors of ``spec`` (they restart without limit), spread over
+    the nodes."""
     shard_cls = ray.remote(IndexShard)
     for i, name in enumerate(spec.shards):
         shard_cls.options(
@@ -339,7 +349,7 @@ def _start_shards(spec: DeploymentSpec) -> None:
             num_cpus=0,
             max_restarts=-1,
             max_concurrency=64,  # type: ignore[arg-type]
-            scheduling_strategy="SPREAD",
+            scheduling_strategy=_spread(i),
             **_detached(spec.namespace),
         ).remote(i, len(spec.shards), spec.namespace, spec.workers)
 
@@ -367,8 +377,8 @@ def _start_workers(
 ) -> None:
     """Create the named ``worker_class`` actors of ``spec``; each attaches to the shards and starts
     its page server with the deployment's token as it is constructed. GPU workers take bundle i
-    of ``spec.placement_group``; CPU workers are spread over the nodes that have their
-    ``worker_resources``."""
+    of ``spec.placement_group``; CPU workers are spread over the nodes (round robin; a worker
+    whose ``worker_resources`` its node lacks goes where they are)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     worker_cls = ray.remote(worker_class)
@@ -387,7 +397,7 @@ def _start_workers(
             opts["num_gpus"] = 1
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
         else:
-            opts["scheduling_strategy"] = "SPREAD"
+            opts["scheduling_strategy"] = _spread(i)
         worker_cls.options(**opts).remote(
             name,
             lane,
@@ -414,8 +424,8 @@ def start(
 
     Uses the cluster at ``address`` (or RAY_ADDRESS), else an embedded local Ray. One worker per
     GPU by default (``num_gpus=1`` each, bundle i of a detached placement group spread over the
-    nodes), else ``num_workers`` CPU workers (default 2) spread over the nodes; index shards are
-    spread over the nodes too. ``worker_resources[i]`` adds custom resources to worker i (e.g. to
+    nodes), else ``num_workers`` CPU workers (default 2) spread round robin over the nodes;
+    index shards are spread the same way. ``worker_resources[i]`` adds custom resources to worker i (e.g. to
     pin it to a node). ``routing`` is the cost model ``pick_worker`` uses by default. The
     deployment arguments are checked as :class:`actors.settings.DeploymentConfig` (ConfigError,
     a ValueError, naming the argument). Raises StateError if a deployment already runs in

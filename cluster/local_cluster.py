@@ -2,7 +2,7 @@
 """A multi-node Ray cluster on one machine, to try ``raykv up`` as on a real cluster.
 
     python cluster/local_cluster.py start --nodes 2 [--dir /tmp/raykv-local] [--gpus-per-node 1]
-    export RAY_ADDRESS=$(python cluster/local_cluster.py address)
+    eval "$(python cluster/local_cluster.py env)"     # RAY_ADDRESS and Ray's token settings
     raykv up --config my.toml && raykv status && raykv down
     python cluster/local_cluster.py stop
 
@@ -13,12 +13,17 @@ without ``num_workers`` then places one worker per logical GPU through its place
 the cache CPU tiers only, ``[tiers.host]``/``[tiers.disk]``, on a machine without CUDA), the
 custom resource ``{"node<i>": 1}`` (pin worker i with ``worker_resources = [{node<i> = 0.01}]``)
 and a Prometheus endpoint on a free port. Ray binds this machine's address; its traffic stays on
-the machine. ``DIR/cluster.json`` records the GCS address and every node's metrics port.
+the machine. The cluster uses Ray's token authentication with a fresh token in ``DIR/auth_token``
+(never ``~/.ray/auth_token``): every process that connects needs ``RAY_AUTH_MODE=token`` and
+``RAY_AUTH_TOKEN_PATH=DIR/auth_token``, which ``env`` prints with ``RAY_ADDRESS``.
+``DIR/cluster.json`` records the GCS address, that environment and every node's metrics port.
 
 ``stop`` ends the processes of this cluster only: those whose command line names ``--dir`` and
 their descendants (the actors' worker processes), by process id, SIGTERM and then SIGKILL after
-a grace period; then it removes ``--dir``. It never runs ``ray stop``, which would end every Ray
-on the machine. Exit status 0, or 1 with a message when a step fails.
+``--grace`` seconds (default 3: Ray's raylet and GCS take 10 s and more to end on SIGTERM, and a
+throwaway cluster needs no drain; run ``raykv down`` first); then it removes ``--dir``. It never
+runs ``ray stop``, which would end every Ray on the machine. Exit status 0, or 1 with a message
+when a step fails.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -76,8 +82,13 @@ def start(args: argparse.Namespace) -> dict[str, object]:
     if (root / "cluster.json").exists():
         raise RuntimeError(f"{root} already holds a cluster; stop it first")
     root.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    env.pop("RAY_ADDRESS", None)
+    token = root / "auth_token"
+    token.touch(mode=0o600)
+    token.write_text(secrets.token_hex(32))
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **auth)
+    for var in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
+        env.pop(var, None)
     ports = [free_port() for _ in range(args.nodes)]
     gcs_port = free_port()
     head = [*ray_cli(), "start", "--head", f"--port={gcs_port}", f"--temp-dir={root}"]
@@ -88,6 +99,7 @@ def start(args: argparse.Namespace) -> dict[str, object]:
         _ray_start([*ray_cli(), "start", f"--address={address}", *_node_args(i, args, ports[i])], env)
     info: dict[str, object] = {
         "address": address,
+        "env": {"RAY_ADDRESS": address, **auth},
         "dir": str(root),
         "nodes": [{"resource": f"node{i}", "metrics_port": ports[i]} for i in range(args.nodes)],
     }
@@ -121,7 +133,7 @@ def cluster_pids(root: Path) -> list[int]:
     return sorted(found)
 
 
-def stop(root: Path, grace_s: float = 10.0) -> int:
+def stop(root: Path, grace_s: float = 3.0) -> int:
     """End every process of the cluster under ``root`` and remove it; returns how many."""
     import psutil
 
@@ -150,7 +162,7 @@ def stop(root: Path, grace_s: float = 10.0) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["start", "stop", "address"])
+    parser.add_argument("command", choices=["start", "stop", "env"])
     parser.add_argument(
         "--dir", default=DEFAULT_DIR, help=f"this cluster's directory (default {DEFAULT_DIR})"
     )
@@ -158,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus-per-node", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=0, help="logical GPUs per node (default 0)")
     parser.add_argument("--object-store-mb", type=int, default=100)
+    parser.add_argument("--grace", type=float, default=3.0, help="seconds from SIGTERM to SIGKILL (stop)")
     args = parser.parse_args(argv)
     root = Path(args.dir).resolve()
     try:
@@ -165,13 +178,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.nodes < 1:
                 raise RuntimeError("--nodes must be >= 1")
             started = time.monotonic()
-            info = start(args)
+            start(args)
             print(f"started {args.nodes} Ray nodes in {time.monotonic() - started:.1f}s under {root}")
-            print(f"export RAY_ADDRESS={info['address']}")
-        elif args.command == "address":
-            print(json.loads((root / "cluster.json").read_text())["address"])
+            print(f'eval "$(python {sys.argv[0]} env --dir {root})"  # to connect')
+        elif args.command == "env":
+            env = json.loads((root / "cluster.json").read_text())["env"]
+            print("\n".join(f"export {k}={v}" for k, v in env.items()))
         else:
-            print(f"stopped {stop(root)} processes; removed {root}")
+            print(f"stopped {stop(root, args.grace)} processes; removed {root}")
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
         print(f"local_cluster: {exc}", file=sys.stderr)
         return 1

@@ -67,7 +67,7 @@ def local_cluster() -> Iterator[tuple[dict[str, Any], dict[str, str]]]:
     try:
         assert started.returncode == 0, started.stderr
         info = json.loads((root / "cluster.json").read_text())
-        yield info, {**env, "RAY_ADDRESS": info["address"]}
+        yield info, {**env, **info["env"]}
     finally:
         stopped = _run([sys.executable, str(SCRIPT), "stop", "--dir", str(root)], env)
         assert stopped.returncode == 0, stopped.stderr
