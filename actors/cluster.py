@@ -330,9 +330,16 @@ def _detached(namespace: str) -> dict[str, Any]:
     return {"namespace": namespace, "lifetime": "detached"}
 
 
+PLACEMENT_MEMORY = 1
+"""Bytes of Ray's ``memory`` resource each shard and CPU worker asks for: Ray ignores a soft node
+affinity for an actor that asks for no resource at all (it lands on any node), and one byte
+changes nothing else."""
+
+
 def _spread(i: int) -> Any:
     """Scheduling for the i-th actor of a kind: round robin over the alive nodes (sorted by
-    id), soft, so Ray places it elsewhere when that node cannot take it or is gone."""
+    id), soft, so Ray places it elsewhere when that node cannot take it or is gone. The actor
+    must ask for some resource (:data:`PLACEMENT_MEMORY`) for Ray to honor it."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
@@ -349,19 +356,26 @@ def _start_shards(spec: DeploymentSpec) -> None:
             num_cpus=0,
             max_restarts=-1,
             max_concurrency=64,  # type: ignore[arg-type]
+            memory=PLACEMENT_MEMORY,
             scheduling_strategy=_spread(i),
             **_detached(spec.namespace),
         ).remote(i, len(spec.shards), spec.namespace, spec.workers)
 
 
-def _gpu_placement_group(n: int, worker_resources: Sequence[dict[str, float]]) -> Any:
+def placement_group_name(namespace: str) -> str:
+    """The name of a deployment's placement group (in the namespace of the driver that made it)."""
+    return f"raykv-workers-{namespace}"
+
+
+def _gpu_placement_group(namespace: str, n: int, worker_resources: Sequence[dict[str, float]]) -> Any:
     """A detached placement group of ``n`` bundles ``{"GPU": 1, **worker_resources[i]}``, spread
     over the nodes as far as they allow; StateError (nothing left behind) when Ray cannot place
     it within ``START_TIMEOUT_S``."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     bundles = [{"GPU": 1.0, **(dict(worker_resources[i]) if worker_resources else {})} for i in range(n)]
-    pg = placement_group(bundles, strategy="SPREAD", lifetime="detached")
+    name = placement_group_name(namespace)
+    pg = placement_group(bundles, strategy="SPREAD", name=name, lifetime="detached")
     ready, _ = ray.wait([pg.ready()], timeout=START_TIMEOUT_S)
     if not ready:
         remove_placement_group(pg)
@@ -397,6 +411,7 @@ def _start_workers(
             opts["num_gpus"] = 1
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
         else:
+            opts["memory"] = PLACEMENT_MEMORY
             opts["scheduling_strategy"] = _spread(i)
         worker_cls.options(**opts).remote(
             name,
@@ -456,7 +471,7 @@ def start(
     transfer = deployment_transfer_config(transfer)
     workers = tuple((f"raykv-worker-{i}", i) for i in range(n))
     shards = tuple(f"raykv-index-{i}" for i in range(index_shards))
-    pg = _gpu_placement_group(n, resources) if use_gpu else None
+    pg = _gpu_placement_group(namespace, n, resources) if use_gpu else None
     spec = DeploymentSpec(
         namespace,
         config,

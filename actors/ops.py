@@ -18,6 +18,7 @@ this machine (``address="auto"``, as ``ray status`` does); none of them starts a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -64,8 +65,6 @@ def add_ops_parsers(sub: Any) -> None:
 
 def _settings(args: argparse.Namespace) -> Settings:
     """The configuration of ``--config`` and the environment, with ``--namespace`` applied."""
-    import dataclasses
-
     settings = load_settings(args.config, os.environ)
     if args.namespace:
         deployment = dataclasses.replace(settings.deployment, namespace=args.namespace)
@@ -155,34 +154,62 @@ def status_main(args: argparse.Namespace) -> int:
 
 def down_main(args: argparse.Namespace) -> int:
     def body(s: Settings) -> int:
-        import ray
-
-        from actors.cluster import REGISTRY, connect
-
         ns = s.deployment.namespace
-        dep = connect(namespace=ns)
-        names = [REGISTRY, *(n for n, _ in dep.spec.workers), *dep.spec.shards]
-        dep.shutdown()
-        left = [n for n in names if _actor_exists(ray, n, ns)]
-        if left:
-            print(f"raykv: still running in {ns!r}: {', '.join(left)}", file=sys.stderr)
-            return 1
-        print(f"raykv down in namespace {ns!r}: stopped {', '.join(names)}")
+        stopped = stop_namespace(ns)
+        if not stopped:
+            raise StateError(f"no raykv deployment in namespace {ns!r}")
+        print(f"raykv down in namespace {ns!r}: stopped {', '.join(stopped)}")
         return 0
 
     return _run(args, body)
 
 
-def _actor_exists(ray: Any, name: str, namespace: str) -> bool:
-    """True while a live actor has this name (a killed one may take a moment to go)."""
+def _raykv_actors(namespace: str) -> list[str]:
+    """Names of the live named actors of ``namespace`` that raykv made (``raykv-*``)."""
+    import ray
+
+    named = ray.util.list_named_actors(all_namespaces=True)
+    return sorted(a["name"] for a in named if a["namespace"] == namespace and a["name"].startswith("raykv-"))
+
+
+def stop_namespace(namespace: str) -> list[str]:
+    """Stop every raykv actor of ``namespace``; returns their names ([]: there were none).
+
+    Through the registry when it answers (``RayKVCluster.shutdown``: workers release their tiers
+    and remove their disk-tier files, then every actor and the placement group go). Actors the
+    registry does not know (it is gone, or they outlived a failed start) are found by name: a
+    worker is asked to shut down first, then each is killed; the deployment's named placement
+    group is removed. StateError when an actor is still alive 10 s later.
+    """
+    import ray
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    from actors.cluster import connect, placement_group_name
+    from actors.liveness import START_TIMEOUT_S
+
+    names = _raykv_actors(namespace)
+    try:
+        connect(namespace=namespace).shutdown()
+    except (StateError, UnavailableError):
+        pass
+    for name in _raykv_actors(namespace):
+        handle = ray.get_actor(name, namespace=namespace)
+        if name.startswith("raykv-worker-"):
+            try:
+                ray.get(handle.shutdown.remote(), timeout=START_TIMEOUT_S)
+            except Exception:
+                log.warning("raykv: worker %s did not shut down; killing it", name)
+        ray.kill(handle, no_restart=True)
+    try:
+        remove_placement_group(get_placement_group(placement_group_name(namespace)))
+    except ValueError:
+        pass  # none: CPU workers, removed with the registry, or made from another namespace
     deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline:
-        try:
-            ray.get_actor(name, namespace=namespace)
-        except ValueError:
-            return False
+    while (left := _raykv_actors(namespace)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return True
+    if left:
+        raise StateError(f"still running in {namespace!r}: {', '.join(left)}")
+    return names
 
 
 def config_main(args: argparse.Namespace) -> int:

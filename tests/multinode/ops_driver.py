@@ -1,11 +1,18 @@
-"""A separate driver for tests/multinode/test_ops_cli.py: attaches to the deployment that
-``raykv up`` started (RAY_ADDRESS, namespace argv[1]), runs one request on worker 0, waits for
-the index, routes the prompt, has worker 1 pull its blocks from worker 0 and prints JSON."""
+"""A separate driver for tests/multinode/test_ops_cli.py, attached to the cluster of RAY_ADDRESS;
+prints one JSON line.
+
+``request NS N``: on the deployment ``raykv up`` started in namespace NS, run one request of N
+tokens on worker 0, wait for the index, route the prompt, pick a worker and have worker 1 pull
+the blocks from worker 0. ``kill-registry NS``: kill the deployment's registry actor (as an
+operator's mistake would). ``leftovers NS``: the named actors of NS and the placement groups of
+the cluster that are not removed.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import ray
 
@@ -13,7 +20,7 @@ import raykv
 from actors.ray_util import shutdown_ray
 
 
-def main(namespace: str, num_tokens: int) -> None:
+def request(namespace: str, num_tokens: int) -> dict[str, Any]:
     dep = raykv.connect(namespace=namespace)
     w0 = dep.workers[raykv.WorkerId("raykv-worker-0")]
     tokens = list(range(1000, 1000 + num_tokens))
@@ -26,11 +33,28 @@ def main(namespace: str, num_tokens: int) -> None:
     route = {str(w): m.blocks for w, m in dep.route(tokens).items()}
     pick = str(dep.pick_worker(tokens).worker)
     pull = dep.pull(raykv.WorkerId("raykv-worker-1"), raykv.WorkerId("raykv-worker-0"), dep.keys(tokens))
-    out = {"committed": committed, "route": route, "pick": pick, "pull_path": pull.path}
-    print(json.dumps({**out, "imported": len(pull.imported), "pulled_bytes": pull.nbytes}))
     dep.close()
+    out = {"committed": committed, "route": route, "pick": pick, "pull_path": pull.path}
+    return {**out, "imported": len(pull.imported), "pulled_bytes": pull.nbytes}
+
+
+def main(command: str, namespace: str, *rest: str) -> None:
+    ray.init(namespace="raykv-ops-test-driver", log_to_driver=False, logging_level="ERROR")
+    if command == "request":
+        out = request(namespace, int(rest[0]))
+    elif command == "kill-registry":
+        ray.kill(ray.get_actor("raykv-registry", namespace=namespace), no_restart=True)
+        out = {"killed": "raykv-registry"}
+    else:
+        named = ray.util.list_named_actors(all_namespaces=True)
+        groups = ray.util.placement_group_table().values()
+        out = {
+            "actors": sorted(a["name"] for a in named if a["namespace"] == namespace),
+            "placement_groups": sorted(g["name"] for g in groups if g["state"] != "REMOVED"),
+        }
+    print(json.dumps(out))
     shutdown_ray()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(*sys.argv[1:])

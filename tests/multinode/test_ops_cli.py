@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -79,6 +80,31 @@ Series = dict[str, dict[frozenset[tuple[str, str]], float]]
 TAGS = re.compile(r'\b(worker|tier|path|shard|reason)="([^"]*)"')
 
 
+def _driver(env: dict[str, str], *args: str) -> Any:
+    """tests/multinode/ops_driver.py's JSON answer (a separate driver process)."""
+    done = _run([sys.executable, str(ROOT / "tests" / "multinode" / "ops_driver.py"), *args], env)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _watch(env: dict[str, str], namespace: str, reports: int) -> int:
+    """``raykv status --watch 0.3`` until it printed ``reports`` tables, then Ctrl-C; its status."""
+    cmd = [sys.executable, "-m", "actors.cli", "status", "--namespace", namespace, "--watch", "0.3"]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        seen = 0
+        while seen < reports:
+            line = proc.stdout.readline() if proc.stdout else ""
+            assert line, "raykv status --watch ended early"
+            seen += line.startswith(f"namespace {namespace}")
+        proc.send_signal(signal.SIGINT)
+        return proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def _scrape(ip: str, ports: list[int]) -> Series:
     """The raykv series of every node's Prometheus endpoint: name -> {raykv tags: value}
     (values of equal raykv tags summed over Ray's own labels and the nodes)."""
@@ -131,12 +157,7 @@ def test_up_status_route_down_on_two_nodes(
     again = _raykv(env, "up", "--config", str(config))
     assert again.returncode == 1 and "already runs in namespace" in again.stderr, again.stderr
 
-    drive = _run(
-        [sys.executable, str(ROOT / "tests" / "multinode" / "ops_driver.py"), namespace, str(BLOCKS * TPB)],
-        env,
-    )
-    assert drive.returncode == 0, drive.stderr
-    result = json.loads(drive.stdout.strip().splitlines()[-1])
+    result = _driver(env, "request", namespace, str(BLOCKS * TPB))
     assert result["committed"] == BLOCKS and result["route"] == {"raykv-worker-0": BLOCKS}
     assert result["pick"] == "raykv-worker-0"
     assert result["imported"] == BLOCKS and result["pulled_bytes"] == BLOCKS * PAGE
@@ -178,13 +199,21 @@ def test_up_status_route_down_on_two_nodes(
     assert sum(series["ray_raykv_index_route_seconds_count"].values()) >= 2  # route + pick_worker
     assert _value(series, "ray_raykv_transfer_pull_seconds_count", worker="raykv-worker-1") == 1
 
+    assert _watch(env, namespace, reports=2) == 0
+
+    # the registry gone by mistake: down still finds and stops every raykv actor by name
     pids = [w["pid"] for w in report["workers"]] + [s["pid"] for s in report["shards"]]
+    assert len(list(disk.iterdir())) == 2  # each worker's disk-tier file
+    assert _driver(env, "kill-registry", namespace) == {"killed": "raykv-registry"}
     down = _raykv(env, "down", "--namespace", namespace)
     assert down.returncode == 0, down.stderr
-    assert "raykv-worker-0, raykv-worker-1, raykv-index-0, raykv-index-1" in down.stdout
+    assert "stopped raykv-index-0, raykv-index-1, raykv-worker-0, raykv-worker-1" in down.stdout
     gone = _raykv(env, "status", "--namespace", namespace)
     assert gone.returncode == 1 and f"no raykv deployment in namespace '{namespace}'" in gone.stderr
+    again = _raykv(env, "down", "--namespace", namespace)
+    assert again.returncode == 1 and "no raykv deployment" in again.stderr
     assert list(disk.iterdir()) == []  # the disk tiers' files are removed
+    assert _driver(env, "leftovers", namespace) == {"actors": [], "placement_groups": []}
     deadline = time.monotonic() + 30
     while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
