@@ -423,6 +423,18 @@ def _start_workers(
         )
 
 
+def _plan_workers(num_workers: int | None, resources: Sequence[dict[str, float]]) -> tuple[int, bool]:
+    """(how many workers, whether one per GPU): one per GPU of the cluster when ``num_workers`` is
+    None and it has GPUs, else ``num_workers`` (default 2) CPU workers. ConfigError when
+    ``resources`` (per worker) has another length."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    use_gpu = gpus > 0 and num_workers is None
+    n = gpus if use_gpu else (num_workers if num_workers is not None else 2)
+    if resources and len(resources) != n:
+        raise ConfigError("worker_resources", f"has {len(resources)} entries for {n} workers")
+    return n, use_gpu
+
+
 def start(
     num_workers: int | None = None,
     config: CacheConfig | None = None,
@@ -438,19 +450,15 @@ def start(
     """Start a deployment and return its handle.
 
     Uses the cluster at ``address`` (or RAY_ADDRESS), else an embedded local Ray. One worker per
-    GPU by default (``num_gpus=1`` each, bundle i of a detached placement group spread over the
-    nodes), else ``num_workers`` CPU workers (default 2) spread round robin over the nodes;
-    index shards are spread the same way. ``worker_resources[i]`` adds custom resources to worker i (e.g. to
-    pin it to a node). ``routing`` is the cost model ``pick_worker`` uses by default. The
-    deployment arguments are checked as :class:`actors.settings.DeploymentConfig` (ConfigError,
-    a ValueError, naming the argument). Raises StateError if a deployment already runs in
-    ``namespace`` or its GPU bundles cannot be placed.
-    Every worker starts a page server (``CacheWorker.pull``) checking a fresh deployment token;
-    ``transfer`` sets where it binds and its limits (default: 127.0.0.1 when every Ray node is on
-    this machine, else each worker's node IP; see ``actors.transfer``).
-    ``worker_class`` is the workers' actor class: CacheWorker, or a subclass taking the same
-    constructor arguments (tests, ``raykv demo`` and replays through Ray pass
-    :class:`actors.testing.TestingCacheWorker`, whose content oracle stands in for an engine).
+    GPU by default (``num_gpus=1``, bundle i of a detached placement group spread over the nodes),
+    else ``num_workers`` CPU workers (default 2); CPU workers and index shards go round robin
+    over the nodes. ``worker_resources[i]``: custom resources of worker i (e.g. to pin it to a
+    node). ``routing``: the cost model ``pick_worker`` uses by default. Arguments are checked as
+    :class:`actors.settings.DeploymentConfig` (ConfigError naming one). StateError if a
+    deployment already runs in ``namespace`` or its GPU bundles cannot be placed. Every worker
+    starts a page server checking a fresh deployment token; ``transfer`` sets where it binds and
+    its limits (see ``actors.transfer``). ``worker_class``: CacheWorker or a subclass taking the
+    same arguments (tests, ``raykv demo`` and replays pass ``actors.testing.TestingCacheWorker``).
     """
     DeploymentConfig(namespace, num_workers, index_shards, max_restarts, tuple(worker_resources or ()))
     if not (isinstance(worker_class, type) and issubclass(worker_class, CacheWorker)):
@@ -461,12 +469,8 @@ def start(
             f"a raykv deployment already runs in namespace {namespace!r}; "
             "use raykv.connect() or shut it down first"
         )
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    use_gpu = gpus > 0 and num_workers is None
-    n = gpus if use_gpu else (num_workers if num_workers is not None else 2)
     resources = list(worker_resources or ())
-    if resources and len(resources) != n:
-        raise ConfigError("worker_resources", f"has {len(resources)} entries for {n} workers")
+    n, use_gpu = _plan_workers(num_workers, resources)
     config = config or default_config(use_gpu)
     transfer = deployment_transfer_config(transfer)
     workers = tuple((f"raykv-worker-{i}", i) for i in range(n))

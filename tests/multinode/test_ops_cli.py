@@ -136,14 +136,8 @@ def _wait_metrics(ip: str, ports: list[int], ready: Any, timeout: float = 30.0) 
         time.sleep(0.5)
 
 
-def test_up_status_route_down_on_two_nodes(
-    local_cluster: tuple[dict[str, Any], dict[str, str]], tmp_path: Path
-) -> None:
-    t0 = time.monotonic()
-    info, env = local_cluster
-    namespace = f"rkv-ops-{uuid.uuid4().hex[:8]}"
-    disk = tmp_path / "disk"
-    disk.mkdir()
+def _write_config(tmp_path: Path, namespace: str, disk: Path) -> Path:
+    """2 index shards, the default worker count (one per logical GPU), small host and disk tiers."""
     config = tmp_path / "raykv.toml"
     config.write_text(
         f'[deployment]\nnamespace = "{namespace}"\nindex_shards = 2\n'
@@ -151,17 +145,12 @@ def test_up_status_route_down_on_two_nodes(
         '[tiers.host]\ncapacity = "16KiB"\npin_memory = false\n'
         f'[tiers.disk]\ncapacity = "32KiB"\npath = "{disk}"\n'
     )
-    up = _raykv(env, "up", "--config", str(config))
-    assert up.returncode == 0, up.stderr
-    assert f"raykv up in namespace '{namespace}': 2 workers, 2 index shards" in up.stdout
-    again = _raykv(env, "up", "--config", str(config))
-    assert again.returncode == 1 and "already runs in namespace" in again.stderr, again.stderr
+    return config
 
-    result = _driver(env, "request", namespace, str(BLOCKS * TPB))
-    assert result["committed"] == BLOCKS and result["route"] == {"raykv-worker-0": BLOCKS}
-    assert result["pick"] == "raykv-worker-0"
-    assert result["imported"] == BLOCKS and result["pulled_bytes"] == BLOCKS * PAGE
 
+def _check_status(env: dict[str, str], namespace: str) -> dict[str, Any]:
+    """``raykv status --json`` and the table after one request on worker 0 and its pull into
+    worker 1; returns the JSON report."""
     status = _raykv(env, "status", "--json", "--namespace", namespace)
     assert status.returncode == 0, status.stderr
     report = json.loads(status.stdout)
@@ -180,11 +169,14 @@ def test_up_status_route_down_on_two_nodes(
     lines = table.stdout.splitlines()
     for name in ("raykv-worker-0", "raykv-worker-1", "raykv-index-0", "raykv-index-1"):
         assert any(line.startswith(name) and " up " in line for line in lines), table.stdout
+    return report  # type: ignore[no-any-return]
 
-    ports = [n["metrics_port"] for n in info["nodes"]]
+
+def _check_metrics(info: dict[str, Any]) -> None:
+    """The same request as Ray's Prometheus endpoints of both nodes report it."""
     series = _wait_metrics(
         info["address"].split(":")[0],
-        ports,
+        [n["metrics_port"] for n in info["nodes"]],
         lambda s: (
             _value(s, "ray_raykv_transfer_pulled_bytes_total", worker="raykv-worker-1") == BLOCKS * PAGE
             and sum(s.get("ray_raykv_index_keys", {}).values()) == BLOCKS
@@ -199,23 +191,59 @@ def test_up_status_route_down_on_two_nodes(
     assert sum(series["ray_raykv_index_route_seconds_count"].values()) >= 2  # route + pick_worker
     assert _value(series, "ray_raykv_transfer_pull_seconds_count", worker="raykv-worker-1") == 1
 
-    assert _watch(env, namespace, reports=2) == 0
 
-    # the registry gone by mistake: down still finds and stops every raykv actor by name
-    pids = [w["pid"] for w in report["workers"]] + [s["pid"] for s in report["shards"]]
-    assert len(list(disk.iterdir())) == 2  # each worker's disk-tier file
-    assert _driver(env, "kill-registry", namespace) == {"killed": "raykv-registry"}
+def _down(env: dict[str, str], namespace: str, disk: Path, pids: list[int], stopped: str) -> None:
+    """``raykv down`` stops ``stopped`` and leaves no actor, placement group, process or file."""
     down = _raykv(env, "down", "--namespace", namespace)
     assert down.returncode == 0, down.stderr
-    assert "stopped raykv-index-0, raykv-index-1, raykv-worker-0, raykv-worker-1" in down.stdout
+    assert f"raykv down in namespace '{namespace}': stopped {stopped}" in down.stdout
     gone = _raykv(env, "status", "--namespace", namespace)
     assert gone.returncode == 1 and f"no raykv deployment in namespace '{namespace}'" in gone.stderr
-    again = _raykv(env, "down", "--namespace", namespace)
-    assert again.returncode == 1 and "no raykv deployment" in again.stderr
     assert list(disk.iterdir()) == []  # the disk tiers' files are removed
     assert _driver(env, "leftovers", namespace) == {"actors": [], "placement_groups": []}
     deadline = time.monotonic() + 30
     while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert [p for p in pids if psutil.pid_exists(p)] == []
+
+
+def _pids(env: dict[str, str], namespace: str) -> list[int]:
+    report = json.loads(_raykv(env, "status", "--json", "--namespace", namespace).stdout)
+    return [w["pid"] for w in report["workers"]] + [s["pid"] for s in report["shards"]]
+
+
+def test_up_status_route_down_on_two_nodes(
+    local_cluster: tuple[dict[str, Any], dict[str, str]], tmp_path: Path
+) -> None:
+    t0 = time.monotonic()
+    info, env = local_cluster
+    namespace = f"rkv-ops-{uuid.uuid4().hex[:8]}"
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    config = _write_config(tmp_path, namespace, disk)
+    up = _raykv(env, "up", "--config", str(config))
+    assert up.returncode == 0, up.stderr
+    assert f"raykv up in namespace '{namespace}': 2 workers, 2 index shards" in up.stdout
+    again = _raykv(env, "up", "--config", str(config))
+    assert again.returncode == 1 and "already runs in namespace" in again.stderr, again.stderr
+
+    result = _driver(env, "request", namespace, str(BLOCKS * TPB))
+    assert result["committed"] == BLOCKS and result["route"] == {"raykv-worker-0": BLOCKS}
+    assert result["pick"] == "raykv-worker-0"
+    assert result["imported"] == BLOCKS and result["pulled_bytes"] == BLOCKS * PAGE
+    report = _check_status(env, namespace)
+    _check_metrics(info)
+    assert _watch(env, namespace, reports=2) == 0
+    assert len(list(disk.iterdir())) == 2  # each worker's disk-tier file
+    pids = [w["pid"] for w in report["workers"]] + [s["pid"] for s in report["shards"]]
+    everything = "raykv-index-0, raykv-index-1, raykv-registry, raykv-worker-0, raykv-worker-1"
+    _down(env, namespace, disk, pids, everything)
     print(f"2-node up/status/route/down: {time.monotonic() - t0:.1f}s after the cluster started")
+
+    # again, with the registry gone by mistake: down finds every raykv actor by name
+    assert _raykv(env, "up", "--config", str(config)).returncode == 0
+    pids = _pids(env, namespace)
+    assert _driver(env, "kill-registry", namespace) == {"killed": "raykv-registry"}
+    _down(env, namespace, disk, pids, "raykv-index-0, raykv-index-1, raykv-worker-0, raykv-worker-1")
+    again = _raykv(env, "down", "--namespace", namespace)
+    assert again.returncode == 1 and "no raykv deployment" in again.stderr
