@@ -12,6 +12,10 @@
 ``raykv bench soak``  fault soak: a live deployment under injected faults, content-checked
                       (``--minutes N --workers W --seed S``; exit 1 on a wrong page or failure)
 ``raykv bench vllm``  vLLM TTFT with a cached prefix: RaykvConnector vs vLLM's caches (needs vllm)
+``raykv up``          start a deployment on a running Ray cluster (``--config FILE``, ``--address``)
+``raykv status``      tables of its workers and index shards (``--json``, ``--watch S``)
+``raykv down``        stop every raykv actor of the namespace and remove its disk-tier files
+``raykv config``      ``--print-defaults``: a commented configuration file; ``--check FILE``
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     from actors.demo import add_demo_arguments
+    from actors.ops import add_ops_parsers
     from actors.replay_cli import add_replay_parser
 
     demo = sub.add_parser("demo", help="compare routers on a local Ray deployment (--core: core demo)")
@@ -88,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="short run (CI)")
     _add_soak_arguments(bench.add_argument_group("soak"))
     bench.set_defaults(func=_bench)
+    add_ops_parsers(sub)
     return parser
 
 

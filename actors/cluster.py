@@ -21,10 +21,11 @@ import ray
 
 from actors.index import IndexClient, IndexShard
 from actors.liveness import CALL_TIMEOUT_S, START_TIMEOUT_S, Pinger, wait
+from actors.settings import DeploymentConfig
 from actors.transfer import deployment_transfer_config
 from actors.worker import CacheWorker
 from raykv.core.config import CacheConfig, KVLayout, TierConfig
-from raykv.core.errors import StateError, TransferError, TransferFailure, UnavailableError
+from raykv.core.errors import ConfigError, StateError, TransferError, TransferFailure, UnavailableError
 from raykv.core.keys import MultimodalItem, ReuseScope, TokenSeq, block_keys
 from raykv.core.stats import CacheStats
 from raykv.core.types import WorkerId
@@ -52,6 +53,10 @@ class DeploymentSpec:
     # the transfer settings the workers started with (None: each worker binds its node's IP).
     token: bytes = field(default=b"", repr=False)
     transfer: TransferConfig | None = None
+    # The cost model ``pick_worker`` uses by default (None: DEFAULT_ROUTING), and the
+    # detached placement group holding one GPU bundle per worker (None: CPU workers).
+    routing: RoutingConfig | None = None
+    placement_group: Any = None
 
 
 class Registry:
@@ -161,11 +166,10 @@ class RayKVCluster:
     ) -> Decision:
         """Route with the routing policy and credit the chosen worker with the request's blocks.
 
-        ``routing`` defaults to :data:`~raykv.routing.policy.DEFAULT_ROUTING` (with this
-        deployment's block size); each configuration keeps one
-        :class:`~raykv.routing.adaptive.RoutingPolicy`, whose prices learn from these decisions.
-
-        ``loads`` defaults to every worker idle. Only live workers are candidates
+        ``routing`` defaults to the deployment's (``start(routing=...)``), else
+        :data:`~raykv.routing.policy.DEFAULT_ROUTING` (with this deployment's block size); each
+        configuration keeps one :class:`~raykv.routing.adaptive.RoutingPolicy`, whose prices learn
+        from these decisions. ``loads`` defaults to every worker idle. Only live workers are candidates
         (:meth:`live_workers`; a load for a worker not in the deployment is kept as given). The
         credit (a predicted index entry with a short TTL) makes parallel requests with the same
         prefix follow the first one before its events arrive. Returns within ``call_timeout_s``.
@@ -173,7 +177,11 @@ class RayKVCluster:
         """
         keys = self.keys(tokens, scope)
         matches = self.index.route(keys)
-        cfg = routing or replace(DEFAULT_ROUTING, tokens_per_block=self.config.tokens_per_block)
+        cfg = (
+            routing
+            or self.spec.routing
+            or replace(DEFAULT_ROUTING, tokens_per_block=self.config.tokens_per_block)
+        )
         policy = self._policies.get(cfg)
         if policy is None:
             policy = self._policies[cfg] = RoutingPolicy(cfg)
@@ -281,7 +289,8 @@ class RayKVCluster:
         self.liveness.close()
 
     def shutdown(self) -> None:
-        """Stop every actor of the deployment (workers release their tiers first)."""
+        """Stop every actor of the deployment (workers release their tiers first, removing their
+        disk-tier files) and remove its placement group."""
         self.close()
         for handle in self.workers.values():
             try:
@@ -294,6 +303,11 @@ class RayKVCluster:
                 ray.kill(ray.get_actor(name, namespace=self.namespace), no_restart=True)
             except ValueError:
                 pass
+        if self.spec.placement_group is not None:
+            try:
+                ray.util.remove_placement_group(self.spec.placement_group)
+            except Exception:
+                log.warning("raykv: could not remove placement group %s", self.spec.placement_group.id)
 
 
 def _lookup(name: str, namespace: str) -> Any:
@@ -328,8 +342,25 @@ def _detached(namespace: str) -> dict[str, Any]:
     return {"namespace": namespace, "lifetime": "detached"}
 
 
+PLACEMENT_MEMORY = 1
+"""Bytes of Ray's ``memory`` resource each shard and CPU worker asks for: Ray ignores a soft node
+affinity for an actor that asks for no resource at all (it lands on any node), and one byte
+changes nothing else."""
+
+
+def _spread(i: int) -> Any:
+    """Scheduling for the i-th actor of a kind: round robin over the alive nodes (sorted by
+    id), soft, so Ray places it elsewhere when that node cannot take it or is gone. The actor
+    must ask for some resource (:data:`PLACEMENT_MEMORY`) for Ray to honor it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    return NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=True) if nodes else "DEFAULT"
+
+
 def _start_shards(spec: DeploymentSpec) -> None:
-    """Create the named IndexShard actors of ``spec`` (they restart without limit)."""
+    """Create the named IndexShard actors of ``spec`` (they restart without limit), spread over
+    the nodes."""
     shard_cls = ray.remote(IndexShard)
     for i, name in enumerate(spec.shards):
         shard_cls.options(
@@ -337,20 +368,47 @@ def _start_shards(spec: DeploymentSpec) -> None:
             num_cpus=0,
             max_restarts=-1,
             max_concurrency=64,  # type: ignore[arg-type]
+            memory=PLACEMENT_MEMORY,
+            scheduling_strategy=_spread(i),
             **_detached(spec.namespace),
         ).remote(i, len(spec.shards), spec.namespace, spec.workers)
+
+
+def placement_group_name(namespace: str) -> str:
+    """The name of a deployment's placement group (in the namespace of the driver that made it)."""
+    return f"raykv-workers-{namespace}"
+
+
+def _gpu_placement_group(namespace: str, n: int, worker_resources: Sequence[dict[str, float]]) -> Any:
+    """A detached placement group of ``n`` bundles ``{"GPU": 1, **worker_resources[i]}``, spread
+    over the nodes as far as they allow; StateError (nothing left behind) when Ray cannot place
+    it within ``START_TIMEOUT_S``."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundles = [{"GPU": 1.0, **(dict(worker_resources[i]) if worker_resources else {})} for i in range(n)]
+    name = placement_group_name(namespace)
+    pg = placement_group(bundles, strategy="SPREAD", name=name, lifetime="detached")
+    ready, _ = ray.wait([pg.ready()], timeout=START_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(pg)
+        raise StateError(f"raykv: Ray could not place {n} GPU bundles {bundles} in {START_TIMEOUT_S:g}s")
+    return pg
 
 
 def _start_workers(
     spec: DeploymentSpec,
     worker_class: type[CacheWorker],
-    use_gpu: bool,
-    worker_resources: Sequence[dict[str, float]] | None,
+    worker_resources: Sequence[dict[str, float]],
     max_restarts: int,
 ) -> None:
     """Create the named ``worker_class`` actors of ``spec``; each attaches to the shards and starts
-    its page server with the deployment's token as it is constructed."""
+    its page server with the deployment's token as it is constructed. GPU workers take bundle i
+    of ``spec.placement_group``; CPU workers are spread over the nodes (round robin; a worker
+    whose ``worker_resources`` its node lacks goes where they are)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     worker_cls = ray.remote(worker_class)
+    pg = spec.placement_group
     for i, (name, lane) in enumerate(spec.workers):
         res = dict(worker_resources[i]) if worker_resources else {}
         opts: dict[str, Any] = {
@@ -358,9 +416,15 @@ def _start_workers(
             "max_concurrency": 8,
             "max_restarts": max_restarts,
             "resources": res,
+            "num_cpus": 0,
             **_detached(spec.namespace),
         }
-        opts.update({"num_gpus": 1} if use_gpu else {"num_cpus": 0})
+        if pg is not None:
+            opts["num_gpus"] = 1
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+        else:
+            opts["memory"] = PLACEMENT_MEMORY
+            opts["scheduling_strategy"] = _spread(i)
         worker_cls.options(**opts).remote(
             name,
             lane,
@@ -369,6 +433,18 @@ def _start_workers(
             token=spec.token,
             transfer=spec.transfer,
         )
+
+
+def _plan_workers(num_workers: int | None, resources: Sequence[dict[str, float]]) -> tuple[int, bool]:
+    """(how many workers, whether one per GPU): one per GPU of the cluster when ``num_workers`` is
+    None and it has GPUs, else ``num_workers`` (default 2) CPU workers. ConfigError when
+    ``resources`` (per worker) has another length."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    use_gpu = gpus > 0 and num_workers is None
+    n = gpus if use_gpu else (num_workers if num_workers is not None else 2)
+    if resources and len(resources) != n:
+        raise ConfigError("worker_resources", f"has {len(resources)} entries for {n} workers")
+    return n, use_gpu
 
 
 def start(
@@ -381,22 +457,22 @@ def start(
     max_restarts: int = 0,
     transfer: TransferConfig | None = None,
     worker_class: type[CacheWorker] = CacheWorker,
+    routing: RoutingConfig | None = None,
 ) -> RayKVCluster:
     """Start a deployment and return its handle.
 
     Uses the cluster at ``address`` (or RAY_ADDRESS), else an embedded local Ray. One worker per
-    GPU by default (``num_gpus=1`` each), else ``num_workers`` CPU workers (default 2).
-    ``worker_resources[i]`` adds custom resources to worker i (e.g. to pin it to a node). Raises
-    StateError if a deployment already runs in ``namespace``, ValueError for bad counts.
-    Every worker starts a page server (``CacheWorker.pull``) checking a fresh deployment token;
-    ``transfer`` sets where it binds and its limits (default: 127.0.0.1 when every Ray node is on
-    this machine, else each worker's node IP; see ``actors.transfer``).
-    ``worker_class`` is the workers' actor class: CacheWorker, or a subclass taking the same
-    constructor arguments (tests, ``raykv demo`` and replays through Ray pass
-    :class:`actors.testing.TestingCacheWorker`, whose content oracle stands in for an engine).
+    GPU by default (``num_gpus=1``, bundle i of a detached placement group spread over the nodes),
+    else ``num_workers`` CPU workers (default 2); CPU workers and index shards go round robin
+    over the nodes. ``worker_resources[i]``: custom resources of worker i (e.g. to pin it to a
+    node). ``routing``: the cost model ``pick_worker`` uses by default. Arguments are checked as
+    :class:`actors.settings.DeploymentConfig` (ConfigError naming one). StateError if a
+    deployment already runs in ``namespace`` or its GPU bundles cannot be placed. Every worker
+    starts a page server checking a fresh deployment token; ``transfer`` sets where it binds and
+    its limits (see ``actors.transfer``). ``worker_class``: CacheWorker or a subclass taking the
+    same arguments (tests, ``raykv demo`` and replays pass ``actors.testing.TestingCacheWorker``).
     """
-    if index_shards < 1:
-        raise ValueError(f"index_shards must be >= 1, got {index_shards}")
+    DeploymentConfig(namespace, num_workers, index_shards, max_restarts, tuple(worker_resources or ()))
     if not (isinstance(worker_class, type) and issubclass(worker_class, CacheWorker)):
         raise ValueError(f"worker_class must be CacheWorker or a subclass, got {worker_class!r}")
     _ensure_ray(address, namespace)
@@ -405,21 +481,26 @@ def start(
             f"a raykv deployment already runs in namespace {namespace!r}; "
             "use raykv.connect() or shut it down first"
         )
-    gpus = int(ray.cluster_resources().get("GPU", 0))
-    use_gpu = gpus > 0 and num_workers is None
-    n = gpus if use_gpu else (num_workers if num_workers is not None else 2)
-    if n < 1:
-        raise ValueError(f"num_workers must be >= 1, got {n}")
+    resources = list(worker_resources or ())
+    n, use_gpu = _plan_workers(num_workers, resources)
     config = config or default_config(use_gpu)
     transfer = deployment_transfer_config(transfer)
     workers = tuple((f"raykv-worker-{i}", i) for i in range(n))
     shards = tuple(f"raykv-index-{i}" for i in range(index_shards))
+    pg = _gpu_placement_group(namespace, n, resources) if use_gpu else None
     spec = DeploymentSpec(
-        namespace, config, workers, shards, token=secrets.token_bytes(32), transfer=transfer
+        namespace,
+        config,
+        workers,
+        shards,
+        token=secrets.token_bytes(32),
+        transfer=transfer,
+        routing=routing,
+        placement_group=pg,
     )
     ray.remote(Registry).options(name=REGISTRY, num_cpus=0, **_detached(namespace)).remote(spec)  # type: ignore[arg-type]
     _start_shards(spec)
-    _start_workers(spec, worker_class, use_gpu, worker_resources, max_restarts)
+    _start_workers(spec, worker_class, resources, max_restarts)
     handle = RayKVCluster(spec, owner=True)
     wait([w.health.remote() for w in handle.workers.values()], "raykv workers", START_TIMEOUT_S)
     wait([s.ping.remote() for s in handle.shards], "raykv index shards", START_TIMEOUT_S)

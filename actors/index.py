@@ -4,7 +4,10 @@ A shard owns the keys whose digest maps to it (``raykv.index.prefix_index.shard_
 event sub-batches; when a batch reveals a gap the shard pulls a snapshot from that worker. The
 shard watches every registered worker with a heartbeat and purges a worker's entries once Ray
 reports it dead. A shard restarted by Ray rebuilds from the snapshots of the workers named in its
-constructor arguments (Ray replays them on restart).
+constructor arguments (Ray replays them on restart). The heartbeat also reads each worker's last
+event id, so the shard knows how many events it lags behind (``info()["lag"]``); every
+``METRICS_INTERVAL_S`` it exports keys, workers, resyncs and that lag, and every route or lookup
+its duration (:class:`actors.metrics.IndexMetrics`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import ray
 
 from actors.liveness import CALL_TIMEOUT_S, died
+from actors.metrics import METRICS_INTERVAL_S, IndexMetrics
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import ApplyResult, EventBatch, PrefixIndex, RouteMatch, merge_route, shard_of
 from raykv.routing.liveness import Liveness
@@ -46,12 +50,39 @@ class IndexShard:
         self._watch: dict[WorkerId, asyncio.Task[None]] = {}
         self._syncing: set[WorkerId] = set()
         self._ready: asyncio.Task[None] | None = None
+        self._positions: dict[WorkerId, tuple[int, int]] = {}  # worker -> (incarnation, last event id)
+        self._metrics: IndexMetrics | None = None
+        self._exporter: asyncio.Task[None] | None = None
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
 
     async def _ensure_ready(self) -> None:
         if self._ready is None:
             self._ready = asyncio.get_running_loop().create_task(self._rebuild())
+            self._exporter = asyncio.get_running_loop().create_task(self._export_loop())
         await self._ready
+
+    def lag(self) -> dict[str, int]:
+        """Per registered worker, the events it emitted (as of its last heartbeat) that this
+        shard has not applied yet (0 once caught up or for a worker not heard from)."""
+        out = {}
+        for worker in self.index.workers:
+            incarnation, last = self._positions.get(worker, (0, 0))
+            state_ok = incarnation == self.index.incarnation(worker)
+            out[str(worker)] = max(0, last - self.index.last_event_id(worker)) if state_ok else 0
+        return out
+
+    async def _export_loop(self) -> None:
+        """Export this shard's metrics every ``METRICS_INTERVAL_S`` (until the actor ends)."""
+        self._metrics = IndexMetrics(self.index.shard)
+        while True:
+            try:
+                counters = self.index.counters
+                self._metrics.update(
+                    len(self.index), len(self.index.workers), counters["snapshots"], self.lag()
+                )
+            except Exception:
+                log.exception("index shard %d: exporting metrics failed", self.index.shard)
+            await asyncio.sleep(METRICS_INTERVAL_S)
 
     async def _rebuild(self) -> None:
         """Register the expected workers that are alive and load their snapshots."""
@@ -79,7 +110,7 @@ class IndexShard:
     async def _heartbeat(self, worker: WorkerId) -> None:
         while worker in self._handles:
             try:
-                await self._handles[worker].identity.remote()
+                self._positions[worker] = await self._handles[worker].event_position.remote()
             except ray.exceptions.ActorDiedError:
                 self._purge(worker, "died")
                 return
@@ -91,6 +122,7 @@ class IndexShard:
         dropped = self.index.remove_worker(worker)
         self._handles.pop(worker, None)
         self._watch.pop(worker, None)
+        self._forget(worker)
         self.index.counters["workers_purged"] += 1
         log.info("index shard %d: %s %s, dropped %d entries", self.index.shard, worker, why, dropped)
 
@@ -98,10 +130,17 @@ class IndexShard:
         await self._ensure_ready()
         dropped = self.index.remove_worker(WorkerId(worker))
         self._handles.pop(WorkerId(worker), None)
+        self._forget(WorkerId(worker))
         task = self._watch.pop(WorkerId(worker), None)
         if task is not None:
             task.cancel()
         return dropped
+
+    def _forget(self, worker: WorkerId) -> None:
+        """Drop a removed worker's position and zero its lag series."""
+        self._positions.pop(worker, None)
+        if self._metrics is not None:
+            self._metrics.lag.set(0, tags={"shard": str(self.index.shard), "worker": str(worker)})
 
     async def apply_batch(self, batch: EventBatch) -> str:
         """Apply one sub-batch; pulls a snapshot from the worker when the stream has a gap."""
@@ -126,11 +165,21 @@ class IndexShard:
 
     async def lookup(self, keys: Sequence[bytes]) -> tuple[list[Any], list[int]]:
         await self._ensure_ready()
-        return self.index.lookup(keys)
+        start = time.perf_counter()
+        out = self.index.lookup(keys)
+        self._observe(start)
+        return out
 
     async def route(self, keys: Sequence[bytes]) -> dict[WorkerId, RouteMatch]:
         await self._ensure_ready()
-        return self.index.route(keys)
+        start = time.perf_counter()
+        out = self.index.route(keys)
+        self._observe(start)
+        return out
+
+    def _observe(self, start: float) -> None:
+        if self._metrics is not None:
+            self._metrics.observe_route(time.perf_counter() - start)
 
     async def route_batch(self, queries: Sequence[Sequence[bytes]]) -> list[dict[WorkerId, RouteMatch]]:
         """Route several queries in one call (amortizes the Ray round trip)."""
@@ -162,8 +211,11 @@ class IndexShard:
             "entries": len(self.index),
             "restarted": self.restarted,
             "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
             "workers": self.index.workers,
             "counters": dict(self.index.counters),
+            "last_event_ids": {str(w): self.index.last_event_id(w) for w in self.index.workers},
+            "lag": self.lag(),
         }
 
     async def ping(self) -> bool:

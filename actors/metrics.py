@@ -182,3 +182,94 @@ class WorkerMetrics:
             if delta > 0:
                 counter.inc(delta, tags={"worker": self.worker})
             self._last_totals[field] = now
+
+
+ROUTE_SECONDS_BOUNDARIES = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1)
+"""Histogram buckets of ``raykv_index_route_seconds`` (10 us to 100 ms)."""
+
+
+class IndexMetrics:
+    """Publishes one IndexShard's state: keys, registered workers, snapshot resyncs, event lag
+    per worker (events the worker emitted that the shard has not applied) and the time the shard
+    takes to answer a route or lookup. Tag ``shard`` (and ``worker`` for the lag)."""
+
+    def __init__(self, shard: int, backend: Any = None) -> None:
+        if backend is None:
+            from ray.util import metrics as backend
+        self.tags = {"shard": str(shard)}
+        self.keys = backend.Gauge("raykv_index_keys", "Keys this index shard holds", tag_keys=("shard",))
+        self.workers = backend.Gauge(
+            "raykv_index_workers", "Workers registered with this index shard", tag_keys=("shard",)
+        )
+        self.resyncs = backend.Counter(
+            "raykv_index_resyncs", "Snapshots this shard loaded (gaps, restarts)", tag_keys=("shard",)
+        )
+        self.lag = backend.Gauge(
+            "raykv_index_event_lag",
+            "Events a worker emitted that this shard has not applied yet",
+            tag_keys=("shard", "worker"),
+        )
+        self.route_seconds = backend.Histogram(
+            "raykv_index_route_seconds",
+            "Time this shard took to answer a route or lookup",
+            boundaries=list(ROUTE_SECONDS_BOUNDARIES),
+            tag_keys=("shard",),
+        )
+        self._last_resyncs = 0
+
+    def update(self, keys: int, workers: int, resyncs: int, lag: Mapping[str, int]) -> None:
+        """Set the gauges and export the resyncs since the previous call."""
+        self.keys.set(keys, tags=self.tags)
+        self.workers.set(workers, tags=self.tags)
+        if resyncs > self._last_resyncs:
+            self.resyncs.inc(resyncs - self._last_resyncs, tags=self.tags)
+        self._last_resyncs = resyncs
+        for worker, events in lag.items():
+            self.lag.set(events, tags={**self.tags, "worker": worker})
+
+    def observe_route(self, seconds: float) -> None:
+        self.route_seconds.observe(seconds, tags=self.tags)
+
+
+SERIES: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "raykv_hit_blocks",
+            "raykv_miss_blocks",
+            "raykv_evictions",
+            "raykv_demotions",
+            "raykv_promotions",
+            "raykv_integrity_drops",
+            *(f"raykv_{name}" for name, _ in _WORKER_COUNTERS),
+            *(row[0] for row in _TRANSFER_COUNTERS),
+            *(row[0] for row in _SERVER_TOTALS),
+            "raykv_index_resyncs",
+        ),
+        "counter",
+    ),
+    **dict.fromkeys(
+        (
+            "raykv_bytes_in_use",
+            "raykv_pinned_pages",
+            "raykv_transfer_open_leases",
+            "raykv_transfer_open_connections",
+            "raykv_index_keys",
+            "raykv_index_workers",
+            "raykv_index_event_lag",
+        ),
+        "gauge",
+    ),
+    "raykv_transfer_pull_seconds": "histogram",
+    "raykv_index_route_seconds": "histogram",
+}
+"""Every series WorkerMetrics and IndexMetrics create, and its kind (counter, gauge, histogram)."""
+
+
+def prometheus_names(series: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The names under which Ray's Prometheus endpoint serves ``series`` (default
+    :data:`SERIES`): Ray prefixes ``ray_``; a counter ends in ``_total``; a histogram is served
+    as ``_bucket``, ``_sum`` and ``_count``."""
+    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+    return frozenset(
+        f"ray_{name}{suffix}" for name, kind in (series or SERIES).items() for suffix in suffixes[kind]
+    )

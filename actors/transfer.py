@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from actors.ray_util import shutdown_ray
+from actors.settings import NODE_IP
 from raykv.core.errors import TransferError, TransferFailure
 from raykv.core.manager import CacheManager
 from raykv.core.types import TierKind
@@ -44,7 +45,8 @@ PeerRef = str | PeerAddress | tuple[str, int]
 
 
 def actor_transfer_config(config: TransferConfig | None) -> TransferConfig:
-    """``config`` with this Ray node's id (and, when ``config`` is None, the node's IP as host).
+    """``config`` with this Ray node's id (and, when ``config`` is None or its host is
+    :data:`actors.settings.NODE_IP`, the node's IP as host).
 
     Outside Ray (an in-process worker) ``config`` is used as given (default: 127.0.0.1).
     """
@@ -59,6 +61,8 @@ def actor_transfer_config(config: TransferConfig | None) -> TransferConfig:
         host = ray.util.get_node_ip_address()
     if config is None:
         config = TransferConfig(host=host or "127.0.0.1")
+    elif config.host == NODE_IP:
+        config = config.replace(host=host or "127.0.0.1")
     if config.node_id is None and node is not None:
         config = config.replace(node_id=node)
     return config
@@ -67,16 +71,22 @@ def actor_transfer_config(config: TransferConfig | None) -> TransferConfig:
 def deployment_transfer_config(config: TransferConfig | None) -> TransferConfig | None:
     """The transfer settings ``start()`` gives its workers.
 
-    An explicit ``config`` wins. Otherwise, when every Ray node runs on one machine (a local or
-    ``cluster_utils`` cluster), page servers bind 127.0.0.1 and UCX stays on ``lo``: every peer is
-    local. On a real multi-machine cluster, None: each worker binds its node's IP.
+    An explicit ``config`` wins, except for a host of :data:`actors.settings.NODE_IP` (the
+    configuration file's default). When ``config`` is None or has that host and every Ray node
+    runs on one machine (a local or ``cluster_utils`` cluster), page servers bind 127.0.0.1 and
+    UCX stays on ``lo`` (unless ``ucx_net_devices`` is set): every peer is local. On a real
+    multi-machine cluster, ``config`` as given: each worker binds its node's IP.
     """
-    if config is not None:
-        return config
     import ray
 
+    if config is not None and config.host != NODE_IP:
+        return config
     addresses = {n.get("NodeManagerAddress") for n in ray.nodes() if n.get("Alive")}
-    return TransferConfig.loopback() if len(addresses) <= 1 else None
+    if len(addresses) > 1:
+        return config  # None or NODE_IP: each worker binds its node's IP
+    if config is None:
+        return TransferConfig.loopback()
+    return config.replace(host="127.0.0.1", ucx_net_devices=config.ucx_net_devices or "lo")
 
 
 class WorkerTransfer:

@@ -71,6 +71,7 @@ class CacheWorker:
         self._interval = publish_interval_s
         self._thread: threading.Thread | None = None
         self.published_batches = 0
+        self.published_events = 0
         self._inflight: list[Any] = []
         self._shard_names: list[str] = []
         self._metrics: WorkerMetrics | None = None
@@ -189,6 +190,7 @@ class CacheWorker:
             batch = EventBatch.from_events(self.worker_id, self.incarnation, events)
             self._sink(batch)
             self.published_batches += 1
+            self.published_events += len(events)
             return len(events)
 
     def snapshot(self) -> Snapshot:
@@ -201,6 +203,11 @@ class CacheWorker:
     def identity(self) -> tuple[WorkerId, int, int]:
         """(worker id, lane, incarnation)."""
         return self.worker_id, self.lane, self.incarnation
+
+    def event_position(self) -> tuple[int, int]:
+        """(incarnation, id of the last event the cache emitted): an index shard that applied up
+        to id A lags by ``last - A`` events (the shards' heartbeat asks this)."""
+        return self.incarnation, self.manager.events.last_event_id
 
     # ---- engine-facing request lifecycle -------------------------------------------------------
     def create(
@@ -304,6 +311,41 @@ class CacheWorker:
 
     def stats(self) -> Any:
         return self.manager.stats()
+
+    def status(self) -> dict[str, Any]:
+        """What ``raykv status`` shows of this worker: its Ray node (id and IP; None outside
+        Ray), per tier ``(kind, bytes in use, capacity bytes)``, the block hit ratio, committed
+        blocks, pinned pages, open requests, events published to the index and the last event
+        id, and the page bytes it pulled and its page server sent (over every path)."""
+        stats = self.manager.stats()
+        transfer = self.transfer.stats()
+        node_id = node_ip = None
+        try:
+            import ray
+
+            if ray.is_initialized():
+                node_id = ray.get_runtime_context().get_node_id()
+                node_ip = ray.util.get_node_ip_address()
+        except ImportError:  # pragma: no cover - ray is a dependency of actors/
+            pass
+        return {
+            "worker": str(self.worker_id),
+            "node_id": node_id,
+            "node_ip": node_ip,
+            "pid": os.getpid(),
+            "tiers": [
+                (kind.name.lower(), used, cap)
+                for kind, used, cap in zip(stats.tiers, stats.bytes_in_use, stats.capacity_bytes)
+            ],
+            "hit_ratio": stats.hit_ratio,
+            "blocks": len(self.manager.tree),
+            "pinned_pages": stats.pinned_pages,
+            "open_requests": stats.open_requests,
+            "events_published": self.published_events,
+            "last_event_id": self.manager.events.last_event_id,
+            "pulled_bytes": sum(transfer.get("client", {}).get("bytes", {}).values()),
+            "served_bytes": sum(transfer.get("server", {}).get("bytes", {}).values()),
+        }
 
     def shutdown(self) -> None:
         """Stop publishing, close open requests and release the tiers."""

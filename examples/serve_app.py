@@ -112,6 +112,15 @@ def build_app(namespace: str = NAMESPACE) -> Any:
     return TinyLLM.options(request_router_config=config).bind(namespace, SEED)
 
 
+def app_builder(args: dict[str, str]) -> Any:
+    """Serve's application builder for a config file or a KubeRay RayService
+    (``import_path: examples.serve_app:app_builder``, ``args: {namespace: ...}``). A raykv
+    deployment of :func:`cache_config`'s shape with 2 workers must run in that namespace
+    (``raykv up``; cluster/kuberay-rayservice.yaml starts one); until it does, replicas fail to
+    start and Serve retries them."""
+    return build_app(args.get("namespace", NAMESPACE))
+
+
 def workload(num_prefixes: int = 3, repeats: int = 3) -> list[tuple[int, list[int]]]:
     """Interleaved requests: ``repeats`` per system prompt (5 blocks each), distinct tails."""
     rng = np.random.default_rng(7)

@@ -20,6 +20,10 @@ which 256 move:
   memory, one host-to-device copy per chunk, one scatter per layer). Baseline: the raw copy the
   other way.
 * ``run``: the same with 256 consecutive block ids (slices instead of gathers), NHD only.
+* ``load from GPU pages`` (CUDA): ``BlockCopier.load_device`` of 256 pages of a device tensor
+  (what a CacheWorker's GPU tier is once mapped into the engine) into 256 blocks: per chunk one
+  gather of the pages (none for a run of slots) and one scatter per layer. Baseline: one raw
+  device-to-device copy of the same bytes.
 
 Figures are GB/s (1e9 page bytes per second), the median of ``repeats`` samples taken
 alternately with the baseline, wall clock from the call until the copy is done. Before timing,
@@ -151,6 +155,43 @@ def copy_benchmark(
     return rows
 
 
+def gpu_pages_benchmark(settings: Settings, kib: int, kind: str, order: str, run: bool) -> list[Row]:
+    """GB/s of ``BlockCopier.load_device`` (pages of a GPU tier, as a CacheWorker's tier mapped
+    into the engine, into engine blocks) vs a raw device copy of the same bytes."""
+    case = _Case(settings, kib, kind, order, "cuda", run)
+    torch = case.torch
+    slots = (
+        case.into
+        if run
+        else [int(b) for b in np.random.default_rng(kib + 1).permutation(2 * BLOCKS)[:BLOCKS]]
+    )
+    pages = torch.zeros((2 * BLOCKS, case.rows.shape[1]), dtype=torch.uint8, device=case.device)
+    case.save()
+    pages[torch.as_tensor(slots, device=case.device)] = torch.from_numpy(case.rows).to(case.device)
+
+    def load() -> None:
+        case.copy_dst.load_device(pages, slots, case.into)
+
+    load()
+    ids, into = (torch.as_tensor(x, device=case.device) for x in (case.ids, case.into))
+    for name, tensor in case.src.items():
+        if not torch.equal(
+            tensor.index_select(0, ids).view(torch.int16),
+            case.dst[name].index_select(0, into).view(torch.int16),
+        ):
+            raise AssertionError(f"{name}: blocks changed on the way engine -> GPU page -> engine")
+    other = torch.empty_like(case.raw_dev)
+
+    def raw() -> None:
+        other.copy_(case.raw_dev)
+        torch.cuda.current_stream(case.device).synchronize()
+
+    t_ours, t_base = paired_seconds(timed(load), timed(raw), settings.repeats, settings.warmup)
+    label = f"{kind}/{order} {'run' if run else 'scattered'} {kib}KiB x{BLOCKS}x{settings.layers}L"
+    ours, baseline = case.nbytes / t_ours / 1e9, case.nbytes / t_base / 1e9
+    return [Row(f"load from GPU pages {label}", ours, baseline, "GB/s", info="baseline: raw d2d")]
+
+
 def benchmarks(settings: Settings, device: str) -> list[Benchmark]:
     out = []
     for kib in LAYER_BLOCK_KIB:
@@ -163,6 +204,9 @@ def benchmarks(settings: Settings, device: str) -> list[Benchmark]:
         if device == "cuda":
             fn = functools.partial(copy_benchmark, settings, kib, kind, order, device, False, True)
             out.append(Benchmark(f"{kind}/{order} pinned rows {kib}KiB", fn))
+            for run in (False, True):
+                fn = functools.partial(gpu_pages_benchmark, settings, kib, kind, order, run)
+                out.append(Benchmark(f"{kind}/{order} GPU pages {'run ' if run else ''}{kib}KiB", fn))
     return out
 
 

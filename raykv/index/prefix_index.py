@@ -258,6 +258,10 @@ class PrefixIndex:
     def last_event_id(self, worker: WorkerId) -> int:
         return self._workers[worker].last_event_id
 
+    def incarnation(self, worker: WorkerId) -> int:
+        """The registered incarnation of ``worker`` (KeyError for an unknown one)."""
+        return self._workers[worker].incarnation
+
     def __len__(self) -> int:
         return len(self._entries)
 

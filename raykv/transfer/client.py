@@ -46,12 +46,14 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+import raykv.transfer.gpu_land as gpu_land
 import raykv.transfer.shm_read as shm_read
 from raykv.core.errors import TransferError, TransferFailure
 from raykv.core.types import BlockKey
 from raykv.transfer.auth import AuthToken
 from raykv.transfer.config import Peer, TransferConfig, check_config, check_timeout, pull_request
 from raykv.transfer.connection import ClientConn, handshake
+from raykv.transfer.gpu_land import GpuLand
 from raykv.transfer.host_paths import Batch, checks
 from raykv.transfer.landing import Land, LeaseCheck, run_land
 from raykv.transfer.paths import REQUEST_PATHS
@@ -119,6 +121,7 @@ class PageClient:
         self._local: dict[tuple[str, int], shm_read.LocalPeer] = {}
         self._retired_local: list[shm_read.LocalPeer] = []
         self._labels: dict[tuple[str, int], str] = {}  # endpoint -> "host:port" (stats keys)
+        self._pin_local = False
         self.gpu_pools = PeerPools()
         """Owners' GPU tiers mapped by gpu_peer pulls (:mod:`raykv.transfer.gpu_peer`)."""
 
@@ -364,6 +367,9 @@ class PageClient:
         config = self.config
         allowed = conn.node == self.node_id and config.use_shm and config.use_shm_read
         shm_read.register(self._local, self._retired_local, peer, conn.shm, allowed)
+        local = self._local.get(peer)
+        if self._pin_local and local is not None:
+            local.mapping.pin_for_cuda()
 
     def _read_local(
         self, peer: tuple[str, int], keys: list[BlockKey], out: npt.NDArray[np.uint8] | None
@@ -390,6 +396,31 @@ class PageClient:
             return None
         self.count(shm_read.PATH, endpoint, len(checked), landed[1])
         return landed[0]
+
+    def land_gpu(self, peer: Peer, keys: Sequence[bytes], device: int, land: GpuLand) -> int:
+        """Land the pages of ``keys`` from a same-node ``peer``'s GPU tier straight into this
+        process's device memory (``land``: :data:`raykv.transfer.gpu_land.GpuLand`, on CUDA device
+        ``device``): one-sided when the owner's directory lists every key, else one ``gpu_peer``
+        request per batch. Returns how many leading keys landed (0 when the path is not
+        available: another node, no GPU tier, switched off). TransferError when a request failed
+        or its lease did not hold: nothing ``land`` wrote may be used then."""
+        checked, endpoint = pull_request(peer, keys)
+        if not checked:
+            return 0
+        if gpu_land.land_gpu_local(self, endpoint, checked, device, land):
+            return len(checked)
+        got = gpu_land.land_gpu_request(self, endpoint, checked, device, land)
+        landed = self.runtime.run(self.guard(endpoint, None, got), self.config.timeout_s + 5)
+        return int(landed or 0)
+
+    def pin_for_cuda(self) -> None:
+        """Page-lock (read-only ``cudaHostRegister``) every same-node peer's shared tier this
+        client maps, now and later, so that device copies from one-sided reads DMA the mapping
+        directly. Changes nothing else; without CUDA (or when the driver refuses) the mappings
+        stay pageable and device copies stage through pinned buffers."""
+        self._pin_local = True
+        for local in self._local.values():
+            local.mapping.pin_for_cuda()
 
     def count(self, path: str, peer: tuple[str, int], pages: int, nbytes: int) -> None:
         """Count one pull of ``pages`` pages (``nbytes``) on ``path`` from ``peer`` (stats)."""

@@ -53,11 +53,11 @@ from raykv.core.tiers.host import SHM_DIR, SHM_PREFIX
 from raykv.core.types import DEFAULT_PRIORITY, BlockKey, PageId, Priority, TierKind, check_priority
 from raykv.transfer.config import Peer, pull_request
 from raykv.transfer.connection import ClientConn
+from raykv.transfer.gpu_land import ask_gpu_pool
 from raykv.transfer.gpu_read import LOCAL_PATH, copy_from, pull_local
 from raykv.transfer.importer import PullOutcome, importable_prefix, merge_outcomes, pull_into
 from raykv.transfer.landing import LeaseCheck, run_checked
 from raykv.transfer.path import TransferPath
-from raykv.transfer.peer_pools import PoolInfo
 from raykv.transfer.pull_client import PullClient
 from raykv.transfer.serving import PullRequest, ServerConn
 
@@ -312,14 +312,7 @@ async def _pull_all(
 async def _pull_batch(
     client: PullClient, conn: ClientConn, keys: list[BlockKey], manager: CacheManager, priority: Priority
 ) -> PullOutcome:
-    rid = client.new_request()
-    await conn.send({"t": "pull", "id": rid, "keys": list(keys), "path": PATH, "tag": 0, "ack": True})
-    limit = min(conn.max_payload, client.config.max_payload_bytes)
-    info = PoolInfo.from_msg(await conn.read(), rid)
-    client.gpu_pools.known[conn.peer] = info
-    header = wire.Header.from_msg(await conn.read(), list[bytes](keys), limit)
-    if header.request_id != rid or header.page_bytes != conn.page_bytes or header.path != PATH:
-        raise wire.protocol_error("header does not answer this request")
+    info, header = await ask_gpu_pool(client, conn, keys)
     if header.page_bytes != manager.layout.page_bytes:
         raise TransferError(
             "import refused: page size differs from this manager's", reason=TransferFailure.REJECTED

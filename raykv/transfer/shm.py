@@ -8,6 +8,7 @@ lease for the duration, so the pages neither move nor change while they are copi
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import stat
@@ -16,9 +17,11 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from raykv.core.errors import TransferError, TransferFailure
+from raykv.core.errors import CudaError, TransferError, TransferFailure
 from raykv.core.tiers.base import copy_rows, is_run
 from raykv.core.tiers.host import SHM_PREFIX
+
+log = logging.getLogger(__name__)
 
 
 def consecutive(slots: Sequence[int]) -> bool:
@@ -59,6 +62,27 @@ class ShmMapping:
         self.array: npt.NDArray[np.uint8] = np.frombuffer(self._mmap, dtype=np.uint8).reshape(
             num_slots, page_bytes
         )
+        self.pinned = False
+        """Whether the mapping is page-locked for CUDA (:meth:`pin_for_cuda`)."""
+        self._pinned_at = 0
+
+    def pin_for_cuda(self) -> bool:
+        """Page-lock the mapping read-only for CUDA (:func:`raykv.core.tiers.cuda_util.host_register`),
+        so device copies out of its rows DMA them directly; idempotent. Returns whether it is
+        pinned now (False without CUDA or when the driver refuses: logged once, nothing
+        changed)."""
+        if self.pinned or self.array.size == 0:
+            return self.pinned
+        from raykv.core.tiers.cuda_util import host_register
+
+        address = int(self.array.ctypes.data)
+        try:
+            host_register(address, self.array.nbytes, read_only=True)
+        except (CudaError, OSError, RuntimeError) as exc:
+            log.info("cannot page-lock a peer's shared tier (%s); device copies stage", exc)
+            return False
+        self._pinned_at, self.pinned = address, True
+        return True
 
     @property
     def buffer(self) -> mmap.mmap:
@@ -87,6 +111,14 @@ class ShmMapping:
         return self.array[first : first + len(slots)]
 
     def close(self) -> None:
+        if self.pinned:
+            from raykv.core.tiers.cuda_util import host_unregister
+
+            try:
+                host_unregister(self._pinned_at)
+            except CudaError as exc:  # the mapping goes anyway; the driver drops the lock with it
+                log.warning("cuMemHostUnregister of a peer's shared tier failed (%s)", exc)
+            self.pinned = False
         self.array = np.zeros((0, 0), dtype=np.uint8)
         try:
             self._mmap.close()

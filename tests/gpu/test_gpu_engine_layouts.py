@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from raykv import ConfigError, KVLayout  # noqa: E402
+from raykv import ConfigError, InvalidArgumentError, KVLayout  # noqa: E402
 from raykv.integrations.vllm.copier import BlockCopier  # noqa: E402
 from raykv.integrations.vllm.layout import native_layout  # noqa: E402
 from raykv.integrations.vllm.testing import (  # noqa: E402
@@ -156,3 +156,33 @@ def test_pinned_rows_are_copied_directly_and_exactly(chunk_pages: int | None) ->
     finally:
         pool.close()
     assert not pool.pinned
+
+
+@pytest.mark.parametrize(("kind", "order", "kernel"), GPU_ENGINES)
+def test_block_kernel_matches_torch_copies(kind: str, order: str, kernel: int | None) -> None:
+    """The one-launch block kernel (the default on CUDA) writes the same bytes as torch's
+    gathers and scatters, both ways, and loads straight from device pages by slot."""
+    layout = KVLayout.uniform(len(LAYERS), HEADS, HEAD, TOKENS, "bfloat16")
+    ref = _reference("bfloat16", seed=11)
+    ids, into = [4, 9, 10, 11, 50, 2], [60, 0, 1, 2, 30, 31]
+    want = reference_rows(layout, ref, ids)
+    src = _engine(kind, order, kernel, "bfloat16")
+    fill_backend(kind, src, LAYERS, ref, HEAD, TOKENS)
+    fast = BlockCopier(layout, LAYERS, src, kind)
+    slow = BlockCopier(layout, LAYERS, src, kind, use_kernel=False)
+    assert fast.kernel is not None and slow.kernel is None
+    for copier in (fast, slow):
+        rows = np.zeros((len(ids), layout.page_bytes), dtype=np.uint8)
+        copier.save(ids, rows)
+        assert np.array_equal(rows, want), copier.kernel
+    pages = torch.zeros((16, layout.page_bytes), dtype=torch.uint8, device="cuda")
+    slots = [7, 3, 4, 5, 15, 0]
+    pages[torch.tensor(slots, device="cuda")] = torch.from_numpy(want).cuda()
+    for use_kernel in (True, False):
+        dst = _engine(kind, order, kernel, "bfloat16")
+        BlockCopier(layout, LAYERS, dst, kind, use_kernel=use_kernel).load_device(pages, slots, into)
+        _check_loaded(kind, dst, ref, ids, into)
+    with pytest.raises(InvalidArgumentError):
+        fast.load_device(pages.cpu(), slots, into)
+    with pytest.raises(InvalidArgumentError):
+        fast.load_device(pages, [*slots[:-1], 16], into)

@@ -123,6 +123,9 @@ def test_every_router_starts_from_the_one_default_configuration() -> None:
 
     assert GridSpec().routing is DEFAULT_ROUTING and RaykvRouter().routing is DEFAULT_ROUTING
     assert PDConfig().routing is DEFAULT_ROUTING
+    from actors.settings import Settings
+
+    assert Settings().routing is DEFAULT_ROUTING  # raykv up without a [routing] section
 
     async def connect() -> None:
         raise AssertionError("not called")

@@ -20,8 +20,10 @@ from raykv.transfer import (
     pull_gpu_peer_into,
     wire,
 )
+from raykv.transfer.gpu_land import leading_run
 from raykv.transfer.importer import PullOutcome, merge_outcomes
 from raykv.transfer.peer_pools import PoolInfo
+from raykv.transfer.shm import ShmMapping
 
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
 
@@ -112,3 +114,51 @@ def test_merged_outcomes_concatenate_in_pull_order() -> None:
     assert m.missing == (k[2], k[3]) and m.dropped == (k[4],) and m.nbytes == 15 and m.seconds == 0.75
     assert merge_outcomes([a], "x") is a
     assert asyncio.iscoroutinefunction(pull_best)
+
+
+def test_land_gpu_from_a_host_only_owner_lands_nothing_and_asks_nothing(
+    pair: Pair, oracle: ContentOracle
+) -> None:
+    """An engine's GPU landing (``PageClient.land_gpu``) needs the owner's GPU tier: a host-only
+    owner is not asked (no request, no lease) and ``land`` is never called."""
+    keys = commit(pair.src, oracle, seq(4, 3))
+    calls: list[object] = []
+    landed = pair.client.land_gpu(pair.server.address, keys, 0, lambda *args: calls.append(args))
+    assert landed == 0 and not calls
+    assert pair.server.stats.pulls == {} and not pair.client.gpu_pools.known
+    assert pair.client.land_gpu(pair.server.address, [], 0, lambda *args: calls.append(args)) == 0
+    with pytest.raises(ValueError):
+        pair.client.land_gpu(pair.server.address, [b"short"], 0, lambda *args: calls.append(args))
+    pair.settled()
+
+
+def test_leading_run_counts_the_answered_prefix() -> None:
+    k = [bytes([i]) * 32 for i in range(4)]
+    assert leading_run(k, k) == 4
+    assert leading_run(k, k[:2]) == 2
+    assert leading_run(k, [k[0], k[2], k[3]]) == 1  # k[1] not on the GPU tier: the run ends
+    assert leading_run(k, []) == 0 and leading_run([], k) == 0
+
+
+def test_pinning_a_mapping_without_cuda_changes_nothing(pair: Pair, oracle: ContentOracle) -> None:
+    """Without a CUDA driver ``pin_for_cuda`` leaves the one-sided reads as they were."""
+    keys = commit(pair.src, oracle, seq(5, 2))
+    pair.client.pin_for_cuda()
+    pulled = pair.client.pull_sync(pair.server.address, keys)  # maps the owner's tier
+    again = pair.client.pull_sync(pair.server.address, keys)
+    assert again.path == "shm_read" and all(oracle.check(row, k) for row, k in zip(again.data, keys))
+    assert pulled.keys == again.keys
+    pool = pair.src.pools[0]
+    mapping = ShmMapping(pool.shm_path, pool.num_slots, pool.page_bytes)  # type: ignore[attr-defined]
+    try:
+        assert mapping.pin_for_cuda() is cuda_usable() and mapping.pinned is cuda_usable()
+        assert oracle.check(mapping.array[pair.src.tree.get(keys[0]).page.slot], keys[0])  # type: ignore[union-attr]
+    finally:
+        mapping.close()
+    assert not mapping.pinned
+    pair.settled()
+
+
+def cuda_usable() -> bool:
+    torch = pytest.importorskip("torch")
+    return bool(torch.cuda.is_available())

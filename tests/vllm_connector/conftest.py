@@ -36,7 +36,17 @@ def ray_address() -> Iterator[str]:
     if ray.is_initialized():
         shutdown_ray()
     # 8 logical CPUs: a Ray Serve LLM replica reserves 2 (its actor and its engine's bundle)
-    ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=100 << 20)
+    # Serve's router asks a replica for its queue length before sending it a request and skips
+    # it when no answer comes within 0.1 s (then the next-ranked replica serves): on a loaded
+    # 2-core machine that moved a repeat off the replica holding its prefix. 1 s here.
+    env = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0"}
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        object_store_memory=100 << 20,
+        runtime_env={"env_vars": env},
+    )
     yield str(ray.get_runtime_context().gcs_address)
     shutdown_ray()
 

@@ -34,7 +34,15 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.core.errors import CudaError
-from raykv.core.tiers.cuda_util import SlotList, check, driver, ensure_context, one_run, torch_errors
+from raykv.core.tiers.cuda_util import (
+    ArgTables,
+    SlotList,
+    check,
+    driver,
+    ensure_context,
+    one_run,
+    torch_errors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +58,12 @@ UNROLL = 4
 
 _KERNEL = r"""
 extern "C" __global__ void __launch_bounds__(256)
-raykv_copy_pages(const unsigned long long* __restrict__ addrs, int npages, unsigned long long nvec) {
+raykv_copy_pages(const long long* __restrict__ slots, int npages, unsigned long long src_base,
+                 unsigned long long dst_base, unsigned long long page_bytes, unsigned long long nvec) {
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (int page = blockIdx.y; page < npages; page += gridDim.y) {
-        const uint4* __restrict__ src = (const uint4*)addrs[page];
-        uint4* __restrict__ dst = (uint4*)addrs[npages + page];
+        const uint4* __restrict__ src = (const uint4*)(src_base + slots[page] * page_bytes);
+        uint4* __restrict__ dst = (uint4*)(dst_base + slots[npages + page] * page_bytes);
         unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
         for (; i + 3 * stride < nvec; i += 4 * stride) {
             uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
@@ -83,6 +92,13 @@ def runs(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> list[tuple[i
 
 def _compile_kernel(device: int) -> Any:
     """Compile and load the page-copy kernel for ``device`` (NVRTC, once per process)."""
+    return compile_kernel(device, _KERNEL, "raykv_copy_pages")
+
+
+def compile_kernel(device: int, source: str, name: str) -> tuple[Any, Any]:
+    """Compile CUDA C ``source`` for ``device``'s architecture with NVRTC and load it: (module,
+    function ``name``). CudaError with NVRTC's log when it does not compile; ImportError without
+    cuda-python's nvrtc."""
     from cuda.bindings import nvrtc
 
     drv = driver()
@@ -90,7 +106,7 @@ def _compile_kernel(device: int) -> Any:
     attr = drv.CUdevice_attribute
     major = check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cc")
     minor = check(drv.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cc")
-    err, prog = nvrtc.nvrtcCreateProgram(_KERNEL.encode(), b"raykv_copy.cu", 0, [], [])
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], [])
     opts = [f"--gpu-architecture=sm_{major}{minor}".encode()]
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     if int(err) != 0:
@@ -103,7 +119,7 @@ def _compile_kernel(device: int) -> Any:
     nvrtc.nvrtcGetCUBIN(prog, cubin)
     nvrtc.nvrtcDestroyProgram(prog)
     module = check(drv.cuModuleLoadData(cubin), "cuModuleLoadData")
-    return module, check(drv.cuModuleGetFunction(module, b"raykv_copy_pages"), "cuModuleGetFunction")
+    return module, check(drv.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
 
 
 class CudaCopier:
@@ -122,6 +138,7 @@ class CudaCopier:
         self._kernel_failed = False
         self._host_ptrs: dict[int, int | None] = {}
         self.staging: PinnedStaging | None = None
+        self._tables = ArgTables(device)
 
     # ---- addresses ----------------------------------------------------------------------------
     def host_address(self, array: npt.NDArray[np.uint8], pinned: bool) -> int | None:
@@ -224,7 +241,7 @@ class CudaCopier:
             use_memcpy = host_side and len(src) * nbytes >= num_runs * MEMCPY_MIN_RUN_BYTES
         aligned = nbytes % 16 == 0 and not (src_base | dst_base) % 16
         if not use_memcpy and aligned and self._load_kernel():
-            self._launch(stream, src_base + src * nbytes, dst_base + dst * nbytes, nbytes)
+            self._launch(stream, src_base, src, dst_base, dst, nbytes)
             return
         self._memcpy(stream, src_base, dst_base, nbytes, runs(src, dst))
 
@@ -255,23 +272,30 @@ class CudaCopier:
         return self._kernel is not None
 
     def _launch(
-        self, stream: Any, src_addr: npt.NDArray[np.int64], dst_addr: npt.NDArray[np.int64], nbytes: int
+        self,
+        stream: Any,
+        src_base: int,
+        src: npt.NDArray[np.int64],
+        dst_base: int,
+        dst: npt.NDArray[np.int64],
+        nbytes: int,
     ) -> None:
-        """One launch: ``blocks`` blocks per page along x, pages strided over ``grid_y`` rows."""
-        torch = self._torch
+        """One launch: ``blocks`` blocks per page along x, pages strided over ``grid_y`` rows;
+        the kernel reads the slots from a table uploaded on ``stream`` (:class:`ArgTables`)."""
         drv = driver()
         nvec = nbytes // 16
-        count = len(src_addr)
+        count = len(src)
         blocks = max(1, min(MAX_BLOCKS_PER_PAGE, -(-nvec // (THREADS * UNROLL))))
         grid_y = max(1, min(count, TARGET_BLOCKS // blocks))
-        with torch.cuda.stream(stream):
-            host = torch.from_numpy(np.concatenate((src_addr, dst_addr))).pin_memory()
-            addrs = host.to(self.torch_device, non_blocking=True)
-            args = ((addrs.data_ptr(), count, nvec), (ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong))
-            result = drv.cuLaunchKernel(
-                self._kernel[1], blocks, grid_y, 1, THREADS, 1, 1, 0, stream.cuda_stream, args, 0
-            )
-            check(result, "cuLaunchKernel(raykv_copy_pages)")
+        handle = stream.cuda_stream
+        table = self._tables.upload(handle, (src, dst))
+        args = (
+            (table, count, src_base, dst_base, nbytes, nvec),
+            (ctypes.c_void_p, ctypes.c_int) + (ctypes.c_ulonglong,) * 4,
+        )
+        result = drv.cuLaunchKernel(self._kernel[1], blocks, grid_y, 1, THREADS, 1, 1, 0, handle, args, 0)
+        check(result, "cuLaunchKernel(raykv_copy_pages)")
+        self._tables.record(handle)
 
     def synchronize(self) -> None:
         """Block until every copy enqueued on this copier's streams completed."""
@@ -344,6 +368,7 @@ class CudaCopier:
     def close(self) -> None:
         """Wait for every copy; drop the staging buffer (streams and kernel go with the object)."""
         self.synchronize()
+        self._tables.close()
         if self.staging is not None:
             self.staging.close()
             self.staging = None

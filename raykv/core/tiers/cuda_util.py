@@ -138,6 +138,29 @@ def ensure_context(device: int) -> None:
     check(drv.cuCtxSetCurrent(primary_context(device)), "cuCtxSetCurrent")
 
 
+HOST_REGISTER_PORTABLE = 0x01
+HOST_REGISTER_READ_ONLY = 0x08
+
+
+def host_register(address: int, nbytes: int, read_only: bool = False, device: int = 0) -> None:
+    """Page-lock ``nbytes`` of host memory at ``address`` for every CUDA context of this process
+    (``cuMemHostRegister``, portable), so device copies DMA it directly. ``read_only``: the
+    memory is mapped without write access (a peer's tier mapped PROT_READ); devices only read it.
+    Undo with :func:`host_unregister` before the memory is unmapped. CudaError when the driver
+    refuses (no CUDA, the locked-memory limit, read-only registration unsupported)."""
+    drv = driver()
+    ensure_context(device)
+    flags = HOST_REGISTER_PORTABLE | (HOST_REGISTER_READ_ONLY if read_only else 0)
+    check(drv.cuMemHostRegister(address, nbytes, flags), "cuMemHostRegister")
+
+
+def host_unregister(address: int, device: int = 0) -> None:
+    """Undo :func:`host_register` of the memory at ``address`` (CudaError when not registered)."""
+    drv = driver()
+    ensure_context(device)
+    check(drv.cuMemHostUnregister(address), "cuMemHostUnregister")
+
+
 def device_count() -> int:
     """CUDA devices visible to this process (0 when the driver is missing)."""
     try:
@@ -278,3 +301,64 @@ def one_run(slots: SlotList) -> bool:
     batch, slots allocated or committed together, is checked without numpy. False for anything
     else, including arrays (then :func:`raykv.core.tiers.cuda_copy.runs` finds the runs)."""
     return type(slots) is list and is_run(slots)
+
+
+class ArgTables:
+    """Kernel argument tables (int64 arrays) uploaded without allocating: a ring of page-locked
+    host buffers and their device twins, each reused once the driver event recorded after the
+    work that read it completed (so neither side is overwritten or freed while in use).
+
+    Per launch: :meth:`upload` (one host copy, one ``cuMemcpyHtoDAsync``), the launch on the same
+    stream, then :meth:`record` on that stream. The ring comes round again ``RING`` uploads later
+    and waits for that event first."""
+
+    RING = 4
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self._slots: list[dict[str, Any]] = [{} for _ in range(self.RING)]
+        self._next = 0
+        self._last: dict[str, Any] = {}
+
+    def upload(self, stream_handle: Any, arrays: Sequence[npt.NDArray[np.int64]]) -> int:
+        """Enqueue on ``stream_handle`` the upload of ``arrays`` one after another; the device
+        address of the first element (the caller's thread must have the device's context)."""
+        import torch
+
+        drv = driver()
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % self.RING
+        count = sum(len(a) for a in arrays)
+        if "event" in slot:
+            check(drv.cuEventSynchronize(slot["event"]), "cuEventSynchronize")
+        else:
+            flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+            slot["event"] = check(drv.cuEventCreate(flags), "cuEventCreate")
+        if slot.get("capacity", 0) < count:
+            capacity = max(count, 2 * slot.get("capacity", 0), 1024)
+            slot["host"] = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+            slot["dev"] = torch.empty(capacity, dtype=torch.int64, device=torch.device("cuda", self.device))
+            slot["capacity"] = capacity
+        host = slot["host"].numpy()
+        at = 0
+        for array in arrays:
+            host[at : at + len(array)] = array
+            at += len(array)
+        dev, src = int(slot["dev"].data_ptr()), int(slot["host"].data_ptr())
+        check(drv.cuMemcpyHtoDAsync(dev, src, 8 * count, stream_handle), "cuMemcpyHtoDAsync")
+        self._last = slot
+        return dev
+
+    def record(self, stream_handle: Any) -> None:
+        """The last uploaded table is free once the work enqueued on ``stream_handle`` so far
+        completed (call after the launch that reads it)."""
+        check(driver().cuEventRecord(self._last["event"], stream_handle), "cuEventRecord")
+
+    def close(self) -> None:
+        """Wait for the work reading the tables and free them."""
+        drv = driver()
+        for slot in self._slots:
+            if "event" in slot:
+                drv.cuEventSynchronize(slot["event"])
+                drv.cuEventDestroy(slot["event"])
+            slot.clear()

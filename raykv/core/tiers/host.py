@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from raykv.core import threads
 from raykv.core.config import DTYPES, KVLayout, TierConfig
-from raykv.core.errors import OutOfMemoryError
+from raykv.core.errors import CudaError, OutOfMemoryError
 from raykv.core.tiers.base import PagePool, copy_rows, is_run
 from raykv.core.tiers.shm_directory import ShmDirectory
 from raykv.core.types import PageId, TierKind
@@ -65,32 +65,31 @@ class HostPool(PagePool):
             self.array = self._allocate(pin)
 
     def pin_for_cuda(self) -> bool:
-        """Page-lock the tier's memory for CUDA copies (``cudaHostRegister``; a shared tier's
-        mapping too), so device copies to and from its pages are DMA transfers. Changes nothing
-        but the locking; idempotent. Returns whether the memory is pinned now (False without
-        CUDA, or when the driver refuses, e.g. over the locked-memory limit: logged)."""
+        """Page-lock the tier's memory for CUDA copies (:func:`raykv.core.tiers.cuda_util.host_register`;
+        a shared tier's mapping too), so device copies to and from its pages are DMA transfers.
+        Changes nothing but the locking; idempotent. Returns whether the memory is pinned now
+        (False without CUDA, or when the driver refuses, e.g. over the locked-memory limit:
+        logged)."""
         if self.pinned or self.array.size == 0:
             return self.pinned
-        try:
-            import torch
+        from raykv.core.tiers.cuda_util import host_register
 
-            if not torch.cuda.is_available():
-                return False
-            err = torch.cuda.cudart().cudaHostRegister(self.array.ctypes.data, self.array.nbytes, 0)
-        except (ImportError, RuntimeError, AttributeError) as exc:
+        try:
+            host_register(int(self.array.ctypes.data), self.array.nbytes)
+        except (CudaError, OSError, RuntimeError) as exc:
             log.warning("host tier: cannot pin for CUDA (%s); copies stage through pinned buffers", exc)
-            return False
-        if int(err) != 0:
-            log.warning("host tier: cudaHostRegister failed (%s); copies stage through pinned buffers", err)
             return False
         self._registered = self.pinned = True
         return True
 
     def _unregister(self) -> None:
         if self._registered:
-            import torch
+            from raykv.core.tiers.cuda_util import host_unregister
 
-            torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
+            try:
+                host_unregister(int(self.array.ctypes.data))
+            except CudaError as exc:
+                log.warning("host tier: cuMemHostUnregister failed (%s)", exc)
             self._registered = self.pinned = False
 
     def _allocate_shared(self) -> npt.NDArray[np.uint8]:

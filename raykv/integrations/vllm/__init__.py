@@ -32,7 +32,11 @@ Process topology (one engine, one CacheWorker on the same node):
   pull ended (see :mod:`~raykv.integrations.vllm.connector`). After the worker process staged
   new blocks it asks the CacheWorker to pull them (an actor call carrying keys only).
 - worker process (vLLM's model runner): the data plane, no Ray. Pages move between the
-  CacheWorker's tiers and the engine's KV tensors through raykv's page transfers: one-sided
+  CacheWorker's tiers and the engine's KV tensors through raykv's page transfers. A CUDA engine
+  first copies the blocks on the CacheWorker's GPU tier device to device from the tier itself,
+  mapped into the engine's process by CUDA IPC (:mod:`raykv.transfer.gpu_land`: a ``gpu_peer``
+  request under the owner's lease, then one-sided reads re-checked after the copy); the rest
+  come from the host tiers: one-sided
   reads of the CacheWorker's shared host tier (``TierConfig.host(..., shared=True)``, a file
   under /dev/shm mapped read-only, slot generations re-checked after the copy), the ``shm``
   request path, or UCX for pages on the disk tier. Stores go the other way through a staging
@@ -60,9 +64,10 @@ bring are recomputed). Tests inject faults through their own link
 Results per request land in ``RequestOutput.kv_transfer_params["raykv"]``: ``hit_blocks``,
 ``loaded_blocks`` (planned), ``loaded_blocks_ok``, ``load_errors``, ``load_us`` (the load's wall
 time in the worker process: pull plus copy into the engine's blocks), ``path_<path>`` (how the
-pages came: ``shm_read``, ``shm``, ``ucx``), ``async_loads`` and ``fetch_us`` (an asynchronous
-load, the wall time from its lookup until its load was planned), ``offered_blocks``,
-``staged_blocks``, ``worker`` and
+pages came: ``gpu_peer``, ``gpu_read``, ``shm_read``, ``shm``, ``ucx``), ``dma_direct_blocks``
+(blocks a CUDA engine copied straight from a page-locked mapping of the host tier),
+``async_loads`` and ``fetch_us`` (an asynchronous load, the wall time from its lookup until its
+load was planned), ``offered_blocks``, ``staged_blocks``, ``worker`` and
 ``blocks`` (prompt blocks the deployment holds or was offered; a PD proxy hands these to the
 decode engine's request as ``kv_transfer_params``). The worker side's
 figures of a step reach the scheduler after the requests finishing in that step are freed, so a

@@ -32,6 +32,7 @@ import numpy.typing as npt
 
 from raykv import InvalidArgumentError, KVLayout
 from raykv.core.config import BufferRegion
+from raykv.core.tiers.cuda_blocks import BlockKernel, PartGeometry, block_kernel
 from raykv.integrations.vllm.kv_blocks import BlockFormat, detect_format, engine_blocks
 from raykv.integrations.vllm.layout import NATIVE_ROLE
 
@@ -57,6 +58,7 @@ class BlockCopier:
         kv_caches: Mapping[str, Any],
         kv_cache_layout: str | None = None,
         chunk_bytes: int = CHUNK_BYTES,
+        use_kernel: bool = True,
     ) -> None:
         self.layout = layout
         self.page_bytes = layout.page_bytes
@@ -84,8 +86,19 @@ class BlockCopier:
         self._chunk = max(1, chunk_bytes // self.page_bytes)
         self._scratch: Any = None
         self._staging = None
+        self.kernel: BlockKernel | None = None
         if self.device.type != "cpu":
             self._staging = _Staging(self.device, self.page_bytes, self._chunk)
+            self.kernel = self._block_kernel() if use_kernel else None
+
+    def _block_kernel(self) -> BlockKernel | None:
+        """The one-launch block copy kernel for these tensors (token-major pages on CUDA), or
+        None (torch copies) where it does not apply."""
+        if self.native or self.device.type != "cuda":
+            return None
+        parts = [part for layer in self._engine_parts for part in layer]
+        offsets = [region.offset for layer in self._regions for region in layer]
+        return block_kernel(self.device, PartGeometry.of_parts(parts, offsets))
 
     # ---- construction ------------------------------------------------------------------------
     def _head_dims(self, tensor: Any) -> tuple[int, int]:
@@ -119,21 +132,16 @@ class BlockCopier:
     # ---- copies ------------------------------------------------------------------------------
     def save(self, block_ids: Sequence[int], rows: npt.NDArray[np.uint8]) -> None:
         """Write engine blocks ``block_ids`` into ``rows[:len(block_ids)]`` (writable uint8)."""
-        import torch
 
         ids = self._check(rows, block_ids)
         pending: tuple[_Slot, npt.NDArray[np.uint8], bool] | None = None
         for i, (lo, hi) in enumerate(self._chunks(len(ids))):
-            pick = self._pick(ids[lo:hi])
             slot = self._staging.slot(i, hi - lo) if self._staging is not None else None
             out = slot.dev[: hi - lo] if slot is not None else _as_tensor(rows[lo:hi])
-            for parts, regions in zip(self._engine_parts, self._regions):
-                for part, region in zip(parts, regions):
-                    page = self._page(out, region)
-                    if isinstance(pick, slice):
-                        page.copy_(part[pick])
-                    else:  # straight into the page rows (strided out), one pass
-                        torch.index_select(part, 0, pick[0], out=page)
+            if self.kernel is not None:
+                self.kernel.copy(_row_addresses(out, self.page_bytes), ids[lo:hi], to_engine=False)
+            else:
+                self._read_blocks(self._pick(ids[lo:hi]), out)
             if slot is not None:
                 direct = slot.download(hi - lo, rows[lo:hi])
                 if pending is not None:
@@ -142,23 +150,81 @@ class BlockCopier:
         if pending is not None:
             pending[0].finish(pending[1], pending[2])
 
+    def _read_blocks(self, pick: Any, out: Any) -> None:
+        """Write the engine blocks ``pick`` (:meth:`_pick`) of every layer into page rows ``out``
+        (uint8 ``[n, page_bytes]``), with torch: one gather per layer and region."""
+        import torch
+
+        for parts, regions in zip(self._engine_parts, self._regions):
+            for part, region in zip(parts, regions):
+                page = self._page(out, region)
+                if isinstance(pick, slice):
+                    page.copy_(part[pick])
+                else:  # straight into the page rows (strided out), one pass
+                    torch.index_select(part, 0, pick[0], out=page)
+
     def load(self, rows: npt.NDArray[np.uint8], block_ids: Sequence[int]) -> None:
         """Write ``rows[i]`` into engine block ``block_ids[i]`` for every i."""
         ids = self._check(rows, block_ids)
         for i, (lo, hi) in enumerate(self._chunks(len(ids))):
-            pick = self._pick(ids[lo:hi])
             if self._staging is not None:
                 src = self._staging.slot(i, hi - lo).upload(rows[lo:hi])
             else:
                 src = _as_tensor(rows[lo:hi])
-            for layer, regions in enumerate(self._regions):
-                if isinstance(pick, slice):
-                    for part, region in zip(self._engine_parts[layer], regions):
-                        part[pick].copy_(self._page(src, region))
-                else:
-                    self._scatter(layer, pick, src)
+            self._write_blocks(ids[lo:hi], src)
         if self._staging is not None:
             self._staging.wait()
+
+    def load_device(self, pages: Any, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Write page ``pages[slots[i]]`` into engine block ``block_ids[i]`` for every i, device
+        to device: ``pages`` is a uint8 ``[num_pages, page_bytes]`` tensor on the engine's device
+        (a CacheWorker's GPU tier mapped into this process, :mod:`raykv.transfer.gpu_land`).
+        Per chunk one gather of the pages (none when the slots are one run) and one scatter per
+        layer; returns once the engine's blocks are written. InvalidArgumentError when ``pages``
+        is not such a tensor or a slot or block id is out of range."""
+        import torch
+
+        ids = self._check_ids(block_ids)
+        at = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if not (
+            isinstance(pages, torch.Tensor)
+            and pages.dtype == torch.uint8
+            and pages.dim() == 2
+            and pages.shape[1] == self.page_bytes
+            and pages.device == torch.device(self.device)
+        ):
+            raise InvalidArgumentError("pages", f"need uint8 [n, {self.page_bytes}] on {self.device}")
+        if len(at) != len(ids) or (len(at) and (at.min() < 0 or at.max() >= len(pages))):
+            raise InvalidArgumentError("slots", f"need {len(ids)} slots in 0..{len(pages) - 1}")
+        if self.kernel is not None and pages.stride() == (self.page_bytes, 1) and len(ids):
+            self.kernel.copy(pages.data_ptr() + at * self.page_bytes, ids, to_engine=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            return
+        for i, (lo, hi) in enumerate(self._chunks(len(ids))):
+            run = self._pick(at[lo:hi])
+            if isinstance(run, slice):
+                src = pages[run]
+            else:
+                out = self._staging.slot(i, hi - lo).dev[: hi - lo] if self._staging is not None else None
+                src = torch.index_select(pages, 0, run[0], out=out)
+            self._write_blocks(ids[lo:hi], src)
+        if self._staging is not None:
+            self._staging.wait()
+
+    def _write_blocks(self, ids: npt.NDArray[np.int64], src: Any) -> None:
+        """Write page rows ``src`` (uint8 ``[n, page_bytes]`` on the engine's device) into the
+        engine blocks ``ids`` of every layer: one launch of the block kernel, else with torch
+        (one scatter per layer and region)."""
+        if self.kernel is not None and src.is_contiguous():
+            self.kernel.copy(_row_addresses(src, self.page_bytes), ids, to_engine=True)
+            return
+        pick = self._pick(ids)
+        for layer, regions in enumerate(self._regions):
+            if isinstance(pick, slice):
+                for part, region in zip(self._engine_parts[layer], regions):
+                    part[pick].copy_(self._page(src, region))
+            else:
+                self._scatter(layer, pick, src)
 
     def _scatter(self, layer: int, pick: tuple[Any, npt.NDArray[np.int64]], src: Any) -> None:
         """Write page rows ``src`` into the layer's blocks ``pick``: ``index_copy_`` per region,
@@ -182,9 +248,13 @@ class BlockCopier:
             whole[pick[1]] = scratch.reshape(len(scratch), -1).view(torch.uint8).numpy()
 
     def _check(self, rows: npt.NDArray[np.uint8], block_ids: Sequence[int]) -> npt.NDArray[np.int64]:
-        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        ids = self._check_ids(block_ids)
         if rows.ndim != 2 or rows.shape[1] != self.page_bytes or len(rows) < len(ids):
             raise InvalidArgumentError("rows", f"need {len(ids)} rows of {self.page_bytes} bytes")
+        return ids
+
+    def _check_ids(self, block_ids: Sequence[int]) -> npt.NDArray[np.int64]:
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_blocks):
             raise InvalidArgumentError("block_ids", f"block ids must be in 0..{self.num_blocks - 1}")
         return ids
@@ -331,6 +401,17 @@ def _pinned_tensor(rows: npt.NDArray[np.uint8]) -> Any:
     ``cudaHostRegister``), so a device copy may DMA it directly; else None."""
     tensor = _as_tensor(rows)
     return tensor if tensor.is_pinned() else None
+
+
+def _row_addresses(rows: Any, page_bytes: int) -> npt.NDArray[np.int64]:
+    """The address of each row of a contiguous uint8 ``[n, page_bytes]`` tensor."""
+    return int(rows.data_ptr()) + np.arange(len(rows), dtype=np.int64) * page_bytes
+
+
+def is_pinned(rows: npt.NDArray[np.uint8]) -> bool:
+    """Whether device copies of ``rows`` DMA them directly (their memory is page-locked by
+    torch or registered with CUDA); False without CUDA."""
+    return _pinned_tensor(rows) is not None
 
 
 def _numpy_rows(blocks: Any) -> npt.NDArray[np.uint8] | None:

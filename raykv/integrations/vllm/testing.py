@@ -189,14 +189,16 @@ def restore_env(saved: Mapping[str, str | None]) -> None:
 
 def engine_kwargs(model: str, block_size: int = BLOCK_SIZE, **changes: Any) -> dict[str, Any]:
     """``vllm.LLM`` arguments for a small exact CPU engine (float32, eager, one-block chunks,
-    vLLM's own prefix cache off so every reuse comes from raykv). On CPU,
-    ``gpu_memory_utilization`` is the share of host memory an engine reserves for its KV cache:
-    0.05 (1.2 GiB on a 24 GiB machine) leaves room for the tests' 6 engines at once."""
+    vLLM's own prefix cache off so every reuse comes from raykv). The KV cache is sized
+    explicitly (``kv_cache_memory_bytes``, 512 MiB: the benchmark's 4,096-token prompt of its
+    8-layer model fits, and so do the tests' 6 engines at once): vLLM's CPU worker otherwise
+    reserves ``gpu_memory_utilization`` times the memory of one NUMA node minus its own
+    resident size, which is negative on machines whose nodes are small."""
     kwargs: dict[str, Any] = dict(
         model=model,
         dtype="float32",
         block_size=block_size,
-        gpu_memory_utilization=0.05,
+        kv_cache_memory_bytes=512 << 20,
         enforce_eager=True,
         skip_tokenizer_init=True,
         max_model_len=512,

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from raykv import CacheConfig, CacheManager, KVLayout, OutOfPagesError, TierConfig, TransferError
 from raykv.core.tiers.host import HostPool
-from raykv.integrations.vllm.copier import BlockCopier
+from raykv.integrations.vllm.copier import BlockCopier, is_pinned
 from raykv.integrations.vllm.plan import EngineLink, LoadOp, RaykvMetadata, StoreOp, WorkerReport
 from raykv.transfer import PageClient, PageServer, TransferConfig
 
@@ -75,10 +75,11 @@ class WorkerSide:
         self.client = PageClient(link.token, config)
         tier = TierConfig.host(link.staging_bytes, pin_memory=False, shared=True)
         self.staging = CacheManager(CacheConfig(self.layout, (tier,)))
-        if self._on_cuda():  # stores then DMA from the engine straight into staging pages
+        if self._on_cuda():  # loads and stores then DMA host pages directly
             pool = self.staging.pools[0]
             if isinstance(pool, HostPool):
                 pool.pin_for_cuda()
+            self.client.pin_for_cuda()
         self.server = PageServer(self.staging, link.token, config)
         self._report.staging = self.server.start()
 
@@ -122,11 +123,44 @@ class WorkerSide:
                 self._received.add(op.req_id)
 
     def _load(self, op: LoadOp) -> int:
-        """Load the leading pages of ``op`` that the CacheWorker still has; how many."""
+        """Load the leading pages of ``op`` that the CacheWorker still has; how many. A CUDA
+        engine takes those on the CacheWorker's GPU tier first (device to device), then the rest
+        from its host tiers."""
+        keys, ids = list(op.keys), list(op.block_ids)
+        done = self._load_gpu(op.req_id, keys, ids) if self._on_cuda() else 0
+        if done == len(keys):
+            return done
+        return done + self._load_host(op.req_id, keys[done:], ids[done:])
+
+    def _load_gpu(self, req_id: str, keys: list[bytes], ids: list[int]) -> int:
+        """Copy the leading pages of ``keys`` that are on the CacheWorker's GPU tier straight
+        from it (mapped into this process, :meth:`raykv.transfer.PageClient.land_gpu`) into
+        engine blocks ``ids``; how many (0 when that path is not available or failed: the host
+        paths then overwrite whatever it wrote)."""
+        assert self.client is not None and self.link is not None and self.copier is not None
+        copier, device = self.copier, self.copier.device.index or 0
+
+        def land(pages: Any, slots: list[int], start: int, confirm: Callable[[], None]) -> None:
+            copier.load_device(pages, slots, ids[start : start + len(slots)])
+            confirm()
+
+        before = dict(self.client.stats.pulls)
+        try:
+            done = self.client.land_gpu(self.link.address, keys, device, land)
+        except TransferError as exc:
+            log.info("raykv: GPU-tier load of %d blocks failed (%s); trying the host paths", len(keys), exc)
+            return 0
+        for path, count in self.client.stats.pulls.items():
+            if path.startswith("gpu_") and count > before.get(path, 0):
+                self._report.count(req_id, f"path_{path}", count - before.get(path, 0))
+        return done
+
+    def _load_host(self, req_id: str, keys: list[bytes], ids: list[int]) -> int:
+        """Load the leading pages of ``keys`` from the CacheWorker's host tiers into engine
+        blocks ``ids`` (one-sided when its shared tier lists them all, else a pull); how many."""
         assert self.client is not None and self.link is not None
-        keys = list(op.keys)
         direct = self.client.land_local(
-            self.link.address, keys, lambda pulled, confirm: self._land(op, pulled, confirm)
+            self.link.address, keys, lambda pulled, confirm: self._land(req_id, ids, pulled, confirm)
         )
         if direct is not None:
             return int(direct)
@@ -137,7 +171,7 @@ class WorkerSide:
             return 0
         row_of = {bytes(k): i for i, k in enumerate(pulled.keys)}
         rows = []
-        for key in op.keys:
+        for key in keys:
             if key not in row_of:
                 break
             rows.append(row_of[key])
@@ -145,19 +179,21 @@ class WorkerSide:
             data = pulled.data
             picked = data[: len(rows)] if rows == list(range(len(rows))) else data[rows]
             assert self.copier is not None
-            self.copier.load(np.ascontiguousarray(picked), op.block_ids[: len(rows)])
-            self._report.count(op.req_id, f"path_{pulled.path}", 1)
+            self.copier.load(np.ascontiguousarray(picked), ids[: len(rows)])
+            self._report.count(req_id, f"path_{pulled.path}", 1)
         return len(rows)
 
-    def _land(self, op: LoadOp, pulled: Any, confirm: Any) -> int:
+    def _land(self, req_id: str, ids: list[int], pulled: Any, confirm: Any) -> int:
         """Copy one-sided rows (views of the CacheWorker's shared tier) straight into the
-        engine's blocks, then ``confirm`` they did not change meanwhile (else it raises and
-        :meth:`_load` pulls again, overwriting the blocks)."""
+        engine's blocks ``ids``, then ``confirm`` they did not change meanwhile (else it raises
+        and :meth:`_load_host` pulls again, overwriting the blocks)."""
         assert self.copier is not None
-        self.copier.load(pulled.data, op.block_ids)
+        self.copier.load(pulled.data, ids)
         confirm()
-        self._report.count(op.req_id, "path_shm_read", 1)
-        return len(op.block_ids)
+        self._report.count(req_id, "path_shm_read", 1)
+        if self._on_cuda() and is_pinned(pulled.data):  # the mapping is page-locked: no staging
+            self._report.count(req_id, "dma_direct_blocks", len(ids))
+        return len(ids)
 
     def take_failed(self) -> set[int]:
         """Engine block ids whose load failed since the last call."""

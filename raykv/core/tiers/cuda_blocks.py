@@ -1,0 +1,181 @@
+"""One CUDA kernel that copies whole pages between raykv page rows and an engine's strided blocks.
+
+An engine keeps a block's KV as parts (per layer, keys and values) of shape ``[blocks, r, N, H, D]``
+with arbitrary strides (vLLM: any ``KVCacheLayout``, kernel blocks ``r`` of ``N`` tokens each); a
+token-major raykv page holds each part as ``[r * N, H, D]`` contiguous at its region's offset. The
+kernel moves a batch of pages in one launch: grid rows are (part, token) of one page, one 16-byte
+vector per thread, pages strided over the grid's second dimension. Both directions: pages into
+blocks (a load) and blocks into pages (a save). Page rows may be device memory (a GPU tier, mapped
+or owned, or a device staging buffer) or page-locked host memory mapped for the device.
+
+:class:`BlockKernel` takes the parts' geometry once (:class:`PartGeometry`) and then one call per
+batch; it is None-safe to build: :func:`block_kernel` returns None when the geometry does not
+allow 16-byte vectors (an unaligned base, stride or head size) or NVRTC is missing, and the
+caller copies with torch instead. cuda-python and torch are imported inside functions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from raykv.core.errors import CudaError
+from raykv.core.tiers.cuda_copy import compile_kernel
+from raykv.core.tiers.cuda_util import ArgTables, check, driver, ensure_context, torch_errors
+
+log = logging.getLogger(__name__)
+
+NAME = "raykv_copy_blocks"
+THREADS = 128
+TARGET_BLOCKS = 32768
+"""Thread blocks per launch to aim for (each copies one (part, token) row of several pages)."""
+
+_SOURCE = r"""
+extern "C" __global__ void __launch_bounds__(128)
+raykv_copy_blocks(const unsigned long long* __restrict__ pages,
+                  const long long* __restrict__ blocks,
+                  const unsigned long long* __restrict__ bases,
+                  const unsigned long long* __restrict__ offsets,
+                  int npages, int tokens, int kernel_tokens, int heads, int dvec,
+                  long long sb, long long sr, long long sn, long long sh, int to_engine) {
+    const int part = blockIdx.x / tokens, t = blockIdx.x % tokens;
+    const long long within = (long long)(t / kernel_tokens) * sr + (long long)(t % kernel_tokens) * sn;
+    const int row = heads * dvec;
+    for (int p = blockIdx.y; p < npages; p += gridDim.y) {
+        char* e = (char*)(bases[part] + blocks[p] * sb + within);
+        char* q = (char*)(pages[p] + offsets[part]) + (long long)t * row * 16;
+        for (int k = threadIdx.x; k < row; k += blockDim.x) {
+            uint4* ev = (uint4*)(e + (long long)(k / dvec) * sh + (long long)(k % dvec) * 16);
+            uint4* qv = (uint4*)(q + (long long)k * 16);
+            if (to_engine) { *ev = *qv; } else { *qv = *ev; }
+        }
+    }
+}
+"""
+
+_KERNELS: dict[int, tuple[Any, Any] | None] = {}
+_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class PartGeometry:
+    """Where the parts of one block live (bytes): part ``j`` of block ``b``, token ``t``, head
+    ``h`` starts at ``bases[j] + b * strides[0] + (t // kernel_tokens) * strides[1] +
+    (t % kernel_tokens) * strides[2] + h * strides[3]`` and holds ``row_bytes`` contiguous bytes;
+    in a page it is at ``offsets[j] + (t * heads + h) * row_bytes``."""
+
+    bases: tuple[int, ...]
+    offsets: tuple[int, ...]
+    tokens: int
+    kernel_tokens: int
+    heads: int
+    row_bytes: int
+    strides: tuple[int, int, int, int]
+
+    @classmethod
+    def of_parts(cls, parts: Sequence[Any], offsets: Sequence[int]) -> PartGeometry | None:
+        """The geometry of torch views ``[blocks, r, N, H, D]`` (one per page region, at page
+        ``offsets``), or None when they differ in shape or strides or the last dimension is not
+        contiguous."""
+        first = parts[0]
+        if first.dim() != 5 or any(p.shape != first.shape or p.stride() != first.stride() for p in parts):
+            return None
+        if first.stride(4) != 1:
+            return None
+        size = first.element_size()
+        _, r, n, heads, d = (int(x) for x in first.shape)
+        sb, sr, sn, sh = (int(first.stride(i)) * size for i in range(4))
+        return cls(
+            tuple(int(p.data_ptr()) for p in parts),
+            tuple(int(o) for o in offsets),
+            r * n,
+            n,
+            heads,
+            d * size,
+            (sb, sr, sn, sh),
+        )
+
+    def vectorizable(self) -> bool:
+        """Whether every address the kernel forms is 16-byte aligned."""
+        values = (*self.bases, *self.offsets, *self.strides, self.row_bytes)
+        return all(v % 16 == 0 for v in values) and self.row_bytes > 0
+
+
+class BlockKernel:
+    """The compiled kernel and the device tables of one engine's parts (see the module doc)."""
+
+    def __init__(self, device: Any, geometry: PartGeometry, function: Any) -> None:
+        import torch
+
+        self.device = device
+        self.geometry = geometry
+        self._function = function
+        self._geometry = torch.tensor(
+            [*geometry.bases, *geometry.offsets], dtype=torch.int64, device=device
+        )  # int64 bit patterns of the addresses; the kernel reads them as unsigned
+        self._args = ArgTables(device.index or 0)
+
+    def copy(
+        self, page_addresses: npt.NDArray[np.int64], block_ids: npt.NDArray[np.int64], to_engine: bool
+    ) -> None:
+        """Enqueue, on the device's current torch stream, the copy of page ``i`` (at
+        ``page_addresses[i]``) into (``to_engine``) or out of engine block ``block_ids[i]``,
+        for every i. Returns at once; the stream orders it (the caller synchronizes)."""
+        import torch
+
+        count = len(page_addresses)
+        if count == 0:
+            return
+        g = self.geometry
+        parts = len(g.bases)
+        grid_x = parts * g.tokens
+        grid_y = max(1, min(count, 65535, TARGET_BLOCKS // max(1, grid_x)))
+        handle = torch.cuda.current_stream(self.device).cuda_stream
+        ensure_context(self.device.index or 0)
+        table = self._args.upload(handle, (page_addresses, block_ids))
+        geometry = self._geometry.data_ptr()
+        values = (
+            table,
+            table + 8 * count,
+            geometry,
+            geometry + 8 * parts,
+            count,
+            g.tokens,
+            g.kernel_tokens,
+            g.heads,
+            g.row_bytes // 16,
+            *g.strides,
+            int(to_engine),
+        )
+        types = (ctypes.c_void_p,) * 4 + (ctypes.c_int,) * 5 + (ctypes.c_longlong,) * 4 + (ctypes.c_int,)
+        with torch_errors("block copy kernel"):
+            result = driver().cuLaunchKernel(
+                self._function, grid_x, grid_y, 1, THREADS, 1, 1, 0, handle, (values, types), 0
+            )
+        check(result, f"cuLaunchKernel({NAME})")
+        self._args.record(handle)
+
+
+def block_kernel(device: Any, geometry: PartGeometry | None) -> BlockKernel | None:
+    """A :class:`BlockKernel` for ``geometry`` on CUDA ``device``, or None when the geometry is
+    missing or not vectorizable or the kernel cannot be compiled (logged once per device)."""
+    if geometry is None or not geometry.vectorizable() or getattr(device, "type", "") != "cuda":
+        return None
+    index = device.index or 0
+    with _LOCK:
+        if index not in _KERNELS:
+            try:
+                ensure_context(index)
+                _KERNELS[index] = compile_kernel(index, _SOURCE, NAME)
+            except (CudaError, ImportError, RuntimeError) as exc:
+                log.warning("block copy kernel unavailable on cuda:%d (%s); copying with torch", index, exc)
+                _KERNELS[index] = None
+        compiled = _KERNELS[index]
+    return None if compiled is None else BlockKernel(device, geometry, compiled[1])
