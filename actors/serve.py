@@ -43,6 +43,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from actors.cluster import REGISTRY
 from actors.index import IndexClient
+from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope, lora_id_from_name
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
@@ -232,7 +233,10 @@ class CacheRanker:
         seed: int = 0,
     ) -> None:
         known = {f.name for f in fields(RoutingConfig)}
-        self._overrides = {k: v for k, v in (routing or {}).items() if k in known}
+        unknown = sorted(set(routing or {}) - known)
+        if unknown:
+            raise ConfigError("routing", f"unknown RoutingConfig fields {unknown}; fields: {sorted(known)}")
+        self._overrides = dict(routing or {})
         self._decode_weight = self.config(1).decode_weight  # validates the overrides now
         self._policies: dict[int, RoutingPolicy] = {}
         self._session_keys: dict[int, SessionKeys] = {}

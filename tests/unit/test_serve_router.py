@@ -23,6 +23,7 @@ from actors.serve import (
     scope_of,
     worker_of,
 )
+from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope, block_keys, lora_id_from_name
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import OP_STORE, EventBatch, PrefixIndex, RouteMatch
@@ -317,9 +318,14 @@ def test_a_session_hashes_only_its_new_blocks() -> None:
 
 
 def test_routing_overrides_are_validated() -> None:
+    """Bad values and unknown names (a retired ``load_cost``) are ConfigErrors naming them."""
     with pytest.raises(ValueError):
         ranker(FakeIndex(), w_host=2.0)
-    assert ranker(FakeIndex(), decode_weight=8.0, bogus=1).config(TPB).decode_weight == 8.0
+    for bogus in ({"bogus": 1}, {"load_cost": 0.12}):
+        with pytest.raises(ConfigError) as info:
+            ranker(FakeIndex(), decode_weight=8.0, **bogus)
+        assert next(iter(bogus)) in str(info.value)
+    assert ranker(FakeIndex(), decode_weight=8.0).config(TPB).decode_weight == 8.0
 
 
 def test_adapter_names_map_to_a_stable_lora_id_distinct_from_text_scopes() -> None:
