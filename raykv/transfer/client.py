@@ -405,7 +405,7 @@ class PageClient:
         available: another node, no GPU tier, switched off). TransferError when a request failed
         or its lease did not hold: nothing ``land`` wrote may be used then."""
         checked, endpoint = pull_request(peer, keys)
-        if not checked:
+        if not checked or endpoint in self.gpu_pools.refused:  # no GPU path to this peer
             return 0
         if gpu_land.land_gpu_local(self, endpoint, checked, device, land):
             return len(checked)

@@ -83,16 +83,16 @@ async def land_gpu_request(
     """Ask ``peer`` for ``keys`` over ``gpu_peer`` and land the leading run of them that is on
     its GPU tier (in batches within the server's limits, up to the first batch that comes back
     short); how many leading keys landed. None, with nothing asked, when the path is not
-    available (another node, no GPU tier offered, switched off, or the pool cannot be mapped on
-    ``device``: then never asked again). TransferError when a batch fails: what ``land`` wrote
-    for it must not be used (the earlier batches stand)."""
+    available: switched off here, or the peer is on another node, offers no GPU tier or its pool
+    cannot be mapped on ``device`` (those three do not change while the peer runs, so the peer
+    joins ``client.gpu_pools.refused`` and is not asked again). TransferError when a batch
+    fails: what ``land`` wrote for it must not be used (the earlier batches stand)."""
     conn = await client.checkout(peer)
-    if not (
-        client.config.use_gpu_peer
-        and conn.gpu
-        and conn.node == client.node_id
-        and conn.peer not in client.gpu_pools.refused
-    ):
+    if not client.config.use_gpu_peer or conn.peer in client.gpu_pools.refused:
+        client.checkin(peer, conn)
+        return None
+    if not (conn.gpu and conn.node == client.node_id):
+        client.gpu_pools.refused.add(conn.peer)
         client.checkin(peer, conn)
         return None
     done = 0

@@ -53,7 +53,7 @@ from raykv.core.tiers.host import SHM_DIR, SHM_PREFIX
 from raykv.core.types import DEFAULT_PRIORITY, BlockKey, PageId, Priority, TierKind, check_priority
 from raykv.transfer.config import Peer, pull_request
 from raykv.transfer.connection import ClientConn
-from raykv.transfer.gpu_land import ask_gpu_pool
+from raykv.transfer.gpu_land import PATH, ask_gpu_pool
 from raykv.transfer.gpu_read import LOCAL_PATH, copy_from, pull_local
 from raykv.transfer.importer import PullOutcome, importable_prefix, merge_outcomes, pull_into
 from raykv.transfer.landing import LeaseCheck, run_checked
@@ -65,8 +65,6 @@ if TYPE_CHECKING:
     from raykv.ipc import PoolExporter
 
 log = logging.getLogger(__name__)
-
-PATH = "gpu_peer"
 
 
 # ---- owner ------------------------------------------------------------------------------------

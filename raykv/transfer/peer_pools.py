@@ -58,7 +58,9 @@ class PeerPools:
         self._retired: list[AttachedPool] = []
         self._lock = threading.Lock()
         self.refused: set[tuple[str, int]] = set()
-        """Peers (control endpoints) whose GPU tier could not be mapped here: not asked again."""
+        """Peers (control endpoints) with no GPU path from here (their tier could not be mapped
+        here, or they offer none or run on another node; an engine's landing finds that out):
+        not asked again."""
         self.known: dict[tuple[str, int], PoolInfo] = {}
         """The last ``gpu_pool`` message of each peer (control endpoint) on this node."""
         self._readers: dict[str, DirectoryLookup | None] = {}
