@@ -14,5 +14,6 @@ setup(
         Extension("raykv.native._keytable", ["raykv/native/_keytable.c"], optional=True, extra_compile_args=["-O3"]),
         Extension("raykv.native._shmread", ["raykv/native/_shmread.c"], optional=True, extra_compile_args=["-O3"]),
         Extension("raykv.native._chain", ["raykv/native/_chain.c"], optional=True, extra_compile_args=["-O3"]),
+        Extension("raykv.native._slots", ["raykv/native/_slots.c"], optional=True, extra_compile_args=["-O3"]),
     ]
 )

@@ -5,8 +5,9 @@ slots (nothing coalesces into one run) is copied:
 
 * ``d2h``/``h2d batched``: one ``CopyEngine.copy`` between a GPU pool and a pinned host pool (the
   engine's own choice of method), then wait for it; ``... per page``: one ``CopyEngine.copy`` call
-  per page, then wait; ``... kernel``/``... memcpy``: the batch with the method forced (one copy
-  kernel launch, or one ``cuMemcpyAsync`` per page). Baseline: one raw ``cudaMemcpyAsync`` (torch
+  per page, then wait; ``... kernel``/``... memcpy``/``... batch dma``: the batch with the method
+  forced (one copy kernel launch, one ``cuMemcpyAsync`` per page, or chunked
+  ``cuMemcpyBatchAsync``). Baseline: one raw ``cudaMemcpyAsync`` (torch
   ``copy_(non_blocking=True)``) of the same total bytes between one pinned host buffer and one
   device buffer, then a stream synchronize. Issue goal for the batched rows: >= 0.8x.
 * ``d2d batched``: ``GpuPool.copy_slots`` within the pool vs one raw device-to-device copy of the
@@ -150,6 +151,7 @@ def host_copy_benchmark(settings: GpuSettings, page_kib: int) -> list[Row]:
                 ("per page", functools.partial(_per_page, s, d2h), None),
                 ("kernel", functools.partial(_batched, s, d2h, "kernel"), None),
                 ("memcpy", functools.partial(_batched, s, d2h, "memcpy"), None),
+                ("batch dma", functools.partial(_batched, s, d2h, "batch"), None),
             ]
             base = timed(functools.partial(_raw, s, d2h))
             for name, fn, goal in cases:

@@ -1,16 +1,17 @@
 """The optional compiled pieces of raykv and the one place that loads them.
 
-``pip install`` builds three C extensions through ``setup.py`` when a C compiler and the Python
+``pip install`` builds four C extensions through ``setup.py`` when a C compiler and the Python
 headers are present. They are optional: without them the install goes on and Python does the same
 work, slower. Each can also be switched off at run time with an environment variable:
 
-=============  ================================================================  =====================
-extension      speeds up                                                         switched off by
-=============  ================================================================  =====================
-``_keytable``  the prefix index's key table (:mod:`raykv.index.keytable`)        ``RAYKV_PURE_INDEX=1``
-``_shmread``   same-node one-sided reads (:mod:`raykv.transfer.shm_read`)        ``RAYKV_PURE_SHM_READ=1``
-``_chain``     building imported pages and chains of blocks (:mod:`raykv.core`)  ``RAYKV_PURE_CHAIN=1``
-=============  ================================================================  =====================
+=============  ==================================================================  =========================
+extension      speeds up                                                           switched off by
+=============  ==================================================================  =========================
+``_keytable``  the prefix index's key table (:mod:`raykv.index.keytable`)          ``RAYKV_PURE_INDEX=1``
+``_shmread``   same-node one-sided reads (:mod:`raykv.transfer.shm_read`)          ``RAYKV_PURE_SHM_READ=1``
+``_chain``     building imported pages and chains of blocks (:mod:`raykv.core`)    ``RAYKV_PURE_CHAIN=1``
+``_slots``     planning GPU page copy batches (:mod:`raykv.core.tiers.copy_plan`)  ``RAYKV_PURE_SLOTS=1``
+=============  ==================================================================  =========================
 
 :func:`load` is what the modules above call; :func:`status` is what ``raykv info`` and CI print.
 This module imports nothing of raykv's (layer 0).
@@ -26,6 +27,7 @@ SWITCHES: dict[str, str] = {
     "_keytable": "RAYKV_PURE_INDEX",
     "_shmread": "RAYKV_PURE_SHM_READ",
     "_chain": "RAYKV_PURE_CHAIN",
+    "_slots": "RAYKV_PURE_SLOTS",
 }
 
 _built: dict[str, ModuleType | None] = {}

@@ -14,7 +14,8 @@ if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
 
 import raykv  # noqa: E402
 from raykv.core.copy import CopyEngine  # noqa: E402
-from raykv.core.tiers.cuda_copy import runs  # noqa: E402
+from raykv.core.tiers.copy_plan import runs  # noqa: E402
+from raykv.core.tiers.cuda_batch import batch_memcpy  # noqa: E402
 from raykv.core.tiers.gpu import GpuPool  # noqa: E402
 from raykv.core.tiers.host import HostPool  # noqa: E402
 from raykv.core.types import PageId  # noqa: E402
@@ -99,14 +100,18 @@ def test_released_slot_is_not_overwritten_before_its_drain_completes() -> None:
     host.close()
 
 
-@pytest.mark.parametrize("method", ["kernel", "memcpy"])
+@pytest.mark.parametrize("method", ["kernel", "memcpy", "batch", "auto"])
 @pytest.mark.parametrize("page_tokens", [1, 16])
 def test_copy_methods_agree_on_scattered_slots(method: str, page_tokens: int) -> None:
+    """200 scattered pages (about 200 runs: two chunks of batched DMA copies) GPU -> host ->
+    GPU and within the pool, by each method, checked against the content oracle."""
     layout = raykv.KVLayout.uniform(2, 2, 64, tokens_per_block=page_tokens)
     gpu, host, engine = _pools(layout, 300)
     gpu.copier.method = method
     if method == "kernel":
         assert gpu.copier.kernel_available(), "the copy kernel did not compile"
+    if method == "batch" and batch_memcpy() is None:
+        pytest.skip("the driver has no cuMemcpyBatchAsync (CUDA < 12.8)")
     dev = DeviceOracle(layout, gpu.device)
     rng = np.random.default_rng(7)
     src = [PageId(int(s)) for s in rng.permutation(300)[:200]]
@@ -171,7 +176,7 @@ def test_device_oracle_matches_the_host_oracle_byte_for_byte() -> None:
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["copy", "copy_many"])
-@pytest.mark.parametrize("method", ["kernel", "memcpy"])
+@pytest.mark.parametrize("method", ["kernel", "memcpy", "batch"])
 def test_consecutive_copies_complete_in_order(method: str, batched: bool) -> None:
     """Copies on one stream (a pipelined import's chunks), one call each or one ``copy_many``:
     each one's bytes are right once its own event completed, earlier ones are done by then, and
@@ -179,6 +184,8 @@ def test_consecutive_copies_complete_in_order(method: str, batched: bool) -> Non
     layout = raykv.KVLayout.uniform(2, 2, 64, tokens_per_block=16)
     gpu, host, engine = _pools(layout, 64)
     gpu.copier.method = method
+    if method == "batch" and batch_memcpy() is None:
+        pytest.skip("the driver has no cuMemcpyBatchAsync (CUDA < 12.8)")
     dev = DeviceOracle(layout, gpu.device)
     keys = [i.to_bytes(4, "little") * 8 for i in range(24)]
     src, dst = list(range(24)), [63 - i for i in range(24)]
@@ -201,3 +208,15 @@ def test_consecutive_copies_complete_in_order(method: str, batched: bool) -> Non
     engine.synchronize()
     gpu.close()
     host.close()
+
+
+def test_batched_dma_refuses_arrays_that_do_not_match() -> None:
+    batch = batch_memcpy()
+    if batch is None:
+        pytest.skip("the driver has no cuMemcpyBatchAsync (CUDA < 12.8)")
+    stream = torch.cuda.Stream()
+    ok = np.zeros(4, dtype=np.uint64)
+    with pytest.raises(ValueError):
+        batch.enqueue(stream.cuda_stream, ok, ok[:3], ok)
+    with pytest.raises(ValueError):
+        batch.enqueue(stream.cuda_stream, ok, ok, ok.astype(np.int64))  # type: ignore[arg-type]

@@ -7,9 +7,11 @@ page copies and returns the event recorded after it; nothing blocks the host.
 
 How a batch is copied: the (source, destination) slot pairs are split into runs that are
 consecutive on both sides. Few or long runs go as one ``cuMemcpyAsync`` each (the DMA engines);
-many short runs go through one kernel launch that copies every page with 16-byte loads and stores,
-reading and writing pinned host memory directly through unified addressing. ``RAYKV_GPU_COPY``
-(``kernel`` / ``memcpy``) forces one method.
+many short runs between host and device go as batched DMA copies (:mod:`cuda_batch`,
+``cuMemcpyBatchAsync``, CUDA 12.8+; without it, one kernel launch that reads and writes pinned host
+memory directly through unified addressing); many runs within the device go through one kernel
+launch that copies every page with 16-byte loads and stores. ``RAYKV_GPU_COPY`` (``kernel`` /
+``memcpy`` / ``batch``) forces one method.
 
 Ordering contract (what the caller passes in and does with the event):
 
@@ -34,6 +36,8 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.core.errors import CudaError
+from raykv.core.tiers.copy_plan import pack, runs, spans
+from raykv.core.tiers.cuda_batch import batch_memcpy
 from raykv.core.tiers.cuda_util import (
     ArgTables,
     SlotList,
@@ -73,21 +77,6 @@ raykv_copy_pages(const long long* __restrict__ slots, int npages, unsigned long 
     }
 }
 """
-
-
-def _run_starts(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> npt.NDArray[np.intp]:
-    """Indices where a run consecutive on both sides starts (always includes 0)."""
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    return np.concatenate((np.zeros(1, dtype=np.intp), breaks))
-
-
-def runs(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> list[tuple[int, int, int]]:
-    """(first source slot, first destination slot, length) of runs consecutive on both sides."""
-    if len(src) == 0:
-        return []
-    starts = _run_starts(src, dst)
-    lengths = np.diff(np.append(starts, len(src)))
-    return list(zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist()))
 
 
 def _compile_kernel(device: int) -> Any:
@@ -228,22 +217,37 @@ class CudaCopier:
         dst: npt.NDArray[np.int64],
         nbytes: int,
     ) -> None:
-        """Copy the pages: one cuMemcpyAsync per run (consecutive on both sides), or one kernel
-        launch for many short runs. Only the run count is computed before choosing (listing
-        thousands of runs as Python tuples would cost more than the kernel's copy)."""
-        num_runs = len(_run_starts(src, dst))
-        if self.method in ("memcpy", "kernel"):
-            use_memcpy = self.method == "memcpy"
-        elif num_runs <= MEMCPY_MAX_RUNS:
-            use_memcpy = True
-        else:  # long runs between host and device: DMA engines; within the device: the kernel
-            host_side = stream is not self.streams["d2d"]
-            use_memcpy = host_side and len(src) * nbytes >= num_runs * MEMCPY_MIN_RUN_BYTES
-        aligned = nbytes % 16 == 0 and not (src_base | dst_base) % 16
-        if not use_memcpy and aligned and self._load_kernel():
-            self._launch(stream, src_base, src, dst_base, dst, nbytes)
-            return
+        """Copy the pages by the method :meth:`_choose` picks. The slots go into the kernel's
+        argument table while their runs are counted (one pass, :func:`copy_plan.pack`), so the
+        common case, a launch, touches the arrays once before the GPU starts."""
+        table = self._tables.take(2 * len(src))
+        method = self._choose(stream, len(src), pack(src, dst, table), nbytes)
+        if method == "kernel":
+            if nbytes % 16 == 0 and not (src_base | dst_base) % 16 and self._load_kernel():
+                self._launch(stream, src_base, dst_base, len(src), nbytes)
+                return
+            method = "batch" if stream is not self.streams["d2d"] and batch_memcpy() else "memcpy"
+        if method == "batch":
+            batch = batch_memcpy()
+            if batch is not None:
+                batch.enqueue(stream.cuda_stream, *spans(src, dst, src_base, dst_base, nbytes))
+                return
         self._memcpy(stream, src_base, dst_base, nbytes, runs(src, dst))
+
+    def _choose(self, stream: Any, count: int, num_runs: int, nbytes: int) -> str:
+        """``memcpy`` (one cuMemcpyAsync per run), ``batch`` (:mod:`cuda_batch`, host <-> GPU
+        only) or ``kernel``: ``RAYKV_GPU_COPY`` when set, else few runs go as DMA copies, host
+        <-> GPU batches as batched DMA copies (else long runs as DMA copies, short ones by the
+        kernel), copies within the device by the kernel."""
+        if self.method in ("memcpy", "kernel", "batch"):
+            return self.method
+        if num_runs <= MEMCPY_MAX_RUNS:
+            return "memcpy"
+        if stream is self.streams["d2d"]:
+            return "kernel"
+        if batch_memcpy() is not None:
+            return "batch"
+        return "memcpy" if count * nbytes >= num_runs * MEMCPY_MIN_RUN_BYTES else "kernel"
 
     @staticmethod
     def _memcpy(
@@ -271,24 +275,16 @@ class CudaCopier:
                 self._kernel_failed = True
         return self._kernel is not None
 
-    def _launch(
-        self,
-        stream: Any,
-        src_base: int,
-        src: npt.NDArray[np.int64],
-        dst_base: int,
-        dst: npt.NDArray[np.int64],
-        nbytes: int,
-    ) -> None:
-        """One launch: ``blocks`` blocks per page along x, pages strided over ``grid_y`` rows;
-        the kernel reads the slots from a table uploaded on ``stream`` (:class:`ArgTables`)."""
+    def _launch(self, stream: Any, src_base: int, dst_base: int, count: int, nbytes: int) -> None:
+        """One launch over the ``count`` pages whose slots :meth:`_enqueue` packed into the
+        argument table (:class:`ArgTables`): ``blocks`` blocks per page along x, pages strided
+        over ``grid_y`` rows; the table is uploaded on ``stream`` first."""
         drv = driver()
         nvec = nbytes // 16
-        count = len(src)
         blocks = max(1, min(MAX_BLOCKS_PER_PAGE, -(-nvec // (THREADS * UNROLL))))
         grid_y = max(1, min(count, TARGET_BLOCKS // blocks))
         handle = stream.cuda_stream
-        table = self._tables.upload(handle, (src, dst))
+        table = self._tables.send(handle, 2 * count)
         args = (
             (table, count, src_base, dst_base, nbytes, nvec),
             (ctypes.c_void_p, ctypes.c_int) + (ctypes.c_ulonglong,) * 4,

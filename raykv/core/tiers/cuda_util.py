@@ -308,9 +308,9 @@ class ArgTables:
     host buffers and their device twins, each reused once the driver event recorded after the
     work that read it completed (so neither side is overwritten or freed while in use).
 
-    Per launch: :meth:`upload` (one host copy, one ``cuMemcpyHtoDAsync``), the launch on the same
-    stream, then :meth:`record` on that stream. The ring comes round again ``RING`` uploads later
-    and waits for that event first."""
+    Per launch: :meth:`upload` (or :meth:`take`, filling the table, :meth:`send`: one host copy,
+    one ``cuMemcpyHtoDAsync``), the launch on the same stream, then :meth:`record` on that stream.
+    The ring comes round again ``RING`` tables later and waits for that event first."""
 
     RING = 4
 
@@ -320,15 +320,14 @@ class ArgTables:
         self._next = 0
         self._last: dict[str, Any] = {}
 
-    def upload(self, stream_handle: Any, arrays: Sequence[npt.NDArray[np.int64]]) -> int:
-        """Enqueue on ``stream_handle`` the upload of ``arrays`` one after another; the device
-        address of the first element (the caller's thread must have the device's context)."""
+    def take(self, count: int) -> npt.NDArray[np.int64]:
+        """The next ring buffer's page-locked host table, at least ``count`` items, to fill
+        before :meth:`send` (it waits first for the last work that read this buffer)."""
         import torch
 
         drv = driver()
         slot = self._slots[self._next]
         self._next = (self._next + 1) % self.RING
-        count = sum(len(a) for a in arrays)
         if "event" in slot:
             check(drv.cuEventSynchronize(slot["event"]), "cuEventSynchronize")
         else:
@@ -339,15 +338,29 @@ class ArgTables:
             slot["host"] = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
             slot["dev"] = torch.empty(capacity, dtype=torch.int64, device=torch.device("cuda", self.device))
             slot["capacity"] = capacity
-        host = slot["host"].numpy()
+            slot["array"] = slot["host"].numpy()
+        self._last = slot
+        table: npt.NDArray[np.int64] = slot["array"]
+        return table
+
+    def send(self, stream_handle: Any, count: int) -> int:
+        """Enqueue on ``stream_handle`` the upload of the first ``count`` items of the table
+        :meth:`take` returned last; the device address of its first item (the caller's thread must
+        have the device's context)."""
+        slot = self._last
+        dev, src = int(slot["dev"].data_ptr()), int(slot["host"].data_ptr())
+        check(driver().cuMemcpyHtoDAsync(dev, src, 8 * count, stream_handle), "cuMemcpyHtoDAsync")
+        return dev
+
+    def upload(self, stream_handle: Any, arrays: Sequence[npt.NDArray[np.int64]]) -> int:
+        """:meth:`take`, then ``arrays`` one after another into the table, then :meth:`send`."""
+        count = sum(len(a) for a in arrays)
+        host = self.take(count)
         at = 0
         for array in arrays:
             host[at : at + len(array)] = array
             at += len(array)
-        dev, src = int(slot["dev"].data_ptr()), int(slot["host"].data_ptr())
-        check(drv.cuMemcpyHtoDAsync(dev, src, 8 * count, stream_handle), "cuMemcpyHtoDAsync")
-        self._last = slot
-        return dev
+        return self.send(stream_handle, count)
 
     def record(self, stream_handle: Any) -> None:
         """The last uploaded table is free once the work enqueued on ``stream_handle`` so far

@@ -300,18 +300,24 @@ class GpuPool(PageViews, PagePool):
 
     def copy_slots(self, src: SlotList, dst: SlotList) -> None:
         """Copy pages ``src`` onto pages ``dst`` of this pool (asynchronous, on the d2d stream).
-        Large batches are cheapest as int64 arrays (no per-slot Python work)."""
+        Large batches are cheapest as int64 arrays (no per-slot Python work); the slot events
+        are looked up before the copy only when some are pending, and set after it is enqueued
+        (while the GPU copies)."""
         if one_run(src) and one_run(dst):
-            both: SlotList = [*src, *dst]
+            listed: SlotList | None = [*src, *dst]
         else:
             src, dst = slot_array(src), slot_array(dst)
-            both = np.concatenate((src, dst))
-        waits = self.events.pending(both)
+            listed = None
+
+        def both() -> SlotList:
+            return listed if listed is not None else np.concatenate((src, dst))
+
+        waits = self.events.pending(both()) if len(self.events) else []
         event = self.copier.copy(
             "d2d", self.base_address, src, self.base_address, dst, self.page_bytes, waits
         )
         if event is not None:
-            self.events.set(both, event)
+            self.events.set(both(), event)
             self.fence_current(event)
 
     def fence_current(self, event: Any) -> None:

@@ -1,0 +1,74 @@
+"""Planning a batch of page copies: runs of consecutive slots, the kernel's slot table, DMA spans.
+
+A batch is two int64 slot arrays (source and destination pages, page ``i`` at ``base + slot *
+page_bytes``). A *run* is a stretch of pages consecutive on both sides: it can go as one DMA copy.
+These helpers are plain numpy (no CUDA); the compiled ``raykv.native._slots`` does the same in one
+pass when it was built (``RAYKV_PURE_SLOTS=1`` switches it off, read at every call) and gives
+equal results.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from raykv import native
+
+
+def _check(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> None:
+    if src.shape != dst.shape or src.ndim != 1:
+        raise ValueError("source and destination slots must be 1-D arrays of equal length")
+
+
+def run_starts(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Indices where a run consecutive on both sides starts (0 first; empty for an empty batch).
+    ValueError when the arrays differ in shape."""
+    _check(src, dst)
+    compiled = native.load("_slots")
+    if compiled is not None:
+        out = np.empty(len(src), dtype=np.int64)
+        return out[: compiled.run_starts(src, dst, out)]
+    if len(src) == 0:
+        return np.zeros(0, dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    return np.concatenate((np.zeros(1, dtype=np.int64), breaks.astype(np.int64)))
+
+
+def pack(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64], out: npt.NDArray[np.int64]) -> int:
+    """Write ``src`` then ``dst`` into ``out[:2n]`` (the copy kernel's slot table) and return the
+    batch's number of runs. ValueError, with ``out`` unchanged, when the arrays differ in shape or
+    ``out`` holds fewer than ``2n`` items."""
+    _check(src, dst)
+    n = len(src)
+    if len(out) < 2 * n:
+        raise ValueError(f"slot table of {len(out)} items is too short for {n} pages")
+    compiled = native.load("_slots")
+    if compiled is not None:
+        return int(compiled.pack(src, dst, out))
+    out[:n] = src
+    out[n : 2 * n] = dst
+    return len(run_starts(src, dst))
+
+
+def runs(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> list[tuple[int, int, int]]:
+    """(first source slot, first destination slot, length) of each run, in batch order."""
+    starts = run_starts(src, dst)
+    lengths = np.diff(np.append(starts, len(src)))
+    return list(zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist()))
+
+
+def spans(
+    src: npt.NDArray[np.int64],
+    dst: npt.NDArray[np.int64],
+    src_base: int,
+    dst_base: int,
+    page_bytes: int,
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """The runs as DMA copy descriptors: (destination addresses, source addresses, byte counts),
+    uint64 arrays in batch order (what ``cuMemcpyBatchAsync`` reads)."""
+    starts = run_starts(src, dst)
+    lengths = np.diff(np.append(starts, len(src))).astype(np.uint64)
+    page = np.uint64(page_bytes)
+    dst_addr = np.uint64(dst_base) + dst[starts].astype(np.uint64) * page
+    src_addr = np.uint64(src_base) + src[starts].astype(np.uint64) * page
+    return dst_addr, src_addr, lengths * page

@@ -1,0 +1,97 @@
+"""Copy batch planning (raykv.core.tiers.copy_plan): compiled and numpy paths against a loop oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from raykv import native
+from raykv.core.tiers import copy_plan
+
+PATHS = ["numpy"] + (["compiled"] if native.built("_slots") is not None else [])
+
+
+@pytest.fixture(params=PATHS)
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("RAYKV_PURE_SLOTS", "1" if request.param == "numpy" else "0")
+    return str(request.param)
+
+
+def oracle_starts(src: list[int], dst: list[int]) -> list[int]:
+    return [i for i in range(len(src)) if i == 0 or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1]
+
+
+def batch(draw_lengths: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenated runs (source start, destination start, length) as int64 arrays."""
+    src = [s + k for s, _, n in draw_lengths for k in range(n)]
+    dst = [d + k for _, d, n in draw_lengths for k in range(n)]
+    return np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+
+
+runs_strategy = st.lists(
+    st.tuples(st.integers(0, 1 << 40), st.integers(0, 1 << 40), st.integers(1, 6)), max_size=40
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)  # the fixture only sets an environment variable
+@given(runs_strategy)
+def test_pack_and_run_starts_match_the_oracle(path: str, drawn: list[tuple[int, int, int]]) -> None:
+    src, dst = batch(drawn)
+    n = len(src)
+    out = np.full(2 * n + 3, -7, dtype=np.int64)
+    starts = oracle_starts(src.tolist(), dst.tolist())
+    assert copy_plan.pack(src, dst, out) == len(starts)
+    assert out[:n].tolist() == src.tolist() and out[n : 2 * n].tolist() == dst.tolist()
+    assert out[2 * n :].tolist() == [-7, -7, -7]
+    assert copy_plan.run_starts(src, dst).tolist() == starts
+    lengths = np.diff([*starts, n]).tolist()
+    assert copy_plan.runs(src, dst) == [(int(src[i]), int(dst[i]), k) for i, k in zip(starts, lengths)]
+
+
+def test_spans_are_byte_addresses_of_the_runs(path: str) -> None:
+    src, dst = batch([(4, 10, 3), (0, 2, 1), (9, 20, 2)])
+    d, s, sizes = copy_plan.spans(src, dst, 1000, 5000, 64)
+    assert d.dtype == s.dtype == sizes.dtype == np.uint64
+    assert d.tolist() == [5000 + 10 * 64, 5000 + 2 * 64, 5000 + 20 * 64]
+    assert s.tolist() == [1000 + 4 * 64, 1000, 1000 + 9 * 64]
+    assert sizes.tolist() == [3 * 64, 64, 2 * 64]
+
+
+def test_empty_batch(path: str) -> None:
+    empty = np.zeros(0, dtype=np.int64)
+    assert copy_plan.pack(empty, empty, np.zeros(0, dtype=np.int64)) == 0
+    assert copy_plan.run_starts(empty, empty).tolist() == []
+    assert copy_plan.runs(empty, empty) == []
+
+
+def test_bad_input_is_refused_and_writes_nothing(path: str) -> None:
+    src = np.arange(4, dtype=np.int64)
+    out = np.full(8, -1, dtype=np.int64)
+    with pytest.raises(ValueError):
+        copy_plan.pack(src, np.arange(3, dtype=np.int64), out)
+    with pytest.raises(ValueError):
+        copy_plan.pack(src, src, np.full(7, -1, dtype=np.int64))
+    assert out.tolist() == [-1] * 8
+    with pytest.raises(ValueError):
+        copy_plan.run_starts(src, src.reshape(2, 2))
+
+
+@pytest.mark.skipif(native.built("_slots") is None, reason="raykv.native._slots was not built")
+def test_compiled_refuses_wrong_types() -> None:
+    compiled = native.built("_slots")
+    assert compiled is not None
+    ints = np.arange(4, dtype=np.int64)
+    with pytest.raises(TypeError):
+        compiled.pack(ints.astype(np.int32), ints, np.zeros(8, dtype=np.int64))
+    with pytest.raises(TypeError):
+        compiled.pack(ints, ints, np.zeros(8, dtype=np.float64))
+    with pytest.raises((TypeError, ValueError, BufferError)):
+        compiled.pack(ints, ints, np.zeros(8, dtype=np.int64)[::2])
+    readonly = np.zeros(8, dtype=np.int64)
+    readonly.flags.writeable = False
+    with pytest.raises((TypeError, ValueError, BufferError)):
+        compiled.pack(ints, ints, readonly)
