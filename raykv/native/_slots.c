@@ -83,12 +83,12 @@ static PyObject *pack(PyObject *self, PyObject *args) {
     Py_ssize_t n = src.shape[0], runs = n > 0 ? 1 : 0;
     const int64_t *s = (const int64_t *)src.buf, *d = (const int64_t *)dst.buf;
     int64_t *o = (int64_t *)out.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        o[i] = s[i];
-        o[n + i] = d[i];
-        if (i > 0 && (s[i] != s[i - 1] + 1 || d[i] != d[i - 1] + 1)) {
-            runs++;
-        }
+    if (n > 0) {
+        memcpy(o, s, (size_t)n * sizeof(int64_t));
+        memcpy(o + n, d, (size_t)n * sizeof(int64_t));
+    }
+    for (Py_ssize_t i = 1; i < n; i++) {
+        runs += (s[i] != s[i - 1] + 1) | (d[i] != d[i - 1] + 1);
     }
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);

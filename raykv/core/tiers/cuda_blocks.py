@@ -27,8 +27,9 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.core.errors import CudaError
+from raykv.core.tiers.cuda_calls import calls
 from raykv.core.tiers.cuda_copy import compile_kernel
-from raykv.core.tiers.cuda_util import ArgTables, check, driver, ensure_context, torch_errors
+from raykv.core.tiers.cuda_util import ArgTables, ensure_context
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ raykv_copy_blocks(const unsigned long long* __restrict__ pages,
     }
 }
 """
+
+_ARG_TYPES = (ctypes.c_void_p,) * 4 + (ctypes.c_int,) * 5 + (ctypes.c_longlong,) * 4 + (ctypes.c_int,)
 
 _KERNELS: dict[int, tuple[Any, Any] | None] = {}
 _LOCK = threading.Lock()
@@ -116,7 +119,7 @@ class BlockKernel:
 
         self.device = device
         self.geometry = geometry
-        self._function = function
+        self._function = int(function)
         self._geometry = torch.tensor(
             [*geometry.bases, *geometry.offsets], dtype=torch.int64, device=device
         )  # int64 bit patterns of the addresses; the kernel reads them as unsigned
@@ -154,12 +157,7 @@ class BlockKernel:
             *g.strides,
             int(to_engine),
         )
-        types = (ctypes.c_void_p,) * 4 + (ctypes.c_int,) * 5 + (ctypes.c_longlong,) * 4 + (ctypes.c_int,)
-        with torch_errors("block copy kernel"):
-            result = driver().cuLaunchKernel(
-                self._function, grid_x, grid_y, 1, THREADS, 1, 1, 0, handle, (values, types), 0
-            )
-        check(result, f"cuLaunchKernel({NAME})")
+        calls().launch(self._function, (grid_x, grid_y, 1), THREADS, handle, values, _ARG_TYPES)
         self._args.record(handle)
 
 

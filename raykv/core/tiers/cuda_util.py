@@ -25,40 +25,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from raykv.core.errors import CudaError, OutOfMemoryError
+from raykv.core.errors import CudaError
 from raykv.core.tiers.base import is_run
+from raykv.core.tiers.cuda_calls import OOM_NAMES, calls, driver, error_name, make_error
 
-OOM_NAMES = frozenset({"CUDA_ERROR_OUT_OF_MEMORY", "cudaErrorMemoryAllocation"})
-
-
-def driver() -> Any:
-    """The ``cuda.bindings.driver`` module (CudaError NO_CUDA_PYTHON when cuda-python is missing)."""
-    try:
-        from cuda.bindings import driver as drv
-    except ImportError:
-        try:
-            from cuda import cuda as drv  # cuda-python < 12.6
-        except ImportError:
-            raise CudaError(
-                "the GPU tier needs cuda-python (cuda.bindings)", cuda_error="NO_CUDA_PYTHON"
-            ) from None
-    return drv
-
-
-def error_name(code: Any) -> str:
-    """The driver's name for a CUresult (``"CUresult(N)"`` when the driver has none)."""
-    drv = driver()
-    err, name = drv.cuGetErrorName(code)
-    if int(err) == 0 and name:
-        return name.decode() if isinstance(name, bytes) else str(name)
-    return f"CUresult({int(code)})"
-
-
-def make_error(name: str, message: str) -> CudaError | OutOfMemoryError:
-    """CudaError (OutOfMemoryError for an out-of-memory name) carrying ``cuda_error=name``."""
-    if name in OOM_NAMES:
-        return OutOfMemoryError(message, tier="GPU", cuda_error=name)
-    return CudaError(message, cuda_error=name)
+__all__ = ["OOM_NAMES", "driver", "error_name", "make_error"]  # re-exported: their home is cuda_calls
 
 
 def check(result: Any, call: str) -> Any:
@@ -133,9 +104,9 @@ def primary_context(device: int) -> Any:
 
 
 def ensure_context(device: int) -> None:
-    """Make the device's primary context current on this thread (driver calls need one)."""
-    drv = driver()
-    check(drv.cuCtxSetCurrent(primary_context(device)), "cuCtxSetCurrent")
+    """Make the device's primary context current on this thread (driver calls need one); one
+    ctypes call when it already is."""
+    calls().make_current(int(primary_context(device)))
 
 
 HOST_REGISTER_PORTABLE = 0x01
@@ -325,14 +296,15 @@ class ArgTables:
         before :meth:`send` (it waits first for the last work that read this buffer)."""
         import torch
 
-        drv = driver()
         slot = self._slots[self._next]
         self._next = (self._next + 1) % self.RING
         if "event" in slot:
-            check(drv.cuEventSynchronize(slot["event"]), "cuEventSynchronize")
+            calls().event_synchronize(slot["event"])
         else:
+            drv = driver()
             flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
-            slot["event"] = check(drv.cuEventCreate(flags), "cuEventCreate")
+            slot["handle"] = check(drv.cuEventCreate(flags), "cuEventCreate")
+            slot["event"] = int(slot["handle"])
         if slot.get("capacity", 0) < count:
             capacity = max(count, 2 * slot.get("capacity", 0), 1024)
             slot["host"] = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
@@ -343,13 +315,13 @@ class ArgTables:
         table: npt.NDArray[np.int64] = slot["array"]
         return table
 
-    def send(self, stream_handle: Any, count: int) -> int:
+    def send(self, stream_handle: int, count: int) -> int:
         """Enqueue on ``stream_handle`` the upload of the first ``count`` items of the table
         :meth:`take` returned last; the device address of its first item (the caller's thread must
         have the device's context)."""
         slot = self._last
-        dev, src = int(slot["dev"].data_ptr()), int(slot["host"].data_ptr())
-        check(driver().cuMemcpyHtoDAsync(dev, src, 8 * count, stream_handle), "cuMemcpyHtoDAsync")
+        dev = int(slot["dev"].data_ptr())
+        calls().htod_async(dev, int(slot["host"].data_ptr()), 8 * count, stream_handle)
         return dev
 
     def upload(self, stream_handle: Any, arrays: Sequence[npt.NDArray[np.int64]]) -> int:
@@ -362,16 +334,16 @@ class ArgTables:
             at += len(array)
         return self.send(stream_handle, count)
 
-    def record(self, stream_handle: Any) -> None:
+    def record(self, stream_handle: int) -> None:
         """The last uploaded table is free once the work enqueued on ``stream_handle`` so far
         completed (call after the launch that reads it)."""
-        check(driver().cuEventRecord(self._last["event"], stream_handle), "cuEventRecord")
+        calls().event_record(self._last["event"], stream_handle)
 
     def close(self) -> None:
         """Wait for the work reading the tables and free them."""
         drv = driver()
         for slot in self._slots:
             if "event" in slot:
-                drv.cuEventSynchronize(slot["event"])
-                drv.cuEventDestroy(slot["event"])
+                drv.cuEventSynchronize(slot["handle"])
+                drv.cuEventDestroy(slot["handle"])
             slot.clear()

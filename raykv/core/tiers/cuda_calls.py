@@ -1,0 +1,135 @@
+"""The CUDA driver calls on a copy's critical path, bound once through ctypes.
+
+A batch of page copies makes five to eight driver calls before the GPU starts (context, stream
+ordering, argument table upload, launch, events). Through cuda-python each costs 5-20 us of
+Python-side argument conversion; with a 1 GiB batch taking about 0.5 ms on the GPU, that alone
+kept device-to-device batches under 0.8x of a raw copy. These are the same driver entry points
+(looked up with ``cuGetProcAddress`` at a fixed ABI version, so the versioned symbol is the
+right one) called through ctypes at 1-3 us each. Handles are plain integers: ``int()`` of a
+cuda-python handle, a torch stream's ``cuda_stream``.
+
+Everything else (NVRTC, module loading, memory registration, queries) stays on cuda-python
+(:mod:`raykv.core.tiers.cuda_util`, which re-exports :func:`driver` and the error helpers defined
+here). :func:`calls` raises CudaError where cuda-python or the driver is missing, as
+:func:`driver` does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+from raykv.core.errors import CudaError, OutOfMemoryError
+
+OOM_NAMES = frozenset({"CUDA_ERROR_OUT_OF_MEMORY", "cudaErrorMemoryAllocation"})
+
+
+def driver() -> Any:
+    """The ``cuda.bindings.driver`` module (CudaError NO_CUDA_PYTHON when cuda-python is missing)."""
+    try:
+        from cuda.bindings import driver as drv
+    except ImportError:
+        try:
+            from cuda import cuda as drv  # cuda-python < 12.6
+        except ImportError:
+            raise CudaError(
+                "the GPU tier needs cuda-python (cuda.bindings)", cuda_error="NO_CUDA_PYTHON"
+            ) from None
+    return drv
+
+
+def error_name(code: Any) -> str:
+    """The driver's name for a CUresult (``"CUresult(N)"`` when the driver has none)."""
+    drv = driver()
+    err, name = drv.cuGetErrorName(code)
+    if int(err) == 0 and name:
+        return name.decode() if isinstance(name, bytes) else str(name)
+    return f"CUresult({int(code)})"
+
+
+def make_error(name: str, message: str) -> CudaError | OutOfMemoryError:
+    """CudaError (OutOfMemoryError for an out-of-memory name) carrying ``cuda_error=name``."""
+    if name in OOM_NAMES:
+        return OutOfMemoryError(message, tier="GPU", cuda_error=name)
+    return CudaError(message, cuda_error=name)
+
+
+_VERSION = 12000
+_P, _U, _S = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t
+_SIGNATURES: dict[str, tuple[Any, ...]] = {
+    "cuLaunchKernel": (_P, _U, _U, _U, _U, _U, _U, _U, _P, _P, _P),
+    "cuMemcpyHtoDAsync": (ctypes.c_uint64, _P, _S, _P),
+    "cuEventRecord": (_P, _P),
+    "cuEventSynchronize": (_P,),
+    "cuStreamWaitEvent": (_P, _P, _U),
+    "cuCtxGetCurrent": (ctypes.POINTER(_P),),
+    "cuCtxSetCurrent": (_P,),
+}
+
+
+class Calls:
+    """The bound entry points. Every method raises CudaError (OutOfMemoryError for
+    out-of-memory) naming the call when the driver returns an error."""
+
+    def __init__(self) -> None:
+        drv = driver()
+        init = drv.cuInit(0)
+        if int(init[0] if isinstance(init, tuple) else init) != 0:
+            raise CudaError("cuInit failed: no usable CUDA driver", cuda_error="CUDA_ERROR_NOT_INITIALIZED")
+        self._fn: dict[str, Any] = {}
+        for name, argtypes in _SIGNATURES.items():
+            err, pointer, status = drv.cuGetProcAddress(name.encode(), _VERSION, 0)
+            if int(err) != 0 or int(status) != 0 or not int(pointer):
+                raise CudaError(f"the CUDA driver has no {name}", cuda_error="CUDA_ERROR_NOT_FOUND")
+            self._fn[name] = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(int(pointer))
+
+    def _call(self, name: str, *args: Any) -> None:
+        code = self._fn[name](*args)
+        if code != 0:
+            label = error_name(driver().CUresult(code))
+            raise make_error(label, f"{name} failed: {label}")
+
+    def launch(
+        self,
+        function: int,
+        grid: tuple[int, int, int],
+        threads: int,
+        stream: int,
+        values: Sequence[int],
+        types: Sequence[Any],
+    ) -> None:
+        """``cuLaunchKernel`` of ``function`` with one argument per ``(value, ctypes type)``,
+        ``threads`` threads per block on ``stream`` (the driver copies the arguments)."""
+        boxes = [kind(value) for value, kind in zip(values, types)]
+        params = (_P * len(boxes))(*[ctypes.addressof(b) for b in boxes])
+        self._call("cuLaunchKernel", function, *grid, threads, 1, 1, 0, stream, params, None)
+
+    def htod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """``cuMemcpyHtoDAsync``: ``nbytes`` from host ``src`` (page-locked) to device ``dst``."""
+        self._call("cuMemcpyHtoDAsync", dst, src, nbytes, stream)
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._call("cuEventRecord", event, stream)
+
+    def event_synchronize(self, event: int) -> None:
+        self._call("cuEventSynchronize", event)
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """Work enqueued on ``stream`` from now on waits for ``event``'s last record."""
+        self._call("cuStreamWaitEvent", stream, event, 0)
+
+    def make_current(self, context: int) -> None:
+        """Make ``context`` current on this thread (one ctypes call when it already is)."""
+        current = _P()
+        self._call("cuCtxGetCurrent", ctypes.byref(current))
+        if (current.value or 0) != context:
+            self._call("cuCtxSetCurrent", context)
+
+
+@functools.cache
+def calls() -> Calls:
+    """The process's :class:`Calls` (bound on first use; CudaError without cuda-python or with a
+    driver lacking an entry point)."""
+    return Calls()
