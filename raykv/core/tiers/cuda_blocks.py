@@ -4,7 +4,8 @@ An engine keeps a block's KV as parts (per layer, keys and values) of shape ``[b
 with arbitrary strides (vLLM: any ``KVCacheLayout``, kernel blocks ``r`` of ``N`` tokens each); a
 token-major raykv page holds each part as ``[r * N, H, D]`` contiguous at its region's offset. The
 kernel moves a batch of pages in one launch: grid rows are (part, token) of one page, one 16-byte
-vector per thread, pages strided over the grid's second dimension. Both directions: pages into
+vector per thread and page, ``PAGES_PER_STEP`` pages at a time strided over the grid's second
+dimension. Both directions: pages into
 blocks (a load) and blocks into pages (a save). Page rows may be device memory (a GPU tier, mapped
 or owned, or a device staging buffer) or page-locked host memory mapped for the device.
 
@@ -38,7 +39,12 @@ THREADS = 128
 TARGET_BLOCKS = 32768
 """Thread blocks per launch to aim for (each copies one (part, token) row of several pages)."""
 
+PAGES_PER_STEP = 4
+"""Pages each thread block moves per step, their loads all issued before the stores (more bytes
+in flight per thread: 1x H200, 64 MiB batches 0.70x -> 0.74x, 512 MiB 0.92x -> 0.93x GPU time)."""
+
 _SOURCE = r"""
+#define U 4
 extern "C" __global__ void __launch_bounds__(128)
 raykv_copy_blocks(const unsigned long long* __restrict__ pages,
                   const long long* __restrict__ blocks,
@@ -49,17 +55,31 @@ raykv_copy_blocks(const unsigned long long* __restrict__ pages,
     const int part = blockIdx.x / tokens, t = blockIdx.x % tokens;
     const long long within = (long long)(t / kernel_tokens) * sr + (long long)(t % kernel_tokens) * sn;
     const int row = heads * dvec;
-    for (int p = blockIdx.y; p < npages; p += gridDim.y) {
-        char* e = (char*)(bases[part] + blocks[p] * sb + within);
-        char* q = (char*)(pages[p] + offsets[part]) + (long long)t * row * 16;
+    for (int p0 = blockIdx.y * U; p0 < npages; p0 += gridDim.y * U) {
+        char* e[U];
+        char* q[U];
+        #pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int p = p0 + u < npages ? p0 + u : p0;
+            e[u] = (char*)(bases[part] + blocks[p] * sb + within);
+            q[u] = (char*)(pages[p] + offsets[part]) + (long long)t * row * 16;
+        }
         for (int k = threadIdx.x; k < row; k += blockDim.x) {
-            uint4* ev = (uint4*)(e + (long long)(k / dvec) * sh + (long long)(k % dvec) * 16);
-            uint4* qv = (uint4*)(q + (long long)k * 16);
-            if (to_engine) { *ev = *qv; } else { *qv = *ev; }
+            const long long eo = (long long)(k / dvec) * sh + (long long)(k % dvec) * 16;
+            const long long qo = (long long)k * 16;
+            uint4 r[U];
+            #pragma unroll
+            for (int u = 0; u < U; u++)
+                if (p0 + u < npages) r[u] = to_engine ? *(uint4*)(q[u] + qo) : *(uint4*)(e[u] + eo);
+            #pragma unroll
+            for (int u = 0; u < U; u++) {
+                if (p0 + u >= npages) continue;
+                if (to_engine) { *(uint4*)(e[u] + eo) = r[u]; } else { *(uint4*)(q[u] + qo) = r[u]; }
+            }
         }
     }
 }
-"""
+""".replace("#define U 4", f"#define U {PAGES_PER_STEP}")
 
 _ARG_TYPES = (ctypes.c_void_p,) * 4 + (ctypes.c_int,) * 5 + (ctypes.c_longlong,) * 4 + (ctypes.c_int,)
 
@@ -126,11 +146,16 @@ class BlockKernel:
         self._args = ArgTables(device.index or 0)
 
     def copy(
-        self, page_addresses: npt.NDArray[np.int64], block_ids: npt.NDArray[np.int64], to_engine: bool
+        self,
+        page_addresses: npt.NDArray[np.int64],
+        block_ids: npt.NDArray[np.int64],
+        to_engine: bool,
+        stream: Any = None,
     ) -> None:
-        """Enqueue, on the device's current torch stream, the copy of page ``i`` (at
-        ``page_addresses[i]``) into (``to_engine``) or out of engine block ``block_ids[i]``,
-        for every i. Returns at once; the stream orders it (the caller synchronizes)."""
+        """Enqueue, on ``stream`` (default: the device's current torch stream), the copy of page
+        ``i`` (at ``page_addresses[i]``) into (``to_engine``) or out of engine block
+        ``block_ids[i]``, for every i. Returns at once; the stream orders it (the caller
+        synchronizes)."""
         import torch
 
         count = len(page_addresses)
@@ -139,8 +164,11 @@ class BlockKernel:
         g = self.geometry
         parts = len(g.bases)
         grid_x = parts * g.tokens
-        grid_y = max(1, min(count, 65535, TARGET_BLOCKS // max(1, grid_x)))
-        handle = torch.cuda.current_stream(self.device).cuda_stream
+        steps = -(-count // PAGES_PER_STEP)
+        grid_y = max(1, min(steps, 65535, TARGET_BLOCKS // max(1, grid_x)))
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device.index or 0)
+        handle = stream.cuda_stream
         ensure_context(self.device.index or 0)
         table = self._args.upload(handle, (page_addresses, block_ids))
         geometry = self._geometry.data_ptr()

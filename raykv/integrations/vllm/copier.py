@@ -197,8 +197,9 @@ class BlockCopier:
         if len(at) != len(ids) or (len(at) and (at.min() < 0 or at.max() >= len(pages))):
             raise InvalidArgumentError("slots", f"need {len(ids)} slots in 0..{len(pages) - 1}")
         if self.kernel is not None and pages.stride() == (self.page_bytes, 1) and len(ids):
-            self.kernel.copy(pages.data_ptr() + at * self.page_bytes, ids, to_engine=True)
-            torch.cuda.current_stream(self.device).synchronize()
+            stream = torch.cuda.current_stream(self.device.index or 0)
+            self.kernel.copy(pages.data_ptr() + at * self.page_bytes, ids, to_engine=True, stream=stream)
+            stream.synchronize()
             return
         for i, (lo, hi) in enumerate(self._chunks(len(ids))):
             run = self._pick(at[lo:hi])
