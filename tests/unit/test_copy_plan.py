@@ -31,7 +31,7 @@ def batch(draw_lengths: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndar
 
 
 runs_strategy = st.lists(
-    st.tuples(st.integers(0, 1 << 40), st.integers(0, 1 << 40), st.integers(1, 6)), max_size=40
+    st.tuples(st.integers(0, (1 << 31) - 7), st.integers(0, (1 << 31) - 7), st.integers(1, 6)), max_size=40
 )
 
 
@@ -42,7 +42,7 @@ runs_strategy = st.lists(
 def test_pack_and_run_starts_match_the_oracle(path: str, drawn: list[tuple[int, int, int]]) -> None:
     src, dst = batch(drawn)
     n = len(src)
-    out = np.full(2 * n + 3, -7, dtype=np.int64)
+    out = np.full(2 * n + 3, -7, dtype=np.int32)
     starts = oracle_starts(src.tolist(), dst.tolist())
     assert copy_plan.pack(src, dst, out) == len(starts)
     assert out[:n].tolist() == src.tolist() and out[n : 2 * n].tolist() == dst.tolist()
@@ -63,18 +63,21 @@ def test_spans_are_byte_addresses_of_the_runs(path: str) -> None:
 
 def test_empty_batch(path: str) -> None:
     empty = np.zeros(0, dtype=np.int64)
-    assert copy_plan.pack(empty, empty, np.zeros(0, dtype=np.int64)) == 0
+    assert copy_plan.pack(empty, empty, np.zeros(0, dtype=np.int32)) == 0
     assert copy_plan.run_starts(empty, empty).tolist() == []
     assert copy_plan.runs(empty, empty) == []
 
 
 def test_bad_input_is_refused_and_writes_nothing(path: str) -> None:
     src = np.arange(4, dtype=np.int64)
-    out = np.full(8, -1, dtype=np.int64)
+    out = np.full(8, -1, dtype=np.int32)
     with pytest.raises(ValueError):
         copy_plan.pack(src, np.arange(3, dtype=np.int64), out)
     with pytest.raises(ValueError):
-        copy_plan.pack(src, src, np.full(7, -1, dtype=np.int64))
+        copy_plan.pack(src, src, np.full(7, -1, dtype=np.int32))
+    for bad in (-1, 1 << 31, 1 << 40):  # a slot the int32 table cannot hold
+        with pytest.raises(ValueError):
+            copy_plan.pack(src, np.array([0, 1, bad, 3], dtype=np.int64), out)
     assert out.tolist() == [-1] * 8
     with pytest.raises(ValueError):
         copy_plan.run_starts(src, src.reshape(2, 2))
@@ -86,12 +89,14 @@ def test_compiled_refuses_wrong_types() -> None:
     assert compiled is not None
     ints = np.arange(4, dtype=np.int64)
     with pytest.raises(TypeError):
-        compiled.pack(ints.astype(np.int32), ints, np.zeros(8, dtype=np.int64))
+        compiled.pack(ints.astype(np.int32), ints, np.zeros(8, dtype=np.int32))
     with pytest.raises(TypeError):
-        compiled.pack(ints, ints, np.zeros(8, dtype=np.float64))
+        compiled.pack(ints, ints, np.zeros(8, dtype=np.int64))  # the table is int32
+    with pytest.raises(TypeError):
+        compiled.pack(ints, ints, np.zeros(8, dtype=np.float32))
     with pytest.raises((TypeError, ValueError, BufferError)):
-        compiled.pack(ints, ints, np.zeros(8, dtype=np.int64)[::2])
-    readonly = np.zeros(8, dtype=np.int64)
+        compiled.pack(ints, ints, np.zeros(16, dtype=np.int32)[::2])
+    readonly = np.zeros(8, dtype=np.int32)
     readonly.flags.writeable = False
     with pytest.raises((TypeError, ValueError, BufferError)):
         compiled.pack(ints, ints, readonly)

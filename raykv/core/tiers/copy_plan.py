@@ -14,6 +14,9 @@ import numpy.typing as npt
 
 from raykv import native
 
+SLOT_MAX = (1 << 31) - 1
+"""The largest slot a kernel slot table holds (int32)."""
+
 
 def _check(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> None:
     if src.shape != dst.shape or src.ndim != 1:
@@ -34,10 +37,10 @@ def run_starts(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> npt.ND
     return np.concatenate((np.zeros(1, dtype=np.int64), breaks.astype(np.int64)))
 
 
-def pack(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64], out: npt.NDArray[np.int64]) -> int:
-    """Write ``src`` then ``dst`` into ``out[:2n]`` (the copy kernel's slot table) and return the
-    batch's number of runs. ValueError, with ``out`` unchanged, when the arrays differ in shape or
-    ``out`` holds fewer than ``2n`` items."""
+def pack(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64], out: npt.NDArray[np.int32]) -> int:
+    """Write ``src`` then ``dst`` into the int32 ``out[:2n]`` (the copy kernel's slot table) and
+    return the batch's number of runs. ValueError, with ``out`` unchanged, when the arrays differ
+    in shape, ``out`` holds fewer than ``2n`` items or a slot is outside ``0..2**31-1``."""
     _check(src, dst)
     n = len(src)
     if len(out) < 2 * n:
@@ -45,6 +48,8 @@ def pack(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64], out: npt.NDArra
     compiled = native.load("_slots")
     if compiled is not None:
         return int(compiled.pack(src, dst, out))
+    if n and (min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) > SLOT_MAX):
+        raise ValueError("a slot is outside 0..2**31-1")
     out[:n] = src
     out[n : 2 * n] = dst
     return len(run_starts(src, dst))

@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.core.errors import CudaError
-from raykv.core.tiers.cuda_calls import calls
+from raykv.core.tiers.cuda_calls import KernelArgs, current_stream
 from raykv.core.tiers.cuda_copy import compile_kernel
 from raykv.core.tiers.cuda_util import ArgTables, ensure_context
 
@@ -139,10 +139,11 @@ class BlockKernel:
 
         self.device = device
         self.geometry = geometry
-        self._function = int(function)
+        self._launcher = KernelArgs(int(function), _ARG_TYPES)
         self._geometry = torch.tensor(
             [*geometry.bases, *geometry.offsets], dtype=torch.int64, device=device
         )  # int64 bit patterns of the addresses; the kernel reads them as unsigned
+        self._geometry_address = int(self._geometry.data_ptr())
         self._args = ArgTables(device.index or 0)
 
     def copy(
@@ -150,14 +151,12 @@ class BlockKernel:
         page_addresses: npt.NDArray[np.int64],
         block_ids: npt.NDArray[np.int64],
         to_engine: bool,
-        stream: Any = None,
+        stream: int | None = None,
     ) -> None:
-        """Enqueue, on ``stream`` (default: the device's current torch stream), the copy of page
-        ``i`` (at ``page_addresses[i]``) into (``to_engine``) or out of engine block
-        ``block_ids[i]``, for every i. Returns at once; the stream orders it (the caller
-        synchronizes)."""
-        import torch
-
+        """Enqueue, on raw stream handle ``stream`` (default: the device's current torch
+        stream), the copy of page ``i`` (at ``page_addresses[i]``) into (``to_engine``) or out
+        of engine block ``block_ids[i]``, for every i. Returns at once; the stream orders it
+        (the caller synchronizes)."""
         count = len(page_addresses)
         if count == 0:
             return
@@ -166,12 +165,10 @@ class BlockKernel:
         grid_x = parts * g.tokens
         steps = -(-count // PAGES_PER_STEP)
         grid_y = max(1, min(steps, 65535, TARGET_BLOCKS // max(1, grid_x)))
-        if stream is None:
-            stream = torch.cuda.current_stream(self.device.index or 0)
-        handle = stream.cuda_stream
+        handle = current_stream(self.device.index or 0) if stream is None else int(stream)
         ensure_context(self.device.index or 0)
         table = self._args.upload(handle, (page_addresses, block_ids))
-        geometry = self._geometry.data_ptr()
+        geometry = self._geometry_address
         values = (
             table,
             table + 8 * count,
@@ -185,7 +182,7 @@ class BlockKernel:
             *g.strides,
             int(to_engine),
         )
-        calls().launch(self._function, (grid_x, grid_y, 1), THREADS, handle, values, _ARG_TYPES)
+        self._launcher.launch((grid_x, grid_y, 1), THREADS, handle, values)
         self._args.record(handle)
 
 

@@ -39,7 +39,7 @@ import numpy.typing as npt
 from raykv.core.errors import CudaError
 from raykv.core.tiers.copy_plan import pack, runs, spans
 from raykv.core.tiers.cuda_batch import batch_memcpy
-from raykv.core.tiers.cuda_calls import calls
+from raykv.core.tiers.cuda_calls import KernelArgs, calls, current_stream
 from raykv.core.tiers.cuda_util import (
     ArgTables,
     SlotList,
@@ -68,12 +68,13 @@ _ARG_TYPES = (ctypes.c_void_p, ctypes.c_int) + (ctypes.c_ulonglong,) * 4
 
 _KERNEL = r"""
 extern "C" __global__ void __launch_bounds__(256)
-raykv_copy_pages(const long long* __restrict__ slots, int npages, unsigned long long src_base,
+raykv_copy_pages(const int* __restrict__ slots, int npages, unsigned long long src_base,
                  unsigned long long dst_base, unsigned long long page_bytes, unsigned long long nvec) {
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     for (int page = blockIdx.y; page < npages; page += gridDim.y) {
-        const uint4* __restrict__ src = (const uint4*)(src_base + slots[page] * page_bytes);
-        uint4* __restrict__ dst = (uint4*)(dst_base + slots[npages + page] * page_bytes);
+        const unsigned long long s = slots[page], d = slots[npages + page];
+        const uint4* __restrict__ src = (const uint4*)(src_base + s * page_bytes);
+        uint4* __restrict__ dst = (uint4*)(dst_base + d * page_bytes);
         unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
         for (; i + 3 * stride < nvec; i += 4 * stride) {
             uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
@@ -130,7 +131,7 @@ class CudaCopier:
             self.streams = {name: torch.cuda.Stream(self.torch_device) for name in ("d2h", "h2d", "d2d")}
         self.method = os.environ.get("RAYKV_GPU_COPY", "auto")
         self._kernel: Any = None
-        self._kernel_handle = 0
+        self._kernel_args: KernelArgs | None = None
         self._kernel_failed = False
         self._host_ptrs: dict[int, int | None] = {}
         self.staging: PinnedStaging | None = None
@@ -206,7 +207,7 @@ class CudaCopier:
     def _after_current(self, stream: Any) -> None:
         """Order ``stream`` after the work on the caller's current torch stream (as torch's
         ``wait_stream``, through one reused driver event: two ctypes calls)."""
-        current = self._torch.cuda.current_stream(self.device).cuda_stream
+        current = current_stream(self.device)
         with self._order_lock:  # the event's record and the wait on it go together
             calls().event_record(self._order_event, current)
             calls().stream_wait_event(stream.cuda_stream, self._order_event)
@@ -240,7 +241,7 @@ class CudaCopier:
         """Copy the pages by the method :meth:`_choose` picks. The slots go into the kernel's
         argument table while their runs are counted (one pass, :func:`copy_plan.pack`), so the
         common case, a launch, touches the arrays once before the GPU starts."""
-        table = self._tables.take(2 * len(src))
+        table = self._tables.take(2 * len(src), np.int32)
         method = self._choose(stream, len(src), pack(src, dst, table), nbytes)
         if method == "kernel":
             if nbytes % 16 == 0 and not (src_base | dst_base) % 16 and self._load_kernel():
@@ -292,7 +293,7 @@ class CudaCopier:
         if self._kernel is None and not self._kernel_failed:
             try:
                 self._kernel = _compile_kernel(self.device)
-                self._kernel_handle = int(self._kernel[1])
+                self._kernel_args = KernelArgs(int(self._kernel[1]), _ARG_TYPES)
             except (CudaError, ImportError, RuntimeError) as exc:
                 log.warning("GPU tier: copy kernel unavailable (%s); using cuMemcpyAsync per run", exc)
                 self._kernel_failed = True
@@ -306,9 +307,11 @@ class CudaCopier:
         blocks = max(1, min(MAX_BLOCKS_PER_PAGE, -(-nvec // (THREADS * UNROLL))))
         grid_y = max(1, min(count, TARGET_BLOCKS // blocks))
         handle = stream.cuda_stream
-        table = self._tables.send(handle, 2 * count)
-        values = (table, count, src_base, dst_base, nbytes, nvec)
-        calls().launch(self._kernel_handle, (blocks, grid_y, 1), THREADS, handle, values, _ARG_TYPES)
+        table = self._tables.send(handle, 8 * count)  # 2 x count int32 slots
+        assert self._kernel_args is not None  # _load_kernel succeeded before any launch
+        self._kernel_args.launch(
+            (blocks, grid_y, 1), THREADS, handle, (table, count, src_base, dst_base, nbytes, nvec)
+        )
         self._tables.record(handle)
 
     def synchronize(self) -> None:

@@ -291,8 +291,8 @@ class ArgTables:
         self._next = 0
         self._last: dict[str, Any] = {}
 
-    def take(self, count: int) -> npt.NDArray[np.int64]:
-        """The next ring buffer's page-locked host table, at least ``count`` items, to fill
+    def take(self, count: int, dtype: Any = np.int64) -> npt.NDArray[Any]:
+        """The next ring buffer's page-locked host table, ``count`` items of ``dtype``, to fill
         before :meth:`send` (it waits first for the last work that read this buffer)."""
         import torch
 
@@ -305,34 +305,36 @@ class ArgTables:
             flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
             slot["handle"] = check(drv.cuEventCreate(flags), "cuEventCreate")
             slot["event"] = int(slot["handle"])
-        if slot.get("capacity", 0) < count:
-            capacity = max(count, 2 * slot.get("capacity", 0), 1024)
-            slot["host"] = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
-            slot["dev"] = torch.empty(capacity, dtype=torch.int64, device=torch.device("cuda", self.device))
+        nbytes = count * np.dtype(dtype).itemsize
+        if slot.get("capacity", 0) < nbytes:
+            capacity = max(nbytes, 2 * slot.get("capacity", 0), 8192)
+            slot["host"] = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+            slot["dev"] = torch.empty(capacity, dtype=torch.uint8, device=torch.device("cuda", self.device))
             slot["capacity"] = capacity
             slot["array"] = slot["host"].numpy()
         self._last = slot
-        table: npt.NDArray[np.int64] = slot["array"]
+        table: npt.NDArray[Any] = slot["array"][:nbytes].view(dtype)
         return table
 
-    def send(self, stream_handle: int, count: int) -> int:
-        """Enqueue on ``stream_handle`` the upload of the first ``count`` items of the table
-        :meth:`take` returned last; the device address of its first item (the caller's thread must
-        have the device's context)."""
+    def send(self, stream_handle: int, nbytes: int) -> int:
+        """Enqueue on ``stream_handle`` the upload of the first ``nbytes`` of the table
+        :meth:`take` returned last; the device address of its first byte (the caller's thread
+        must have the device's context)."""
         slot = self._last
         dev = int(slot["dev"].data_ptr())
-        calls().htod_async(dev, int(slot["host"].data_ptr()), 8 * count, stream_handle)
+        calls().htod_async(dev, int(slot["host"].data_ptr()), nbytes, stream_handle)
         return dev
 
-    def upload(self, stream_handle: Any, arrays: Sequence[npt.NDArray[np.int64]]) -> int:
-        """:meth:`take`, then ``arrays`` one after another into the table, then :meth:`send`."""
+    def upload(self, stream_handle: int, arrays: Sequence[npt.NDArray[np.int64]]) -> int:
+        """:meth:`take`, then the int64 ``arrays`` one after another into the table, then
+        :meth:`send`."""
         count = sum(len(a) for a in arrays)
         host = self.take(count)
         at = 0
         for array in arrays:
             host[at : at + len(array)] = array
             at += len(array)
-        return self.send(stream_handle, count)
+        return self.send(stream_handle, 8 * count)
 
     def record(self, stream_handle: int) -> None:
         """The last uploaded table is free once the work enqueued on ``stream_handle`` so far

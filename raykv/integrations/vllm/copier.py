@@ -33,6 +33,7 @@ import numpy.typing as npt
 from raykv import InvalidArgumentError, KVLayout
 from raykv.core.config import BufferRegion
 from raykv.core.tiers.cuda_blocks import BlockKernel, PartGeometry, block_kernel
+from raykv.core.tiers.cuda_calls import calls, current_stream
 from raykv.integrations.vllm.kv_blocks import BlockFormat, detect_format, engine_blocks
 from raykv.integrations.vllm.layout import NATIVE_ROLE
 
@@ -197,9 +198,9 @@ class BlockCopier:
         if len(at) != len(ids) or (len(at) and (at.min() < 0 or at.max() >= len(pages))):
             raise InvalidArgumentError("slots", f"need {len(ids)} slots in 0..{len(pages) - 1}")
         if self.kernel is not None and pages.stride() == (self.page_bytes, 1) and len(ids):
-            stream = torch.cuda.current_stream(self.device.index or 0)
+            stream = current_stream(self.device.index or 0)
             self.kernel.copy(pages.data_ptr() + at * self.page_bytes, ids, to_engine=True, stream=stream)
-            stream.synchronize()
+            calls().stream_synchronize(stream)
             return
         for i, (lo, hi) in enumerate(self._chunks(len(ids))):
             run = self._pick(at[lo:hi])
