@@ -125,6 +125,7 @@ ALLOWED_PRIVATE_READS = {
     ("raykv.transfer.runtime", "ucxx.core._get_ctx"),  # ucxx has no public way to ask
     ("raykv.core.threads", "copy_threads()._max_workers"),  # ThreadPoolExecutor's size
     ("raykv.bench.gpu", "torch.cuda._sleep"),  # torch's only GPU-side sleep (GPU-time rows)
+    ("raykv.core.tiers.cuda_calls", "torch._C"),  # the raw current stream (getattr, with a fallback)
 }
 
 
