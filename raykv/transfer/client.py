@@ -53,7 +53,7 @@ from raykv.core.types import BlockKey
 from raykv.transfer.auth import AuthToken
 from raykv.transfer.config import Peer, TransferConfig, check_config, check_timeout, pull_request
 from raykv.transfer.connection import ClientConn, handshake
-from raykv.transfer.gpu_land import GpuLand
+from raykv.transfer.gpu_land import GpuLand, GpuLanding
 from raykv.transfer.host_paths import Batch, checks
 from raykv.transfer.landing import Land, LeaseCheck, run_land
 from raykv.transfer.paths import REQUEST_PATHS
@@ -397,21 +397,21 @@ class PageClient:
         self.count(shm_read.PATH, endpoint, len(checked), landed[1])
         return landed[0]
 
-    def land_gpu(self, peer: Peer, keys: Sequence[bytes], device: int, land: GpuLand) -> int:
+    def land_gpu(self, peer: Peer, keys: Sequence[bytes], device: int, land: GpuLand) -> GpuLanding:
         """Land the pages of ``keys`` from a same-node ``peer``'s GPU tier straight into this
         process's device memory (``land``: :data:`raykv.transfer.gpu_land.GpuLand`, on CUDA device
         ``device``): one-sided when the owner's directory lists every key, else one ``gpu_peer``
-        request per batch. Returns how many leading keys landed (0 when the path is not
-        available: another node, no GPU tier, switched off). TransferError when a request failed
-        or its lease did not hold: nothing ``land`` wrote may be used then."""
+        request per batch. Returns how many leading keys landed and by which path (0 and None
+        when the path is not available: another node, no GPU tier, switched off). TransferError
+        when a request failed or its lease did not hold: nothing ``land`` wrote may be used then."""
         checked, endpoint = pull_request(peer, keys)
         if not checked or endpoint in self.gpu_pools.refused:  # no GPU path to this peer
-            return 0
+            return GpuLanding(0, None)
         if gpu_land.land_gpu_local(self, endpoint, checked, device, land):
-            return len(checked)
+            return GpuLanding(len(checked), gpu_land.LOCAL_PATH)
         got = gpu_land.land_gpu_request(self, endpoint, checked, device, land)
-        landed = self.runtime.run(self.guard(endpoint, None, got), self.config.timeout_s + 5)
-        return int(landed or 0)
+        landed = int(self.runtime.run(self.guard(endpoint, None, got), self.config.timeout_s + 5) or 0)
+        return GpuLanding(landed, gpu_land.PATH if landed else None)
 
     def pin_for_cuda(self) -> None:
         """Page-lock (read-only ``cudaHostRegister``) every same-node peer's shared tier this

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import raykv.transfer.shm_read as shm_read
@@ -42,6 +43,16 @@ from raykv.transfer.pull_client import PullClient
 PATH = "gpu_peer"
 GpuLand = Callable[[Any, list[int], int, Callable[[], None]], None]
 """``land(rows, slots, start, confirm)``: see the module docstring."""
+
+
+@dataclass(frozen=True)
+class GpuLanding:
+    """What :meth:`raykv.transfer.PageClient.land_gpu` did: how many leading keys landed, and
+    by which path (``gpu_read``: one-sided from the owner's directory; ``gpu_peer``: requested
+    under a lease; None when nothing landed)."""
+
+    landed: int
+    path: str | None
 
 
 def land_gpu_local(

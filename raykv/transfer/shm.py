@@ -73,13 +73,12 @@ class ShmMapping:
         changed)."""
         if self.pinned or self.array.size == 0:
             return self.pinned
-        from raykv.core.tiers.cuda_util import host_register
+        from raykv.core.tiers.cuda_util import try_host_register
 
         address = int(self.array.ctypes.data)
-        try:
-            host_register(address, self.array.nbytes, read_only=True)
-        except (CudaError, OSError, RuntimeError) as exc:
-            log.info("cannot page-lock a peer's shared tier (%s); device copies stage", exc)
+        refused = try_host_register(address, self.array.nbytes, read_only=True)
+        if refused is not None:
+            log.info("cannot page-lock a peer's shared tier (%s); device copies stage", refused)
             return False
         self._pinned_at, self.pinned = address, True
         return True

@@ -124,12 +124,12 @@ def test_land_gpu_from_a_host_only_owner_lands_nothing_and_asks_nothing(
     keys = commit(pair.src, oracle, seq(4, 3))
     calls: list[object] = []
     landed = pair.client.land_gpu(pair.server.address, keys, 0, lambda *args: calls.append(args))
-    assert landed == 0 and not calls
+    assert landed.landed == 0 and landed.path is None and not calls
     assert pair.server.stats.pulls == {} and not pair.client.gpu_pools.known
     assert pair.server.address.endpoint in pair.client.gpu_pools.refused  # not asked again
     again = pair.client.land_gpu(pair.server.address, keys, 0, lambda *args: calls.append(args))
-    assert again == 0 and not calls
-    assert pair.client.land_gpu(pair.server.address, [], 0, lambda *args: calls.append(args)) == 0
+    assert again.landed == 0 and not calls
+    assert pair.client.land_gpu(pair.server.address, [], 0, lambda *args: calls.append(args)).landed == 0
     with pytest.raises(ValueError):
         pair.client.land_gpu(pair.server.address, [b"short"], 0, lambda *args: calls.append(args))
     pair.settled()

@@ -125,6 +125,16 @@ def host_register(address: int, nbytes: int, read_only: bool = False, device: in
     check(drv.cuMemHostRegister(address, nbytes, flags), "cuMemHostRegister")
 
 
+def try_host_register(address: int, nbytes: int, read_only: bool = False) -> str | None:
+    """:func:`host_register`, for callers that go on without it: None when the memory is
+    page-locked now, else why not (no CUDA, no cuda-python, the driver refused; nothing changed)."""
+    try:
+        host_register(address, nbytes, read_only=read_only)
+    except (CudaError, OSError, RuntimeError) as exc:
+        return str(exc)
+    return None
+
+
 def host_unregister(address: int, device: int = 0) -> None:
     """Undo :func:`host_register` of the memory at ``address`` (CudaError when not registered)."""
     drv = driver()

@@ -72,12 +72,11 @@ class HostPool(PagePool):
         logged)."""
         if self.pinned or self.array.size == 0:
             return self.pinned
-        from raykv.core.tiers.cuda_util import host_register
+        from raykv.core.tiers.cuda_util import try_host_register
 
-        try:
-            host_register(int(self.array.ctypes.data), self.array.nbytes)
-        except (CudaError, OSError, RuntimeError) as exc:
-            log.warning("host tier: cannot pin for CUDA (%s); copies stage through pinned buffers", exc)
+        refused = try_host_register(int(self.array.ctypes.data), self.array.nbytes)
+        if refused is not None:
+            log.warning("host tier: cannot pin for CUDA (%s); copies stage through pinned buffers", refused)
             return False
         self._registered = self.pinned = True
         return True

@@ -144,16 +144,14 @@ class WorkerSide:
             copier.load_device(pages, slots, ids[start : start + len(slots)])
             confirm()
 
-        before = dict(self.client.stats.pulls)
         try:
-            done = self.client.land_gpu(self.link.address, keys, device, land)
+            landing = self.client.land_gpu(self.link.address, keys, device, land)
         except TransferError as exc:
             log.info("raykv: GPU-tier load of %d blocks failed (%s); trying the host paths", len(keys), exc)
             return 0
-        for path, count in self.client.stats.pulls.items():
-            if path.startswith("gpu_") and count > before.get(path, 0):
-                self._report.count(req_id, f"path_{path}", count - before.get(path, 0))
-        return done
+        if landing.path is not None:
+            self._report.count(req_id, f"path_{landing.path}", 1)
+        return landing.landed
 
     def _load_host(self, req_id: str, keys: list[bytes], ids: list[int]) -> int:
         """Load the leading pages of ``keys`` from the CacheWorker's host tiers into engine
