@@ -2,7 +2,8 @@
 
 ``raykv.native._keytable`` speeds up the prefix index's lookups (:mod:`raykv.index.keytable`),
 ``raykv.native._shmread`` same-node one-sided pulls (:mod:`raykv.transfer.shm_read`) and ``raykv.native._chain``
-the building of imported pages and blocks (:mod:`raykv.core.page`, :mod:`raykv.core.radix`); where they
+the building of imported pages and blocks (:mod:`raykv.core.page`, :mod:`raykv.core.radix`) and the
+keying of prompts (:mod:`raykv.routing.session_keys`); where they
 cannot be compiled (no C compiler or Python headers) the install goes on without them and the
 index uses a dict, the one-sided reads and the imports Python.
 """

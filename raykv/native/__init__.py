@@ -10,6 +10,7 @@ extension      speeds up                                                        
 ``_keytable``  the prefix index's key table (:mod:`raykv.index.keytable`)        ``RAYKV_PURE_INDEX=1``
 ``_shmread``   same-node one-sided reads (:mod:`raykv.transfer.shm_read`)        ``RAYKV_PURE_SHM_READ=1``
 ``_chain``     building imported pages and chains of blocks (:mod:`raykv.core`)  ``RAYKV_PURE_CHAIN=1``
+               and keying prompts (:mod:`raykv.routing.session_keys`)
 =============  ================================================================  =====================
 
 :func:`load` is what the modules above call; :func:`status` is what ``raykv info`` and CI print.
