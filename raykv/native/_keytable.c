@@ -337,9 +337,11 @@ static int walk(KeyTable *t, PyObject **keys, Py_ssize_t n, int lanes, Walk *w) 
     if (!cur.m[0]) return 0;
     w->alive = cur.m[0];
     Py_ssize_t i = 0, mask = t->cap - 1;
+    for (Py_ssize_t k = 1; k < 33 && k < n; k++) __builtin_prefetch((const char *)keys[k] + 32);
     for (Py_ssize_t j = 1;; j++) {
-        if ((j & 15) == 1) /* warm the slots of the next 16 keys */
+        if ((j & 15) == 1) /* warm the slots of the next 16 keys, and the key objects 16 further */
             for (Py_ssize_t k = j; k < j + 16 && k < n; k++) {
+                if (k + 32 < n) __builtin_prefetch((const char *)keys[k + 32] + 32);
                 const unsigned char *key = key_bytes(keys[k]);
                 if (key) __builtin_prefetch(&t->slots[(Py_ssize_t)(tag_of(key) & (uint64_t)mask)]);
             }
