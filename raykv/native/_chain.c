@@ -247,17 +247,16 @@ static PyObject *all_keys(PyObject *Py_UNUSED(module), PyObject *keys) {
  * from `first_block` on, chained from `parent` (the key of block first_block - 1, or the root key):
  * the keys raykv.core.keys.chain_keys gives. A block whose parent key and tokens equal a slot's,
  * compared in full, reuses its key (a hit); another is hashed (a miss) and replaces the older of
- * its bucket's two slots. The slot is chosen from the parent's first 8 bytes and 3 of the block's
- * tokens, so colliding blocks only cost misses: a key is never taken from a block that is not
- * equal. A token above 2**31 - 1 anywhere (a hashed block or the trailing partial one; a hit's
+ * its bucket's two slots. The bucket is chosen from 4 of the block's tokens, so colliding blocks
+ * only cost misses: a key is never taken from a block that is not equal. A token above 2**31 - 1 anywhere (a hashed block or the trailing partial one; a hit's
  * tokens equal tokens checked before) raises ValueError. `hits` and `misses` count blocks. */
 #define MAX_TOKEN 0x7FFFFFFFu
+#define MEMO_AHEAD 4 /* blocks whose slots are fetched ahead of the one compared */
 
 typedef struct {
     uint64_t stamp;      /* 0: empty; else when it was filled (larger is newer) */
     PyObject *key;       /* the block's key (32-byte bytes), owned */
     unsigned char parent[32];
-    unsigned char keyb[32]; /* the key's bytes (the next block's bucket, without a miss) */
 } MemoHead;              /* followed by tokens_per_block uint32 tokens */
 
 typedef struct {
@@ -271,12 +270,10 @@ typedef struct {
 
 #define MEMO_SLOT(m, i) ((MemoHead *)((m)->slots + (size_t)(i) * (size_t)(m)->stride))
 
-static uint64_t memo_bucket(const unsigned char *parent, const uint32_t *toks, Py_ssize_t tpb) {
-    uint64_t h;
-    memcpy(&h, parent, 8);
-    h ^= ((uint64_t)toks[0] << 32 | toks[tpb / 2]) * 0x9E3779B97F4A7C15ULL;
-    h ^= (uint64_t)toks[tpb - 1] * 0xC2B2AE3D27D4EB4FULL;
-    return h ^ (h >> 31);
+static uint64_t memo_bucket(const uint32_t *toks, Py_ssize_t tpb) {
+    uint64_t h = ((uint64_t)toks[0] << 32 | toks[tpb / 2]) * 0x9E3779B97F4A7C15ULL;
+    h ^= ((uint64_t)toks[tpb - 1] << 32 | toks[tpb / 4]) * 0xC2B2AE3D27D4EB4FULL;
+    return h ^ (h >> 29);
 }
 
 static int tokens_ok(const uint32_t *toks, Py_ssize_t n) {
@@ -305,29 +302,23 @@ static PyObject *memo_hash(KeyMemo *m, const unsigned char *parent, const uint32
     return key;
 }
 
-static MemoHead *memo_pair(KeyMemo *m, const unsigned char *parent, const uint32_t *toks) {
-    Py_ssize_t i = (Py_ssize_t)(memo_bucket(parent, toks, m->tpb) & (uint64_t)(m->nslots - 1)) & ~(Py_ssize_t)1;
+/* The bucket (two slots) of a block: from its tokens alone, so the buckets of a whole prompt are
+ * known before any key is, and their memory is fetched ahead (a memo larger than the caches is
+ * mostly read from memory). */
+static MemoHead *memo_pair(KeyMemo *m, const uint32_t *toks) {
+    Py_ssize_t i = (Py_ssize_t)(memo_bucket(toks, m->tpb) & (uint64_t)(m->nslots - 1)) & ~(Py_ssize_t)1;
     return MEMO_SLOT(m, i);
 }
 
-/* Start loading both slots of the bucket of the block after `toks` if `pair` holds this block
- * (judged by its parent): their tokens then arrive while this block is compared. */
-static void memo_ahead(KeyMemo *m, MemoHead *pair, const unsigned char *parent, const uint32_t *next) {
-    for (int k = 0; k < 2; k++) {
-        MemoHead *s = (MemoHead *)((char *)pair + k * m->stride);
-        if (!s->stamp || memcmp(s->parent, parent, 32)) continue;
-        char *to = (char *)memo_pair(m, s->keyb, next);
-        for (Py_ssize_t off = 0; off < 2 * m->stride; off += 64) __builtin_prefetch(to + off);
-        return;
-    }
+static void memo_prefetch(KeyMemo *m, const uint32_t *toks) {
+    const char *at = (const char *)memo_pair(m, toks);
+    for (Py_ssize_t off = 0; off < 2 * m->stride; off += 64) __builtin_prefetch(at + off);
 }
 
-/* The key of one block (a new reference), from the memo or hashed and remembered; `next` (or
- * NULL): the tokens of the block after it, whose slots are then prefetched. */
-static PyObject *memo_key(KeyMemo *m, const unsigned char *parent, const uint32_t *toks, const uint32_t *next) {
+/* The key of one block (a new reference), from the memo or hashed and remembered. */
+static PyObject *memo_key(KeyMemo *m, const unsigned char *parent, const uint32_t *toks) {
     size_t body = (size_t)m->tpb * 4;
-    MemoHead *a = memo_pair(m, parent, toks), *b = (MemoHead *)((char *)a + m->stride);
-    if (next) memo_ahead(m, a, parent, next);
+    MemoHead *a = memo_pair(m, toks), *b = (MemoHead *)((char *)a + m->stride);
     for (int k = 0; k < 2; k++) {
         MemoHead *s = k ? b : a;
         if (s->stamp && memcmp(s->parent, parent, 32) == 0 && memcmp(s + 1, toks, body) == 0) {
@@ -346,7 +337,6 @@ static PyObject *memo_key(KeyMemo *m, const unsigned char *parent, const uint32_
     Py_XSETREF(s->key, Py_NewRef(key));
     s->stamp = ++m->clock;
     memcpy(s->parent, parent, 32);
-    memcpy(s->keyb, PyBytes_AS_STRING(key), 32);
     memcpy(s + 1, toks, body);
     return key;
 }
@@ -371,7 +361,10 @@ static PyObject *KeyMemo_chain(KeyMemo *m, PyObject *args) {
     out = PyList_New(first < last ? last - first : 0);
     const unsigned char *prev = (const unsigned char *)parent;
     for (Py_ssize_t b = first; out && b < last; b++) {
-        PyObject *key = memo_key(m, prev, toks + b * tpb, b + 1 < last ? toks + (b + 1) * tpb : NULL);
+        if (b == first)
+            for (Py_ssize_t k = b; k < b + MEMO_AHEAD && k < last; k++) memo_prefetch(m, toks + k * tpb);
+        if (b + MEMO_AHEAD < last) memo_prefetch(m, toks + (b + MEMO_AHEAD) * tpb);
+        PyObject *key = memo_key(m, prev, toks + b * tpb);
         if (!key) {
             Py_CLEAR(out);
             break;
