@@ -38,8 +38,11 @@ typedef struct {
     PyObject *value;                /* owned while the slot is live */
 } Slot;                             /* 48 bytes: a probe reads one slot, not three arrays */
 
+struct RouteMemo;
+
 typedef struct {
     PyObject_HEAD
+    struct RouteMemo *memo; /* route answers with many matches (allocated on first use) */
     Slot *slots;
     Py_ssize_t cap;        /* a power of two */
     Py_ssize_t used;       /* live slots */
@@ -173,7 +176,10 @@ static PyObject *KeyTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds
     return (PyObject *)t;
 }
 
+static void free_memo(struct RouteMemo *memo);
+
 static void KeyTable_dealloc(KeyTable *t) {
+    free_memo(t->memo);
     if (t->slots) clear_all(t);
     PyMem_Free(t->slots);
     Py_TYPE(t)->tp_free((PyObject *)t);
@@ -377,6 +383,76 @@ static PyObject *new_match(PyTypeObject *type, PyObject *name, const Walk *w, in
     return m;
 }
 
+/* The answer dict: RouteMatch(name, blocks, gpu, host, disk, 0) per matched lane of `order`. */
+static PyObject *build_route(PyObject *names, PyTypeObject *type, const Walk *w, const int *order, int m) {
+    PyObject *out = PyDict_New();
+    for (int k = 0; out && k < m; k++) {
+        PyObject *name = PyTuple_GET_ITEM(names, order[k]);
+        if (name == Py_None) continue;
+        PyObject *match = new_match(type, name, w, order[k]);
+        if (!match || PyDict_SetItem(out, name, match) < 0) Py_CLEAR(out);
+        Py_XDECREF(match);
+    }
+    return out;
+}
+
+/* Answers with many matches are kept by their content (each matched lane's prefix length and
+ * tier counts, with the names tuple and match type they were built for; Python's route memo,
+ * raykv.index.route._collect): a prefix many workers hold (a shared system prompt) then costs a
+ * dict copy, not a RouteMatch per worker. Direct-mapped; a caller always gets a fresh dict. */
+#define MEMO_ENTRIES 64
+typedef struct {
+    uint64_t hash;
+    PyObject *names, *type, *dict; /* owned; NULL when empty */
+    int m;
+    uint16_t sig[ROUTE_LANES][5];  /* lane, blocks, gpu, host, disk */
+} MemoEntry;
+
+struct RouteMemo {
+    MemoEntry e[MEMO_ENTRIES];
+};
+
+static void free_memo(struct RouteMemo *memo) {
+    if (!memo) return;
+    for (int i = 0; i < MEMO_ENTRIES; i++) {
+        Py_XDECREF(memo->e[i].names);
+        Py_XDECREF(memo->e[i].type);
+        Py_XDECREF(memo->e[i].dict);
+    }
+    PyMem_Free(memo);
+}
+
+static PyObject *memo_route(KeyTable *t, PyObject *names, PyTypeObject *type, const Walk *w, const int *order, int m) {
+    uint16_t sig[ROUTE_LANES][5];
+    uint64_t h = 1469598103934665603ULL;
+    for (int k = 0; k < m; k++) {
+        int lane = order[k];
+        uint16_t row[5] = {(uint16_t)lane, (uint16_t)w->ends[lane], (uint16_t)w->count[0][lane],
+                           (uint16_t)w->count[1][lane], (uint16_t)w->count[2][lane]};
+        memcpy(sig[k], row, sizeof(row));
+        for (int j = 0; j < 5; j++) h = (h ^ row[j]) * 1099511628211ULL;
+    }
+    if (!t->memo && !(t->memo = PyMem_Calloc(1, sizeof(struct RouteMemo)))) return PyErr_NoMemory();
+    MemoEntry *e = &t->memo->e[(h ^ (h >> 32)) % MEMO_ENTRIES];
+    size_t bytes = (size_t)m * sizeof(sig[0]);
+    if (e->dict && e->hash == h && e->names == names && e->type == (PyObject *)type && e->m == m &&
+        memcmp(e->sig, sig, bytes) == 0)
+        return PyDict_Copy(e->dict);
+    PyObject *out = build_route(names, type, w, order, m);
+    PyObject *kept = out ? PyDict_Copy(out) : NULL;
+    if (!kept) {
+        Py_XDECREF(out);
+        return NULL;
+    }
+    Py_XSETREF(e->dict, kept);
+    Py_XSETREF(e->names, Py_NewRef(names));
+    Py_XSETREF(e->type, Py_NewRef((PyObject *)type));
+    e->hash = h;
+    e->m = m;
+    memcpy(e->sig, sig, bytes);
+    return out;
+}
+
 /* route(keys, names, match_type) -> dict or None. See raykv.index.prefix_index.PrefixIndex.route. */
 static PyObject *KeyTable_route(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyTuple_CheckExact(args[1]) || !PyType_Check(args[2]) ||
@@ -397,29 +473,19 @@ static PyObject *KeyTable_route(KeyTable *t, PyObject *const *args, Py_ssize_t n
     int got = n ? walk(t, PySequence_Fast_ITEMS(seq), n, (int)lanes, &w) : 0;
     Py_DECREF(seq);
     if (got < 0) Py_RETURN_NONE;
-    PyObject *out = PyDict_New();
-    if (!out || got == 0) return out;
+    if (got == 0) return PyDict_New();
     int order[ROUTE_LANES], m = 0;
     for (int lane = 0; lane < lanes; lane++)
         if (w.ends[lane]) order[m++] = lane;
-    if (m <= ROUTE_SPARSE) /* few matches: by prefix length, then lane (Python's sparse order) */
+    if (m <= ROUTE_SPARSE) { /* few matches: by prefix length, then lane (Python's sparse order) */
         for (int a = 1; a < m; a++)
             for (int b = a; b > 0 && w.ends[order[b - 1]] > w.ends[order[b]]; b--) {
                 int x = order[b];
                 order[b] = order[b - 1], order[b - 1] = x;
             }
-    for (int k = 0; k < m; k++) {
-        PyObject *name = PyTuple_GET_ITEM(args[1], order[k]);
-        if (name == Py_None) continue;
-        PyObject *match = new_match((PyTypeObject *)args[2], name, &w, order[k]);
-        if (!match || PyDict_SetItem(out, name, match) < 0) {
-            Py_XDECREF(match);
-            Py_DECREF(out);
-            return NULL;
-        }
-        Py_DECREF(match);
+        return build_route(args[1], (PyTypeObject *)args[2], &w, order, m);
     }
-    return out;
+    return memo_route(t, args[1], (PyTypeObject *)args[2], &w, order, m);
 }
 
 static PyObject *KeyTable_keys(KeyTable *t, PyObject *Py_UNUSED(ignored)) {

@@ -186,9 +186,12 @@ def test_compiled_route_equals_the_python_walk_order_included(seed, monkeypatch)
     monkeypatch.setenv("RAYKV_PURE_INDEX", "1")
     slow_ix = _random_index(random.Random(seed), lanes, chain)
     gap = [*chain[: len(chain) // 2], os.urandom(32), *chain[len(chain) // 2 :]]
-    for keys in (chain, chain[:1], chain[1:], gap, []):
+    for keys in (chain, chain[:1], chain[1:], gap, [], chain):
         fast, slow = fast_ix.route(keys), slow_ix.route(keys)
         assert fast == slow and list(fast) == list(slow)
+        fast.clear()  # the caller owns its answer: a remembered one comes back whole
+        again = fast_ix.route(keys)
+        assert again == slow and list(again) == list(slow)
 
 
 @compiled
