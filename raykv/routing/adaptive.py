@@ -23,10 +23,7 @@ up to date from what the deployment shows it, instead of per-trace constants:
   decisions (exponentially decayed, :class:`WorkShares`); a worker whose share exceeds
   ``balance_limit`` x the mean share is left out of the decision (from the
   ``balance_window / 10``-th decision on, when the shares mean something), so sessions that stay
-  with their prefix cannot leave a worker idle or overloaded for long. The worker holding the
-  request's longest cached prefix (the first such in the matches' order) stays in up to
-  ``holder_limit`` x the mean share: below that, sending a prefix's request away would only
-  recompute it elsewhere, while new work still goes to the others.
+  with their prefix cannot leave a worker idle or overloaded for long.
 
 A *hot* prefix (``hot(worker, blocks)``: the winner's prefix was brought by a request still in
 flight on it) is a burst: a second copy then serves concurrent requests instead of going stale, so
@@ -71,14 +68,10 @@ class WorkShares:
 
     def over(self, workers: Sequence[WorkerId], limit: float) -> list[bool]:
         """Per worker, is its share above ``limit`` x the mean share of ``workers``?"""
-        return [r > limit for r in self.ratios(workers)]
-
-    def ratios(self, workers: Sequence[WorkerId]) -> list[float]:
-        """Per worker, its share over the mean share of ``workers`` (0.0 each before any work)."""
         get = self.totals.get
         shares = [get(w, 0.0) for w in workers]
-        mean = sum(shares) / len(shares)
-        return [x / mean for x in shares] if mean > 0 else [0.0] * len(shares)
+        cap = limit * sum(shares) / len(shares)
+        return [x > cap for x in shares]
 
 
 class RoutingPolicy:
@@ -96,7 +89,6 @@ class RoutingPolicy:
         self.shares = WorkShares(cfg.balance_window)
         self._warm = cfg.balance_window // 10  # decisions before the shares are trusted
         self._excluded: frozenset[WorkerId] = frozenset()  # past their share (set by learn)
-        self._past_holder: frozenset[WorkerId] = frozenset()  # past holder_limit (set by learn)
         self._workers: Sequence[WorkerId] = ()
         self._prices = self._current()
 
@@ -140,12 +132,7 @@ class RoutingPolicy:
         cfg, prices, excluded = self.cfg, self._prices, self._excluded
         self._workers = workers
         if excluded:
-            holder = _longest(matches) if len(excluded) > len(self._past_holder) else None
-            past = self._past_holder
-            kept = [
-                math.inf if w in excluded and (w != holder or w in past) else load
-                for w, load in zip(workers, loads)
-            ]
+            kept = [math.inf if w in excluded else load for w, load in zip(workers, loads)]
             if min(kept) < math.inf:  # someone stays
                 loads = kept
         d = decide_at(num_tokens, workers, loads, matches, cfg, prices, rng)
@@ -173,9 +160,8 @@ class RoutingPolicy:
         self.shares.add(d.worker, work)
         self.decisions += 1
         if self.decisions >= self._warm and self._workers:
-            ratios = self.shares.ratios(self._workers)
-            self._excluded = frozenset(w for w, r in zip(self._workers, ratios) if r > cfg.balance_limit)
-            self._past_holder = frozenset(w for w, r in zip(self._workers, ratios) if r > cfg.holder_limit)
+            over = self.shares.over(self._workers, cfg.balance_limit)
+            self._excluded = frozenset(w for w, o in zip(self._workers, over) if o)
         budget = cfg.recompute_budget
         if d.duplicated:
             share = min(1.0, d.duplicated * cfg.tokens_per_block / max(1, num_tokens))
@@ -200,13 +186,3 @@ class RoutingPolicy:
                 rate if not self._prefill_s else self._prefill_s + _EWMA * (rate - self._prefill_s)
             )
             self._prices = self._current()
-
-
-def _longest(matches: Mapping[WorkerId, RouteMatch]) -> WorkerId | None:
-    """The worker with the longest cached prefix, the first such in ``matches``' order (None when
-    nobody holds any): the holder :func:`~raykv.routing.policy.decide_at` prices against."""
-    holder, blocks = None, 0
-    for worker, m in matches.items():
-        if m[1] > blocks:
-            holder, blocks = worker, m[1]
-    return holder

@@ -62,7 +62,6 @@ class RoutingConfig:
     price_max: float = 64.0
     hot_price: float = 2.0
     balance_limit: float = 1.2
-    holder_limit: float = 1.3
     balance_window: int = 3000
     seed: int = 0
 
@@ -95,8 +94,6 @@ class RoutingConfig:
             )
         if not self.balance_limit >= 1.0 or self.balance_window < 1:
             raise InvalidArgumentError("balance_limit", "balance_limit must be >= 1, balance_window >= 1")
-        if not (math.isfinite(self.holder_limit) and self.holder_limit >= self.balance_limit):
-            raise InvalidArgumentError("holder_limit", "must be finite and >= balance_limit")
         if self.price_start > self.price_max:
             raise InvalidArgumentError("price_start", "must be <= price_max")
 

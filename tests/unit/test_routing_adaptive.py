@@ -156,7 +156,7 @@ def test_a_worker_past_its_share_of_the_work_is_left_out() -> None:
     """A holds every prefix and all loads look equal: at first everything goes to A; once the
     shares are trusted (balance_window / 10 decisions) A is left out whenever its decayed share
     of the work exceeds balance_limit x the mean, so B gets work although it holds nothing."""
-    cfg = dataclasses.replace(CFG, balance_window=100, balance_limit=1.2, holder_limit=1.2, price_start=0.5)
+    cfg = dataclasses.replace(CFG, balance_window=100, balance_limit=1.2, price_start=0.5)
     policy = RoutingPolicy(cfg)
     held = {A: RouteMatch(A, 10, gpu=10)}
     picks = [policy.decide(160, [A, B], [0.0, 0.0], held).worker for _ in range(400)]
@@ -164,20 +164,3 @@ def test_a_worker_past_its_share_of_the_work_is_left_out() -> None:
     assert picks[200:].count(B) > 20  # B recomputes (224 units a request), A hits (64)
     totals = policy.shares.totals
     assert 0.5 < totals[A] / (totals[A] + totals[B]) < 0.62  # held near balance_limit x the mean
-
-
-def test_the_holder_of_a_prefix_stays_in_until_holder_limit() -> None:
-    """Past balance_limit x the mean share, a worker still gets the requests whose longest
-    prefix it holds, up to holder_limit x the mean; work that it does not hold goes elsewhere."""
-    cfg = dataclasses.replace(CFG, balance_window=100, balance_limit=1.2, holder_limit=1.3, price_start=0.5)
-    policy = RoutingPolicy(cfg)
-    held = {A: RouteMatch(A, 10, gpu=10)}
-    for _ in range(400):
-        policy.decide(160, [A, B], [0.0, 0.0], held)
-    totals = policy.shares.totals
-    share = totals[A] / (totals[A] + totals[B])
-    assert 0.62 < share < 0.68  # near holder_limit x the mean (0.65), past balance_limit's 0.6
-    cold = [policy.decide(160, [A, B], [0.0, 0.0], {}, learn=False).worker for _ in range(20)]
-    assert cold == [B] * 20  # A is past balance_limit: what nobody holds goes to B
-    with pytest.raises(ValueError):
-        dataclasses.replace(CFG, balance_limit=1.2, holder_limit=1.1)
