@@ -2,7 +2,9 @@
 
 ``raykv.native._keytable`` speeds up the prefix index's lookups (:mod:`raykv.index.keytable`),
 ``raykv.native._shmread`` same-node one-sided pulls (:mod:`raykv.transfer.shm_read`) and ``raykv.native._chain``
-the building of imported pages and blocks (:mod:`raykv.core.page`, :mod:`raykv.core.radix`); where they
+the building of imported pages and blocks (:mod:`raykv.core.page`, :mod:`raykv.core.radix`) and the
+keying of prompts (:mod:`raykv.routing.session_keys`), and ``raykv.native._cost`` the routing
+decision's cost loop (:mod:`raykv.routing.policy`); where they
 cannot be compiled (no C compiler or Python headers) the install goes on without them and the
 index uses a dict, the one-sided reads and the imports Python.
 """
@@ -14,6 +16,13 @@ setup(
         Extension("raykv.native._keytable", ["raykv/native/_keytable.c"], optional=True, extra_compile_args=["-O3"]),
         Extension("raykv.native._shmread", ["raykv/native/_shmread.c"], optional=True, extra_compile_args=["-O3"]),
         Extension("raykv.native._chain", ["raykv/native/_chain.c"], optional=True, extra_compile_args=["-O3"]),
+        # no contraction into fused multiply-adds: its costs must equal Python's, float for float
+        Extension(
+            "raykv.native._cost",
+            ["raykv/native/_cost.c"],
+            optional=True,
+            extra_compile_args=["-O3", "-ffp-contract=off"],
+        ),
         Extension("raykv.native._slots", ["raykv/native/_slots.c"], optional=True, extra_compile_args=["-O3"]),
     ]
 )

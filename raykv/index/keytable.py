@@ -5,7 +5,11 @@ extension was built (optional; see :mod:`raykv.native`), else
 :class:`DictKeyTable`, a dict with the same interface. Both give: ``get(key, default=None)``,
 ``t[key]``, ``t[key] = value``, ``del t[key]``, ``key in t``, ``len(t)``, ``keys()``, ``clear()``,
 ``get_many(keys)`` (a list of values, None where absent; one call per route) and
-``prefetch(keys)`` (no result; before a batch of stores).
+``prefetch(keys)`` (no result; before a batch of stores). The compiled table also has
+``route(keys, names, match_type)``: :func:`raykv.index.route.route_held`'s answer (same matches,
+same order) in one call, for up to 64 lanes, or None when an entry is not the index's tuple of
+lane masks; :class:`~raykv.index.prefix_index.PrefixIndex` then routes in Python, as it always
+does with the dict.
 
 Why a compiled table: a route looks up ~100 keys; at a million keys each dict lookup is SipHash
 plus three dependent cache misses (docs/benchmarks.md, "Index"), and CPython runs them one after another. The

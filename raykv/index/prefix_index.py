@@ -46,6 +46,7 @@ OP_STORE, OP_REMOVE, OP_CLEAR = 0, 1, 2
 REORDER_WINDOW = 64
 PREFETCH_OPS = 512  # batches up to this long warm their keys' slots first
 _KEY_OF_OP = operator.itemgetter(1)
+COMPILED_LANES = 64  # up to this many lanes the compiled key table routes (route_held in C)
 CANON_LIMIT = 65_536  # distinct entry objects kept canonical (interned); beyond it the table restarts
 
 
@@ -182,6 +183,8 @@ class PrefixIndex:
         self._predicted: dict[bytes, dict[int, float]] = {}
         self._canon: dict[Entry, Entry] = {}
         self._route_memo: RouteMemo = {}  # see raykv.index.route._collect
+        self._compiled_route = getattr(self._entries, "route", None)  # the compiled table's walk
+        self._lane_names: tuple[WorkerId | None, ...] | None = ()  # lane -> worker (None: > 64 lanes)
         self.counters: collections.Counter[str] = collections.Counter()
 
     # ---- membership ----------------------------------------------------------------------------
@@ -199,7 +202,7 @@ class PrefixIndex:
             self._drop_entries(worker, state)
         self._workers[worker] = _Worker(lane=lane, incarnation=incarnation)
         self._lanes[lane] = worker
-        self._route_memo.clear()
+        self._lanes_changed()
 
     def remove_worker(self, worker: WorkerId) -> int:
         """Forget a worker (dead or gone) and all its entries; returns how many were dropped."""
@@ -207,8 +210,14 @@ class PrefixIndex:
         if state is None:
             return 0
         self._lanes.pop(state.lane, None)
-        self._route_memo.clear()
+        self._lanes_changed()
         return self._drop_entries(worker, state)
+
+    def _lanes_changed(self) -> None:
+        """Forget route answers and rebuild the lane -> worker tuple the compiled route reads."""
+        self._route_memo.clear()
+        top = max(self._lanes, default=-1) + 1
+        self._lane_names = tuple(map(self._lanes.get, range(top))) if top <= COMPILED_LANES else None
 
     def _drop_entries(self, worker: WorkerId, state: _Worker) -> int:
         live = self._live_keys(state)
@@ -421,6 +430,10 @@ class PrefixIndex:
             n = min(len(keys), MAX_ROUTE_BLOCKS)
             if not n:
                 return {}
+            if self._compiled_route is not None and self._lane_names is not None:
+                out = self._compiled_route(keys, self._lane_names, RouteMatch)
+                if out is not None:  # None: an entry it cannot read, Python routes
+                    return out  # type: ignore[no-any-return]
             get_many = self._entries.get_many
             first = get_many(keys[:FIRST_LOOKUPS])
             return route_held(first, n, self._lanes, keys, get_many, self._route_memo)

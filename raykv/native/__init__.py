@@ -1,6 +1,6 @@
 """The optional compiled pieces of raykv and the one place that loads them.
 
-``pip install`` builds four C extensions through ``setup.py`` when a C compiler and the Python
+``pip install`` builds five C extensions through ``setup.py`` when a C compiler and the Python
 headers are present. They are optional: without them the install goes on and Python does the same
 work, slower. Each can also be switched off at run time with an environment variable:
 
@@ -10,6 +10,8 @@ extension      speeds up                                                        
 ``_keytable``  the prefix index's key table (:mod:`raykv.index.keytable`)          ``RAYKV_PURE_INDEX=1``
 ``_shmread``   same-node one-sided reads (:mod:`raykv.transfer.shm_read`)          ``RAYKV_PURE_SHM_READ=1``
 ``_chain``     building imported pages and chains of blocks (:mod:`raykv.core`)    ``RAYKV_PURE_CHAIN=1``
+               and keying prompts (:mod:`raykv.routing.session_keys`)
+``_cost``      the routing decision's cost loop (:mod:`raykv.routing.policy`)      ``RAYKV_PURE_COST=1``
 ``_slots``     planning GPU page copy batches (:mod:`raykv.core.tiers.copy_plan`)  ``RAYKV_PURE_SLOTS=1``
 =============  ==================================================================  =========================
 
@@ -27,6 +29,7 @@ SWITCHES: dict[str, str] = {
     "_keytable": "RAYKV_PURE_INDEX",
     "_shmread": "RAYKV_PURE_SHM_READ",
     "_chain": "RAYKV_PURE_CHAIN",
+    "_cost": "RAYKV_PURE_COST",
     "_slots": "RAYKV_PURE_SLOTS",
 }
 

@@ -8,10 +8,14 @@
  * writable object slot of that class; the functions refuse a class they were not bound to.
  * queue_chain queues an imported chain's pages for eviction in one call (raykv.core.eviction);
  * all_keys checks a batch of block keys in one loop (raykv.core.types.check_block_keys).
+ * KeyMemo keys a prompt's blocks, reusing the keys of blocks it keyed before
+ * (raykv.routing.session_keys).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <stdint.h>
+#include <string.h>
 
 #define PAGE_FIELDS 9
 #define BLOCK_FIELDS 7
@@ -235,6 +239,198 @@ static PyObject *all_keys(PyObject *Py_UNUSED(module), PyObject *keys) {
     Py_RETURN_TRUE;
 }
 
+/* ---- KeyMemo: block keys of a chain, remembering the blocks keyed before ------------------------
+ * KeyMemo(tokens_per_block, slots, sha256) keeps up to `slots` (a power of two) blocks it keyed:
+ * each slot holds a parent key, the block's tokens and its key, SHA-256(parent || tokens as u32
+ * little-endian) computed by `sha256` (hashlib.sha256). chain(parent, tokens, first_block) returns
+ * the keys of the full blocks of `tokens` (a C-contiguous buffer of 4-byte unsigned token ids)
+ * from `first_block` on, chained from `parent` (the key of block first_block - 1, or the root key):
+ * the keys raykv.core.keys.chain_keys gives. A block whose parent key and tokens equal a slot's,
+ * compared in full, reuses its key (a hit); another is hashed (a miss) and replaces the older of
+ * its bucket's two slots. The bucket is chosen from 4 of the block's tokens, so colliding blocks
+ * only cost misses: a key is never taken from a block that is not equal. A token above 2**31 - 1 anywhere (a hashed block or the trailing partial one; a hit's
+ * tokens equal tokens checked before) raises ValueError. `hits` and `misses` count blocks. */
+#define MAX_TOKEN 0x7FFFFFFFu
+#define MEMO_AHEAD 4 /* blocks whose slots are fetched ahead of the one compared */
+
+typedef struct {
+    uint64_t stamp;      /* 0: empty; else when it was filled (larger is newer) */
+    PyObject *key;       /* the block's key (32-byte bytes), owned */
+    unsigned char parent[32];
+} MemoHead;              /* followed by tokens_per_block uint32 tokens */
+
+typedef struct {
+    PyObject_HEAD
+    char *slots;
+    Py_ssize_t nslots, tpb, stride;
+    PyObject *sha256;
+    uint64_t clock;
+    long long hits, misses;
+} KeyMemo;
+
+#define MEMO_SLOT(m, i) ((MemoHead *)((m)->slots + (size_t)(i) * (size_t)(m)->stride))
+
+static uint64_t memo_bucket(const uint32_t *toks, Py_ssize_t tpb) {
+    uint64_t h = ((uint64_t)toks[0] << 32 | toks[tpb / 2]) * 0x9E3779B97F4A7C15ULL;
+    h ^= ((uint64_t)toks[tpb - 1] << 32 | toks[tpb / 4]) * 0xC2B2AE3D27D4EB4FULL;
+    return h ^ (h >> 29);
+}
+
+static int tokens_ok(const uint32_t *toks, Py_ssize_t n) {
+    uint32_t any = 0;
+    for (Py_ssize_t i = 0; i < n; i++) any |= toks[i];
+    return !(any & ~MAX_TOKEN);
+}
+
+/* SHA-256(parent || toks) through the Python constructor: a new 32-byte bytes, or NULL. */
+static PyObject *memo_hash(KeyMemo *m, const unsigned char *parent, const uint32_t *toks) {
+    Py_ssize_t body = m->tpb * 4;
+    PyObject *data = PyBytes_FromStringAndSize(NULL, 32 + body);
+    if (!data) return NULL;
+    memcpy(PyBytes_AS_STRING(data), parent, 32);
+    memcpy(PyBytes_AS_STRING(data) + 32, toks, (size_t)body); /* x86 and arm64 Linux: little-endian */
+    PyObject *h = PyObject_CallOneArg(m->sha256, data);
+    Py_DECREF(data);
+    if (!h) return NULL;
+    PyObject *key = PyObject_CallMethod(h, "digest", NULL);
+    Py_DECREF(h);
+    if (key && (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) != 32)) {
+        Py_DECREF(key);
+        PyErr_SetString(PyExc_TypeError, "sha256(...).digest() must give 32 bytes");
+        return NULL;
+    }
+    return key;
+}
+
+/* The bucket (two slots) of a block: from its tokens alone, so the buckets of a whole prompt are
+ * known before any key is, and their memory is fetched ahead (a memo larger than the caches is
+ * mostly read from memory). */
+static MemoHead *memo_pair(KeyMemo *m, const uint32_t *toks) {
+    Py_ssize_t i = (Py_ssize_t)(memo_bucket(toks, m->tpb) & (uint64_t)(m->nslots - 1)) & ~(Py_ssize_t)1;
+    return MEMO_SLOT(m, i);
+}
+
+static void memo_prefetch(KeyMemo *m, const uint32_t *toks) {
+    const char *at = (const char *)memo_pair(m, toks);
+    for (Py_ssize_t off = 0; off < 2 * m->stride; off += 64) __builtin_prefetch(at + off);
+}
+
+/* The key of one block (a new reference), from the memo or hashed and remembered. */
+static PyObject *memo_key(KeyMemo *m, const unsigned char *parent, const uint32_t *toks) {
+    size_t body = (size_t)m->tpb * 4;
+    MemoHead *a = memo_pair(m, toks), *b = (MemoHead *)((char *)a + m->stride);
+    for (int k = 0; k < 2; k++) {
+        MemoHead *s = k ? b : a;
+        if (s->stamp && memcmp(s->parent, parent, 32) == 0 && memcmp(s + 1, toks, body) == 0) {
+            m->hits++;
+            return Py_NewRef(s->key);
+        }
+    }
+    if (!tokens_ok(toks, m->tpb)) {
+        PyErr_SetString(PyExc_ValueError, "token ids must be in 0..2**31-1");
+        return NULL;
+    }
+    PyObject *key = memo_hash(m, parent, toks);
+    if (!key) return NULL;
+    m->misses++;
+    MemoHead *s = a->stamp <= b->stamp ? a : b; /* the empty or the older one */
+    Py_XSETREF(s->key, Py_NewRef(key));
+    s->stamp = ++m->clock;
+    memcpy(s->parent, parent, 32);
+    memcpy(s + 1, toks, body);
+    return key;
+}
+
+static PyObject *KeyMemo_chain(KeyMemo *m, PyObject *args) {
+    const char *parent;
+    Py_ssize_t parent_len, first;
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "y#y*n", &parent, &parent_len, &buf, &first)) return NULL;
+    PyObject *out = NULL;
+    if (parent_len != 32 || first < 0 || (buf.itemsize != 1 && buf.itemsize != 4) || buf.len % 4 ||
+        !PyBuffer_IsContiguous(&buf, 'C')) {
+        PyErr_SetString(PyExc_ValueError, "chain(parent: 32 bytes, tokens: contiguous u32 buffer, first_block >= 0)");
+        goto done;
+    }
+    const uint32_t *toks = (const uint32_t *)buf.buf;
+    Py_ssize_t n = buf.len / 4, tpb = m->tpb, last = n / tpb;
+    if (!tokens_ok(toks + last * tpb, n - last * tpb)) {
+        PyErr_SetString(PyExc_ValueError, "token ids must be in 0..2**31-1");
+        goto done;
+    }
+    out = PyList_New(first < last ? last - first : 0);
+    const unsigned char *prev = (const unsigned char *)parent;
+    for (Py_ssize_t b = first; out && b < last; b++) {
+        if (b == first)
+            for (Py_ssize_t k = b; k < b + MEMO_AHEAD && k < last; k++) memo_prefetch(m, toks + k * tpb);
+        if (b + MEMO_AHEAD < last) memo_prefetch(m, toks + (b + MEMO_AHEAD) * tpb);
+        PyObject *key = memo_key(m, prev, toks + b * tpb);
+        if (!key) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, b - first, key);
+        prev = (const unsigned char *)PyBytes_AS_STRING(key);
+    }
+done:
+    PyBuffer_Release(&buf);
+    return out;
+}
+
+static PyObject *KeyMemo_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Py_ssize_t tpb, nslots;
+    PyObject *sha256;
+    if (kwds && PyDict_GET_SIZE(kwds)) return PyErr_Format(PyExc_TypeError, "KeyMemo takes positional arguments");
+    if (!PyArg_ParseTuple(args, "nnO", &tpb, &nslots, &sha256)) return NULL;
+    if (tpb < 1 || nslots < 2 || (nslots & (nslots - 1)) || !PyCallable_Check(sha256))
+        return PyErr_Format(PyExc_ValueError, "KeyMemo(tokens_per_block >= 1, slots: a power of two >= 2, sha256)");
+    KeyMemo *m = (KeyMemo *)type->tp_alloc(type, 0);
+    if (!m) return NULL;
+    m->tpb = tpb;
+    m->stride = (Py_ssize_t)((sizeof(MemoHead) + (size_t)tpb * 4 + 7) & ~(size_t)7);
+    m->nslots = nslots;
+    m->slots = PyMem_Calloc((size_t)nslots, (size_t)m->stride);
+    if (!m->slots) {
+        Py_DECREF(m);
+        return PyErr_NoMemory();
+    }
+    m->sha256 = Py_NewRef(sha256);
+    return (PyObject *)m;
+}
+
+static void KeyMemo_dealloc(KeyMemo *m) {
+    if (m->slots)
+        for (Py_ssize_t i = 0; i < m->nslots; i++) Py_XDECREF(MEMO_SLOT(m, i)->key);
+    PyMem_Free(m->slots);
+    Py_XDECREF(m->sha256);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static PyMethodDef KeyMemo_methods[] = {
+    {"chain", (PyCFunction)KeyMemo_chain, METH_VARARGS,
+     "chain(parent, tokens, first_block) -> keys of the full blocks from first_block (see source)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef KeyMemo_members[] = {
+    {"hits", T_LONGLONG, offsetof(KeyMemo, hits), READONLY, "blocks whose key came from the memo"},
+    {"misses", T_LONGLONG, offsetof(KeyMemo, misses), READONLY, "blocks hashed"},
+    {"slots", T_PYSSIZET, offsetof(KeyMemo, nslots), READONLY, "blocks it can remember"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject KeyMemoType = {
+    .ob_base = PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "raykv.native._chain.KeyMemo",
+    .tp_basicsize = sizeof(KeyMemo),
+    .tp_dealloc = (destructor)KeyMemo_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Block keys of a chain with a memo of recent blocks (see raykv.routing.session_keys).",
+    .tp_methods = KeyMemo_methods,
+    .tp_members = KeyMemo_members,
+    .tp_new = KeyMemo_new,
+};
+
 static PyMethodDef methods[] = {
     {"queue_chain", queue_chain, METH_VARARGS,
      "queue_chain(queue, pages, level, priority) -> whether the pages were queued (see source)."},
@@ -249,4 +445,9 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "raykv.native._chain", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__chain(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__chain(void) {
+    if (PyType_Ready(&KeyMemoType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddObjectRef(m, "KeyMemo", (PyObject *)&KeyMemoType) < 0) Py_CLEAR(m);
+    return m;
+}

@@ -62,10 +62,11 @@ class Backend(Protocol):
 
 def prepare(requests: Sequence[Request]) -> list[Prepared]:
     """Each request with its block keys (computed once, shared by every router) and the time
-    computing them took from its tokens (``keys_ns``; the tokens are given): a request of a
-    labelled session (``session >= 0``) reuses the keys of the session's previous prompt for the
-    blocks it shares with it (:class:`~raykv.routing.session_keys.SessionKeys`, what a router
-    that knows the session does); one without a label is hashed whole."""
+    computing them took from its tokens (``keys_ns``; the tokens are given), through one
+    :class:`~raykv.routing.session_keys.SessionKeys`, as raykv's Serve router keys prompts: with
+    the compiled memo, any block equal to one keyed before (same parent key, same tokens) reuses
+    its key; without it, a request of a labelled session (``session >= 0``) reuses the keys of
+    the session's previous prompt, and one without a label is hashed whole."""
     out = []
     clock = time.perf_counter_ns
     sessions = SessionKeys(BLOCK_TOKENS)

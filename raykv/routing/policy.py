@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from raykv import native
 from raykv.core.errors import InvalidArgumentError
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
@@ -200,7 +201,47 @@ def decide_at(
     rng: random.Random | None,
 ) -> Decision:
     """:func:`choose_loads` at explicit ``prices``, for callers that checked ``workers`` is not
-    empty (a router's hot path; ValueError from ``min`` otherwise)."""
+    empty (a router's hot path; ValueError from ``min`` otherwise). With ``raykv.native._cost``
+    built (and not switched off when this module was imported) the loop runs in C for lists of
+    workers and loads and a dict of matches, with the same result, float for float and the same
+    draws from ``rng``; otherwise, and for other argument kinds, :func:`decide_at_py`."""
+    if _COMPILED is not None:
+        weights = _WEIGHTS.get(id(cfg))
+        if weights is None or weights[0] is not cfg:
+            weights = _weights(cfg)
+        d = _COMPILED.decide(
+            num_tokens, workers, loads, matches, weights[1], prices, rng or random.Random(cfg.seed), Decision
+        )
+        if d is not None:
+            return d  # type: ignore[no-any-return]
+    return decide_at_py(num_tokens, workers, loads, matches, cfg, prices, rng)
+
+
+def _weights(cfg: RoutingConfig) -> tuple[RoutingConfig, tuple[float | int | bool, ...]]:
+    """``cfg``'s weights as the compiled loop reads them, remembered by the config's id (the
+    entry keeps the config alive, so the id is not reused while it is remembered)."""
+    if len(_WEIGHTS) >= 64:
+        _WEIGHTS.clear()
+    row = (cfg.w_gpu, cfg.w_host, cfg.w_disk, cfg.w_predicted, cfg.tokens_per_block)
+    entry = (cfg, (*row, cfg.prefill_cost, cfg.imbalance_factor, cfg.allow_pulls))
+    _WEIGHTS[id(cfg)] = entry
+    return entry
+
+
+_COMPILED = native.load("_cost")
+_WEIGHTS: dict[int, tuple[RoutingConfig, tuple[float | int | bool, ...]]] = {}
+
+
+def decide_at_py(
+    num_tokens: int,
+    workers: Sequence[WorkerId],
+    loads: Sequence[float],
+    matches: Mapping[WorkerId, RouteMatch],
+    cfg: RoutingConfig,
+    prices: Prices,
+    rng: random.Random | None,
+) -> Decision:
+    """:func:`decide_at` in Python (the definition; the compiled loop must equal it)."""
     floor = min(loads)
     limit = max(floor, cfg.imbalance_factor * floor + prices.slack)  # the floor always stays
     best_holder, best_blocks = None, 0

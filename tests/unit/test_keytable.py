@@ -155,3 +155,56 @@ def test_pure_fallback_has_the_same_interface(monkeypatch):
     key = os.urandom(32)
     table[key] = 1
     assert table.get_many([key, b"x"]) == [1, None] and list(table.keys()) == [key]
+
+
+def _random_index(rng, lanes, chain):
+    """A PrefixIndex whose workers hold random prefixes of ``chain`` on random tiers."""
+    from raykv.index.prefix_index import OP_STORE, EventBatch, PrefixIndex
+
+    ix = PrefixIndex()
+    for i, lane in enumerate(lanes):
+        ix.register_worker(f"w{i}", lane, 1)
+        end = rng.randrange(0, len(chain) + 1)
+        held = [k for k in chain[:end] if rng.random() < 0.95]
+        if held:
+            ops = tuple((OP_STORE, k, rng.choice((0, 0, 0, 1, 2))) for k in held)
+            ix.apply_batch(EventBatch(f"w{i}", 1, 1, 1, ops))
+    return ix
+
+
+@compiled
+@pytest.mark.parametrize("seed", range(12))
+def test_compiled_route_equals_the_python_walk_order_included(seed, monkeypatch):
+    """PrefixIndex.route through the compiled walk gives what the Python walk (a dict table)
+    gives: the same matches in the same order (a decision's tie between equal prefixes follows
+    the order), up to 64 lanes, sparse and dense."""
+    import random
+
+    chain = [os.urandom(32) for _ in range(random.Random(seed).randrange(1, 200))]
+    lanes = ([0, 1], list(range(8)), random.Random(seed).sample(range(64), 12), list(range(64)))[seed % 4]
+    fast_ix = _random_index(random.Random(seed), lanes, chain)
+    monkeypatch.setenv("RAYKV_PURE_INDEX", "1")
+    slow_ix = _random_index(random.Random(seed), lanes, chain)
+    gap = [*chain[: len(chain) // 2], os.urandom(32), *chain[len(chain) // 2 :]]
+    for keys in (chain, chain[:1], chain[1:], gap, [], chain):
+        fast, slow = fast_ix.route(keys), slow_ix.route(keys)
+        assert fast == slow and list(fast) == list(slow)
+        fast.clear()  # the caller owns its answer: a remembered one comes back whole
+        again = fast_ix.route(keys)
+        assert again == slow and list(again) == list(slow)
+
+
+@compiled
+def test_compiled_route_leaves_unreadable_entries_to_python():
+    """An entry that is not the index's tuple of lane masks, or lanes past 64: None (Python routes)."""
+    table = new_key_table()
+    key = POOL[0]
+    names = ("a", "b")
+    table[key] = (1, 1, 0, 0)
+    assert table.route([key], names, tuple) == {"a": (("a", 1, 1, 0, 0, 0))}
+    for bad in ((1, 1, 0), (1 << 40, 0, 0, 0), (3, 3, 0, 0), (-1, 0, 0, 0), [1, 1, 0, 0]):
+        table[key] = bad
+        assert table.route([key], names, tuple) is None
+    table[key] = (1, 1, 0, 0)
+    assert table.route([key], ("a",) * 65, tuple) is None
+    assert table.route([POOL[1]], names, tuple) == {}
