@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.core.errors import CudaError
-from raykv.core.tiers.cuda_util import driver, error_name, make_error
+from raykv.core.tiers.cuda_calls import driver, error_name, make_error, proc_address
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +123,11 @@ def batch_memcpy() -> BatchMemcpy | None:
 
 def _bind() -> BatchMemcpy | None:
     try:
-        drv = driver()
-        err, pointer, status = drv.cuGetProcAddress(b"cuMemcpyBatchAsync", _VERSION, 0)
-    except (CudaError, AttributeError, TypeError) as exc:
+        pointer = proc_address("cuMemcpyBatchAsync", _VERSION)
+    except CudaError as exc:
         log.info("GPU tier: cuMemcpyBatchAsync unavailable (%s)", exc)
         return None
-    if int(err) != 0 or int(status) != 0 or not int(pointer):
+    if not pointer:
         log.info("GPU tier: the driver has no cuMemcpyBatchAsync (CUDA < 12.8); using the copy kernel")
         return None
-    return BatchMemcpy(_SIGNATURE(int(pointer)))
+    return BatchMemcpy(_SIGNATURE(pointer))

@@ -71,6 +71,16 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
 }
 
 
+def proc_address(name: str, version: int) -> int:
+    """The driver's entry point ``name`` at ABI ``version`` (``cuGetProcAddress``), 0 when the
+    driver lacks it. CudaError without cuda-python."""
+    result = driver().cuGetProcAddress(name.encode(), version, 0)
+    if not isinstance(result, tuple) or int(result[0]) != 0:
+        return 0
+    status = result[2] if len(result) > 2 else 0  # cuda-python < 12.5 returns no status
+    return int(result[1]) if int(status) == 0 else 0
+
+
 class Calls:
     """The bound entry points. Every method raises CudaError (OutOfMemoryError for
     out-of-memory) naming the call when the driver returns an error."""
@@ -82,16 +92,19 @@ class Calls:
             raise CudaError("cuInit failed: no usable CUDA driver", cuda_error="CUDA_ERROR_NOT_INITIALIZED")
         self._fn: dict[str, Any] = {}
         for name, argtypes in _SIGNATURES.items():
-            err, pointer, status = drv.cuGetProcAddress(name.encode(), _VERSION, 0)
-            if int(err) != 0 or int(status) != 0 or not int(pointer):
+            pointer = proc_address(name, _VERSION)
+            if not pointer:
                 raise CudaError(f"the CUDA driver has no {name}", cuda_error="CUDA_ERROR_NOT_FOUND")
-            self._fn[name] = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(int(pointer))
+            self._fn[name] = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(pointer)
 
     def call(self, name: str, *args: Any) -> None:
         """Call entry point ``name`` with ``args``; a typed error when it returns one."""
         code = self._fn[name](*args)
         if code != 0:
-            label = error_name(driver().CUresult(code))
+            try:
+                label = error_name(driver().CUresult(code))
+            except ValueError:  # a code this cuda-python does not know
+                label = f"CUresult({code})"
             raise make_error(label, f"{name} failed: {label}")
 
     def htod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
