@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from raykv.core.errors import CudaError, OutOfMemoryError
 from raykv.core.tiers import cuda_calls
 
 
@@ -37,3 +38,23 @@ def test_proc_address_reads_every_answer_shape(
     monkeypatch.setattr(cuda_calls, "driver", lambda: fake)
     assert cuda_calls.proc_address("cuMemcpyBatchAsync", 12080) == address
     assert fake.asked == [(b"cuMemcpyBatchAsync", 12080)]
+
+
+def test_failure_names_known_and_unknown_codes(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Codes:
+        @staticmethod
+        def CUresult(code: int) -> int:
+            if code == 2:
+                return code
+            raise ValueError(code)
+
+        @staticmethod
+        def cuGetErrorName(code: int) -> tuple[int, bytes]:
+            return 0, b"CUDA_ERROR_OUT_OF_MEMORY"
+
+    monkeypatch.setattr(cuda_calls, "driver", lambda: Codes())
+    oom = cuda_calls.failure("cuMemcpyBatchAsync (copy 3)", 2)
+    assert isinstance(oom, OutOfMemoryError) and oom.cuda_error == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert "copy 3" in str(oom)
+    unknown = cuda_calls.failure("cuLaunchKernel", 999999)
+    assert isinstance(unknown, CudaError) and unknown.cuda_error == "CUresult(999999)"

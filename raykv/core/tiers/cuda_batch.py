@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.core.errors import CudaError
-from raykv.core.tiers.cuda_calls import driver, error_name, make_error, proc_address
+from raykv.core.tiers.cuda_calls import failure, proc_address
 
 log = logging.getLogger(__name__)
 
@@ -97,15 +97,7 @@ class BatchMemcpy:
             at = [b + 8 * lo for b in base]
             code = self._function(*at, count, attributes, index, 1, ctypes.byref(failed), stream_handle)
             if code != 0:
-                raise _error(code, lo + failed.value)
-
-
-def _error(code: int, copy: int) -> Exception:
-    try:
-        name = error_name(driver().CUresult(code))
-    except (ValueError, CudaError):
-        name = f"CUresult({code})"
-    return make_error(name, f"cuMemcpyBatchAsync failed at copy {copy}: {name}")
+                raise failure(f"cuMemcpyBatchAsync (copy {lo + failed.value})", code)
 
 
 _LOCK = threading.Lock()

@@ -71,6 +71,16 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
 }
 
 
+def failure(call: str, code: int) -> CudaError | OutOfMemoryError:
+    """The typed error for driver result ``code`` returned by ``call`` (a ctypes call's int;
+    ``CUresult(N)`` names a code this cuda-python does not know)."""
+    try:
+        label = error_name(driver().CUresult(code))
+    except ValueError:
+        label = f"CUresult({code})"
+    return make_error(label, f"{call} failed: {label}")
+
+
 def proc_address(name: str, version: int) -> int:
     """The driver's entry point ``name`` at ABI ``version`` (``cuGetProcAddress``), 0 when the
     driver lacks it. CudaError without cuda-python."""
@@ -101,11 +111,7 @@ class Calls:
         """Call entry point ``name`` with ``args``; a typed error when it returns one."""
         code = self._fn[name](*args)
         if code != 0:
-            try:
-                label = error_name(driver().CUresult(code))
-            except ValueError:  # a code this cuda-python does not know
-                label = f"CUresult({code})"
-            raise make_error(label, f"{name} failed: {label}")
+            raise failure(name, code)
 
     def htod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """``cuMemcpyHtoDAsync``: ``nbytes`` from host ``src`` (page-locked) to device ``dst``."""
