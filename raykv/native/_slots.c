@@ -14,6 +14,13 @@
  *     for differing lengths, a short out, or a slot outside 0..2**31-1).
  * run_starts(src, dst, out) -> count: the indices where a run starts (always 0 first when n > 0)
  *     written into out[0:count] (out: writable int64 buffer of at least n items).
+ * pack_ids(first, second, out, first_limit, second_limit) -> n: the block copy kernel's table from
+ *     two sequences of ints (lists, tuples or 1-D int64 arrays) of equal length n: first into
+ *     out[0:n] (None: 0, 1, .. n-1) and second into out[n:2n], as int32. Every item of first must
+ *     be in 0..first_limit-1 and of second in 0..second_limit-1 (limits at most 2**31). Nothing
+ *     is written unless all are (ValueError for a length, a short out or an item out of range,
+ *     TypeError for an item that is not an int). Lists of Python ints are read without building
+ *     numpy arrays: that conversion and its range checks took 20-27 us of a 64 MiB engine load.
  * The int32 table halves the bytes written and uploaded per batch (a pool never has 2**31 pages).
  * The GIL is held throughout: the arrays are small (a 1 GiB batch of 64 KiB pages is 16,384
  * slots, 20 us).
@@ -131,8 +138,130 @@ static PyObject *run_starts(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(count);
 }
 
+/* Item i of `seq` (a tuple), of `view` (int64), or of 0..n-1 (both NULL) as a C long long; -1 with an error
+ * set when it is not an int (a Python int of any size is read; out-of-range ones are caught by
+ * the caller's limit check through overflow). */
+static int item_at(PyObject *seq, Py_buffer *view, Py_ssize_t i, long long *value) {
+    if (view != NULL) {
+        *value = ((const int64_t *)view->buf)[i];
+        return 0;
+    }
+    if (seq == NULL) {
+        *value = i;
+        return 0;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(seq, i), &overflow);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *value = overflow ? -1 : v; /* any int too large for 64 bits is out of range */
+    return 0;
+}
+
+/* One input of pack_ids: a 1-D int64 buffer (view filled, *seq NULL), None (both NULL) or a
+ * sequence (*seq a new reference). 0 or -1. */
+static int ids_input(PyObject *obj, PyObject **seq, Py_buffer *view, int *is_view, const char *name) {
+    *seq = NULL;
+    *is_view = 0;
+    if (obj == Py_None) {
+        return 0;
+    }
+    if (PyObject_CheckBuffer(obj)) {
+        if (int_view(obj, view, 0, 0, name) < 0) {
+            return -1;
+        }
+        *is_view = 1;
+        return 0;
+    }
+    *seq = PySequence_Tuple(obj); /* a tuple: items converted by __index__ cannot resize it */
+    return *seq == NULL ? -1 : 0;
+}
+
+static Py_ssize_t ids_length(PyObject *seq, Py_buffer *view, int is_view, Py_ssize_t other) {
+    if (is_view) {
+        return view->shape[0];
+    }
+    return seq != NULL ? PyTuple_GET_SIZE(seq) : other;
+}
+
+/* Check every item of one input against its limit, then (write) store them at o. 0 or -1. */
+static int ids_pass(PyObject *seq, Py_buffer *view, Py_ssize_t n, long long limit, int32_t *o, int write,
+                    const char *name) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v;
+        if (item_at(seq, view, i, &v) < 0) {
+            return -1;
+        }
+        if (!write && (v < 0 || v >= limit)) {
+            PyErr_Format(PyExc_ValueError, "%s[%zd] is outside 0..%lld", name, i, limit - 1);
+            return -1;
+        }
+        if (write) {
+            o[i] = (int32_t)v;
+        }
+    }
+    return 0;
+}
+
+static PyObject *pack_ids(PyObject *self, PyObject *args) {
+    PyObject *a, *b, *c, *sa = NULL, *sb = NULL, *result = NULL;
+    long long la, lb;
+    Py_buffer va, vb, out;
+    int ia = 0, ib = 0, have_out = 0;
+    if (!PyArg_ParseTuple(args, "OOOLL", &a, &b, &c, &la, &lb)) {
+        return NULL;
+    }
+    if (la < 1 || lb < 1 || la > ((long long)1 << 31) || lb > ((long long)1 << 31)) {
+        PyErr_SetString(PyExc_ValueError, "limits must be in 1..2**31");
+        return NULL;
+    }
+    if (b == Py_None) {
+        PyErr_SetString(PyExc_TypeError, "second must be a sequence of ints");
+        return NULL;
+    }
+    if (ids_input(a, &sa, &va, &ia, "first") < 0 || ids_input(b, &sb, &vb, &ib, "second") < 0) {
+        goto done;
+    }
+    if (int_view(c, &out, 1, 1, "out") < 0) {
+        goto done;
+    }
+    have_out = 1;
+    Py_ssize_t n = ids_length(sb, &vb, ib, 0);
+    Py_buffer *pa = ia ? &va : NULL, *pb = ib ? &vb : NULL;
+    if (ids_length(sa, &va, ia, n) != n) {
+        PyErr_SetString(PyExc_ValueError, "first and second differ in length");
+        goto done;
+    }
+    if (out.shape[0] < 2 * n) {
+        PyErr_SetString(PyExc_ValueError, "out is too short");
+        goto done;
+    }
+    int32_t *o = (int32_t *)out.buf;
+    if (ids_pass(sa, pa, n, la, o, 0, "first") < 0 || ids_pass(sb, pb, n, lb, o + n, 0, "second") < 0) {
+        goto done;
+    }
+    ids_pass(sa, pa, n, la, o, 1, "first");
+    ids_pass(sb, pb, n, lb, o + n, 1, "second");
+    result = PyLong_FromSsize_t(n);
+done:
+    Py_XDECREF(sa);
+    Py_XDECREF(sb);
+    if (ia) {
+        PyBuffer_Release(&va);
+    }
+    if (ib) {
+        PyBuffer_Release(&vb);
+    }
+    if (have_out) {
+        PyBuffer_Release(&out);
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"pack", pack, METH_VARARGS, "pack(src, dst, out) -> runs: out[:n] = src, out[n:2n] = dst."},
+    {"pack_ids", pack_ids, METH_VARARGS, "pack_ids(first, second, out, first_limit, second_limit) -> n."},
     {"run_starts", run_starts, METH_VARARGS, "run_starts(src, dst, out) -> count of run starts written."},
     {NULL, NULL, 0, NULL},
 };

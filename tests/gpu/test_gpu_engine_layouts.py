@@ -186,3 +186,17 @@ def test_block_kernel_matches_torch_copies(kind: str, order: str, kernel: int | 
         fast.load_device(pages.cpu(), slots, into)
     with pytest.raises(InvalidArgumentError):
         fast.load_device(pages, [*slots[:-1], 16], into)
+    dst = _engine(kind, order, kernel, "bfloat16")
+    before = {name: tensor.clone() for name, tensor in dst.items()}
+    copier = BlockCopier(layout, LAYERS, dst, kind)
+    bad = (
+        ([*slots[:-1], -1], into),
+        (slots, [*into[:-1], BLOCKS]),
+        (slots[:-1], into),
+        (slots, [*into[:-1], "x"]),
+    )
+    for bad_slots, bad_into in bad:
+        with pytest.raises(InvalidArgumentError):
+            copier.load_device(pages, bad_slots, bad_into)
+    torch.cuda.synchronize()
+    assert all(torch.equal(_bits(before[name]), _bits(dst[name])) for name in dst)  # nothing written

@@ -100,3 +100,50 @@ def test_compiled_refuses_wrong_types() -> None:
     readonly.flags.writeable = False
     with pytest.raises((TypeError, ValueError, BufferError)):
         compiled.pack(ints, ints, readonly)
+
+
+ids_strategy = st.lists(st.tuples(st.integers(0, 999), st.integers(0, 99)), max_size=50)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids_strategy, st.sampled_from(["list", "tuple", "array"]), st.booleans())
+def test_pack_ids_writes_both_sequences(
+    path: str, pairs: list[tuple[int, int]], kind: str, rows: bool
+) -> None:
+    first = [a for a, _ in pairs]
+    second = [b for _, b in pairs]
+    n = len(pairs)
+    convert = {"list": list, "tuple": tuple, "array": lambda v: np.asarray(v, dtype=np.int64)}[kind]
+    out = np.full(2 * n + 2, -7, dtype=np.int32)
+    got = copy_plan.pack_ids(None if rows else convert(first), convert(second), out, 1000, 100)
+    assert got == n
+    assert out[:n].tolist() == (list(range(n)) if rows else first)
+    assert out[n : 2 * n].tolist() == second and out[2 * n :].tolist() == [-7, -7]
+
+
+def test_pack_ids_refuses_bad_input_and_writes_nothing(path: str) -> None:
+    out = np.full(8, -1, dtype=np.int32)
+    good = [0, 1, 2, 3]
+    cases = [
+        ([0, 1, 2], good, 10, 10, "differ in length"),
+        (good, [0, 1, 2, 10], 10, 10, r"second\[3\] is outside 0..9"),
+        ([0, -1, 2, 3], good, 10, 10, r"first\[1\] is outside 0..9"),
+        ([0, 1, 1 << 70, 3], good, 10, 10, r"first\[2\] is outside"),
+        (None, good, 3, 10, r"first\[3\] is outside 0..2"),  # rows 0..3 but only 3 pages
+        (good, good, 0, 10, "limits"),
+        (good, good, 10, (1 << 31) + 1, "limits"),
+    ]
+    for first, second, la, lb, message in cases:
+        with pytest.raises(ValueError, match=message):
+            copy_plan.pack_ids(first, second, out, la, lb)
+    with pytest.raises(ValueError, match="too short"):
+        copy_plan.pack_ids(good, good, out[:7], 10, 10)
+    with pytest.raises(TypeError):
+        copy_plan.pack_ids(good, [0, 1, "2", 3], out, 10, 10)
+    with pytest.raises(TypeError):
+        copy_plan.pack_ids(good, [0, 1, 2.0, 3], out, 10, 10)
+    with pytest.raises(TypeError):
+        copy_plan.pack_ids(np.arange(4, dtype=np.int32), good, out, 10, 10)
+    assert out.tolist() == [-1] * 8
+    assert copy_plan.pack_ids([np.int64(5)], [True], out, 10, 10) == 1  # integer-like items
+    assert out[:2].tolist() == [5, 1]

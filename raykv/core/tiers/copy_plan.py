@@ -9,6 +9,9 @@ equal results.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 
@@ -53,6 +56,51 @@ def pack(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64], out: npt.NDArra
     out[:n] = src
     out[n : 2 * n] = dst
     return len(run_starts(src, dst))
+
+
+def pack_ids(
+    first: Sequence[int] | npt.NDArray[np.int64] | None,
+    second: Sequence[int] | npt.NDArray[np.int64],
+    out: npt.NDArray[np.int32],
+    first_limit: int,
+    second_limit: int,
+) -> int:
+    """Write ``first`` (None: ``0 .. n-1``) then ``second`` into the int32 ``out[:2n]`` (the block
+    copy kernel's table) and return n. Sequences of ints (lists of Python ints are read directly
+    by the compiled path) or 1-D int64 arrays. ValueError, with ``out`` unchanged, when the
+    lengths differ, ``out`` is too short, an item of ``first`` is outside ``0..first_limit-1`` or
+    one of ``second`` outside ``0..second_limit-1`` (limits in ``1..2**31``); TypeError for an
+    item that is not an integer."""
+    compiled = native.load("_slots")
+    if compiled is not None:
+        return int(compiled.pack_ids(first, second, out, first_limit, second_limit))
+    if not (0 < first_limit <= SLOT_MAX + 1 and 0 < second_limit <= SLOT_MAX + 1):
+        raise ValueError("limits must be in 1..2**31")
+    b = _int_array(second)
+    n = len(b)
+    a = np.arange(n, dtype=np.int64) if first is None else _int_array(first)
+    if len(a) != n:
+        raise ValueError("first and second differ in length")
+    if len(out) < 2 * n:
+        raise ValueError("out is too short")
+    for name, values, limit in (("first", a, first_limit), ("second", b, second_limit)):
+        bad = np.flatnonzero((values < 0) | (values >= limit))
+        if len(bad):
+            raise ValueError(f"{name}[{int(bad[0])}] is outside 0..{limit - 1}")
+    out[:n] = a
+    out[n : 2 * n] = b
+    return n
+
+
+def _int_array(values: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """``values`` as a 1-D int64 array (TypeError for items that are not integers)."""
+    if isinstance(values, np.ndarray):
+        if values.dtype != np.int64 or values.ndim != 1:
+            raise TypeError("arrays must be 1-D int64")
+        return values
+    low, high = -(1 << 63), 1 << 63
+    items = [v if low <= v < high else -1 for v in map(operator.index, values)]  # -1: out of range
+    return np.asarray(items, dtype=np.int64).reshape(-1)
 
 
 def runs(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> list[tuple[int, int, int]]:

@@ -3,9 +3,10 @@
 An engine keeps a block's KV as parts (per layer, keys and values) of shape ``[blocks, r, N, H, D]``
 with arbitrary strides (vLLM: any ``KVCacheLayout``, kernel blocks ``r`` of ``N`` tokens each); a
 token-major raykv page holds each part as ``[r * N, H, D]`` contiguous at its region's offset. The
-kernel moves a batch of pages in one launch: grid rows are (part, token) of one page, one 16-byte
-vector per thread and page, ``PAGES_PER_STEP`` pages at a time strided over the grid's second
-dimension. Both directions: pages into
+kernel moves a batch of pages in one launch. Its table is one int32 pair per page, uploaded per
+batch: the page's slot (the page is at ``base + slot * stride``) and its engine block. Grid rows
+are (part, token) of one page, 16-byte vectors strided over the threads, ``PAGES_PER_STEP``
+pages at a time strided over the grid's second dimension. Both directions: pages into
 blocks (a load) and blocks into pages (a save). Page rows may be device memory (a GPU tier, mapped
 or owned, or a device staging buffer) or page-locked host memory mapped for the device.
 
@@ -27,7 +28,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from raykv.core.errors import CudaError
+from raykv.core.errors import CudaError, InvalidArgumentError
+from raykv.core.tiers.copy_plan import pack_ids
 from raykv.core.tiers.cuda_calls import KernelArgs, current_stream
 from raykv.core.tiers.cuda_copy import compile_kernel
 from raykv.core.tiers.cuda_util import ArgTables, ensure_context
@@ -35,34 +37,35 @@ from raykv.core.tiers.cuda_util import ArgTables, ensure_context
 log = logging.getLogger(__name__)
 
 NAME = "raykv_copy_blocks"
-THREADS = 128
-TARGET_BLOCKS = 32768
+THREADS = 64
+TARGET_BLOCKS = 16384
 """Thread blocks per launch to aim for (each copies one (part, token) row of several pages)."""
 
-PAGES_PER_STEP = 4
-"""Pages each thread block moves per step, their loads all issued before the stores (more bytes
-in flight per thread: 1x H200, 64 MiB batches 0.70x -> 0.74x, 512 MiB 0.92x -> 0.93x GPU time)."""
+PAGES_PER_STEP = 8
+"""Pages each thread block moves per step, their loads all issued before the stores (1x H200,
+2026-12-03, 64 and 512 MiB batches in vLLM's layout: 8 pages x 64 threads 47.9 / 279.7 us of GPU
+time against 48.2-52.2 / 287.6-290.3 us for 2 or 4 pages and 64 or 128 threads; raw copy 46.2 /
+275.9 us)."""
 
 _SOURCE = r"""
-#define U 4
-extern "C" __global__ void __launch_bounds__(128)
-raykv_copy_blocks(const unsigned long long* __restrict__ pages,
-                  const long long* __restrict__ blocks,
-                  const unsigned long long* __restrict__ bases,
-                  const unsigned long long* __restrict__ offsets,
-                  int npages, int tokens, int kernel_tokens, int heads, int dvec,
+extern "C" __global__ void __launch_bounds__(THREADS)
+raykv_copy_blocks(const int* __restrict__ table, unsigned long long page_base, long long page_stride,
+                  const unsigned long long* __restrict__ geometry,
+                  int npages, int parts, int tokens, int kernel_tokens, int heads, int dvec,
                   long long sb, long long sr, long long sn, long long sh, int to_engine) {
     const int part = blockIdx.x / tokens, t = blockIdx.x % tokens;
-    const long long within = (long long)(t / kernel_tokens) * sr + (long long)(t % kernel_tokens) * sn;
     const int row = heads * dvec;
+    const unsigned long long base = geometry[part]
+        + (long long)(t / kernel_tokens) * sr + (long long)(t % kernel_tokens) * sn;
+    const unsigned long long offset = page_base + geometry[parts + part] + (unsigned long long)t * row * 16;
     for (int p0 = blockIdx.y * U; p0 < npages; p0 += gridDim.y * U) {
         char* e[U];
         char* q[U];
         #pragma unroll
         for (int u = 0; u < U; u++) {
             const int p = p0 + u < npages ? p0 + u : p0;
-            e[u] = (char*)(bases[part] + blocks[p] * sb + within);
-            q[u] = (char*)(pages[p] + offsets[part]) + (long long)t * row * 16;
+            e[u] = (char*)(base + (long long)table[npages + p] * sb);
+            q[u] = (char*)(offset + (long long)table[p] * page_stride);
         }
         for (int k = threadIdx.x; k < row; k += blockDim.x) {
             const long long eo = (long long)(k / dvec) * sh + (long long)(k % dvec) * 16;
@@ -70,7 +73,8 @@ raykv_copy_blocks(const unsigned long long* __restrict__ pages,
             uint4 r[U];
             #pragma unroll
             for (int u = 0; u < U; u++)
-                if (p0 + u < npages) r[u] = to_engine ? *(uint4*)(q[u] + qo) : *(uint4*)(e[u] + eo);
+                if (p0 + u < npages)
+                    r[u] = to_engine ? *(const uint4*)(q[u] + qo) : *(const uint4*)(e[u] + eo);
             #pragma unroll
             for (int u = 0; u < U; u++) {
                 if (p0 + u >= npages) continue;
@@ -79,9 +83,20 @@ raykv_copy_blocks(const unsigned long long* __restrict__ pages,
         }
     }
 }
-""".replace("#define U 4", f"#define U {PAGES_PER_STEP}")
+"""
 
-_ARG_TYPES = (ctypes.c_void_p,) * 4 + (ctypes.c_int,) * 5 + (ctypes.c_longlong,) * 4 + (ctypes.c_int,)
+
+def kernel_source() -> str:
+    """The kernel's CUDA C with :data:`THREADS` and :data:`PAGES_PER_STEP` filled in."""
+    return f"#define U {PAGES_PER_STEP}\n#define THREADS {THREADS}\n" + _SOURCE
+
+
+_ARG_TYPES = (
+    (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_longlong, ctypes.c_void_p)
+    + (ctypes.c_int,) * 6
+    + (ctypes.c_longlong,) * 4
+    + (ctypes.c_int,)
+)
 
 _KERNELS: dict[int, tuple[Any, Any] | None] = {}
 _LOCK = threading.Lock()
@@ -148,33 +163,45 @@ class BlockKernel:
 
     def copy(
         self,
-        page_addresses: npt.NDArray[np.int64],
-        block_ids: npt.NDArray[np.int64],
+        page_base: int,
+        page_stride: int,
+        slots: Sequence[int] | npt.NDArray[np.int64] | None,
+        block_ids: Sequence[int] | npt.NDArray[np.int64],
         to_engine: bool,
+        limits: tuple[int, int],
         stream: int | None = None,
     ) -> None:
         """Enqueue, on raw stream handle ``stream`` (default: the device's current torch
-        stream), the copy of page ``i`` (at ``page_addresses[i]``) into (``to_engine``) or out
-        of engine block ``block_ids[i]``, for every i. Returns at once; the stream orders it
+        stream), the copy of page ``slots[i]`` (at ``page_base + slots[i] * page_stride``; None:
+        page ``i``) into (``to_engine``) or out of engine block ``block_ids[i]``, for every i.
+        ``limits``: (pages, engine blocks) there are; a slot or block id outside them raises
+        InvalidArgumentError before anything is enqueued. Returns at once; the stream orders it
         (the caller synchronizes)."""
-        count = len(page_addresses)
+        count = len(block_ids)
         if count == 0:
             return
         g = self.geometry
         parts = len(g.bases)
+        handle = current_stream(self.device.index or 0) if stream is None else int(stream)
+        ensure_context(self.device.index or 0)
+        table = self._args.take(2 * count, np.int32)
+        try:
+            pack_ids(slots, block_ids, table, *limits)
+        except (ValueError, TypeError) as exc:
+            raise InvalidArgumentError(
+                "slots", f"block copy of {count} pages (first: page slots, second: block ids): {exc}"
+            ) from None
+        address = self._args.send(handle, 8 * count)
         grid_x = parts * g.tokens
         steps = -(-count // PAGES_PER_STEP)
         grid_y = max(1, min(steps, 65535, TARGET_BLOCKS // max(1, grid_x)))
-        handle = current_stream(self.device.index or 0) if stream is None else int(stream)
-        ensure_context(self.device.index or 0)
-        table = self._args.upload(handle, (page_addresses, block_ids))
-        geometry = self._geometry_address
         values = (
-            table,
-            table + 8 * count,
-            geometry,
-            geometry + 8 * parts,
+            address,
+            page_base,
+            page_stride,
+            self._geometry_address,
             count,
+            parts,
             g.tokens,
             g.kernel_tokens,
             g.heads,
@@ -196,7 +223,7 @@ def block_kernel(device: Any, geometry: PartGeometry | None) -> BlockKernel | No
         if index not in _KERNELS:
             try:
                 ensure_context(index)
-                _KERNELS[index] = compile_kernel(index, _SOURCE, NAME)
+                _KERNELS[index] = compile_kernel(index, kernel_source(), NAME)
             except (CudaError, ImportError, RuntimeError) as exc:
                 log.warning("block copy kernel unavailable on cuda:%d (%s); copying with torch", index, exc)
                 _KERNELS[index] = None

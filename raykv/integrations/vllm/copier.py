@@ -140,7 +140,8 @@ class BlockCopier:
             slot = self._staging.slot(i, hi - lo) if self._staging is not None else None
             out = slot.dev[: hi - lo] if slot is not None else _as_tensor(rows[lo:hi])
             if self.kernel is not None:
-                self.kernel.copy(_row_addresses(out, self.page_bytes), ids[lo:hi], to_engine=False)
+                limits = (hi - lo, self.num_blocks)
+                self.kernel.copy(int(out.data_ptr()), self.page_bytes, None, ids[lo:hi], False, limits)
             else:
                 self._read_blocks(self._pick(ids[lo:hi]), out)
             if slot is not None:
@@ -180,13 +181,13 @@ class BlockCopier:
         """Write page ``pages[slots[i]]`` into engine block ``block_ids[i]`` for every i, device
         to device: ``pages`` is a uint8 ``[num_pages, page_bytes]`` tensor on the engine's device
         (a CacheWorker's GPU tier mapped into this process, :mod:`raykv.transfer.gpu_land`).
-        Per chunk one gather of the pages (none when the slots are one run) and one scatter per
-        layer; returns once the engine's blocks are written. InvalidArgumentError when ``pages``
-        is not such a tensor or a slot or block id is out of range."""
+        With the block kernel, one launch whose table is packed straight from ``slots`` and
+        ``block_ids``; otherwise per chunk one gather of the pages (none when the slots are one
+        run) and one scatter per layer. Returns once the engine's blocks are written.
+        InvalidArgumentError, with nothing written, when ``pages`` is not such a tensor or a
+        slot or block id is out of range."""
         import torch
 
-        ids = self._check_ids(block_ids)
-        at = np.asarray(slots, dtype=np.int64).reshape(-1)
         if not (
             isinstance(pages, torch.Tensor)
             and pages.dtype == torch.uint8
@@ -195,13 +196,18 @@ class BlockCopier:
             and pages.device == torch.device(self.device)
         ):
             raise InvalidArgumentError("pages", f"need uint8 [n, {self.page_bytes}] on {self.device}")
-        if len(at) != len(ids) or (len(at) and (at.min() < 0 or at.max() >= len(pages))):
-            raise InvalidArgumentError("slots", f"need {len(ids)} slots in 0..{len(pages) - 1}")
-        if self.kernel is not None and pages.stride() == (self.page_bytes, 1) and len(ids):
+        if self.kernel is not None and pages.stride() == (self.page_bytes, 1):
+            if len(slots) != len(block_ids):
+                raise InvalidArgumentError("slots", f"need {len(block_ids)} slots, got {len(slots)}")
             stream = current_stream(self.device.index or 0)
-            self.kernel.copy(pages.data_ptr() + at * self.page_bytes, ids, to_engine=True, stream=stream)
+            limits = (len(pages), self.num_blocks)  # checked before anything is enqueued
+            self.kernel.copy(int(pages.data_ptr()), self.page_bytes, slots, block_ids, True, limits, stream)
             calls().stream_synchronize(stream)
             return
+        ids = self._check_ids(block_ids)
+        at = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if len(at) != len(ids) or (len(at) and (at.min() < 0 or at.max() >= len(pages))):
+            raise InvalidArgumentError("slots", f"need {len(ids)} slots in 0..{len(pages) - 1}")
         for i, (lo, hi) in enumerate(self._chunks(len(ids))):
             run = self._pick(at[lo:hi])
             if isinstance(run, slice):
@@ -218,7 +224,8 @@ class BlockCopier:
         engine blocks ``ids`` of every layer: one launch of the block kernel, else with torch
         (one scatter per layer and region)."""
         if self.kernel is not None and src.is_contiguous():
-            self.kernel.copy(_row_addresses(src, self.page_bytes), ids, to_engine=True)
+            limits = (len(src), self.num_blocks)
+            self.kernel.copy(int(src.data_ptr()), self.page_bytes, None, ids, True, limits)
             return
         pick = self._pick(ids)
         for layer, regions in enumerate(self._regions):
@@ -403,11 +410,6 @@ def _pinned_tensor(rows: npt.NDArray[np.uint8]) -> Any:
     ``cudaHostRegister``), so a device copy may DMA it directly; else None."""
     tensor = _as_tensor(rows)
     return tensor if tensor.is_pinned() else None
-
-
-def _row_addresses(rows: Any, page_bytes: int) -> npt.NDArray[np.int64]:
-    """The address of each row of a contiguous uint8 ``[n, page_bytes]`` tensor."""
-    return int(rows.data_ptr()) + np.arange(len(rows), dtype=np.int64) * page_bytes
 
 
 def is_pinned(rows: npt.NDArray[np.uint8]) -> bool:
