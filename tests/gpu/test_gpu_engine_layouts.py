@@ -20,6 +20,7 @@ if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from raykv import ConfigError, InvalidArgumentError, KVLayout  # noqa: E402
+from raykv.core.tiers import cuda_blocks  # noqa: E402
 from raykv.integrations.vllm.copier import BlockCopier  # noqa: E402
 from raykv.integrations.vllm.layout import native_layout  # noqa: E402
 from raykv.integrations.vllm.testing import (  # noqa: E402
@@ -159,9 +160,12 @@ def test_pinned_rows_are_copied_directly_and_exactly(chunk_pages: int | None) ->
 
 
 @pytest.mark.parametrize(("kind", "order", "kernel"), GPU_ENGINES)
-def test_block_kernel_matches_torch_copies(kind: str, order: str, kernel: int | None) -> None:
+def test_block_kernel_matches_torch_copies(
+    kind: str, order: str, kernel: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The one-launch block kernel (the default on CUDA) writes the same bytes as torch's
-    gathers and scatters, both ways, and loads straight from device pages by slot."""
+    gathers and scatters, both ways, and loads straight from device pages by slot, with its
+    table passed by value (small batches) or uploaded (``SMALL_PAGES`` 0)."""
     layout = KVLayout.uniform(len(LAYERS), HEADS, HEAD, TOKENS, "bfloat16")
     ref = _reference("bfloat16", seed=11)
     ids, into = [4, 9, 10, 11, 50, 2], [60, 0, 1, 2, 30, 31]
@@ -178,10 +182,15 @@ def test_block_kernel_matches_torch_copies(kind: str, order: str, kernel: int | 
     pages = torch.zeros((16, layout.page_bytes), dtype=torch.uint8, device="cuda")
     slots = [7, 3, 4, 5, 15, 0]
     pages[torch.tensor(slots, device="cuda")] = torch.from_numpy(want).cuda()
-    for use_kernel in (True, False):
+    for use_kernel, small in ((True, 480), (True, 0), (False, 480)):
+        monkeypatch.setattr(cuda_blocks, "SMALL_PAGES", small)
         dst = _engine(kind, order, kernel, "bfloat16")
         BlockCopier(layout, LAYERS, dst, kind, use_kernel=use_kernel).load_device(pages, slots, into)
         _check_loaded(kind, dst, ref, ids, into)
+        rows = np.zeros((len(ids), layout.page_bytes), dtype=np.uint8)
+        fast.save(ids, rows)
+        assert np.array_equal(rows, want)
+    monkeypatch.undo()
     with pytest.raises(InvalidArgumentError):
         fast.load_device(pages.cpu(), slots, into)
     with pytest.raises(InvalidArgumentError):

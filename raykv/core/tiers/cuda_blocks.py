@@ -32,7 +32,7 @@ from raykv.core.errors import CudaError, InvalidArgumentError
 from raykv.core.tiers.copy_plan import pack_ids
 from raykv.core.tiers.cuda_calls import KernelArgs, current_stream
 from raykv.core.tiers.cuda_copy import compile_kernel
-from raykv.core.tiers.cuda_util import ArgTables, ensure_context
+from raykv.core.tiers.cuda_util import ArgTables, check, driver, ensure_context
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +47,21 @@ PAGES_PER_STEP = 8
 time against 48.2-52.2 / 287.6-290.3 us for 2 or 4 pages and 64 or 128 threads; raw copy 46.2 /
 275.9 us)."""
 
+SMALL_PAGES = 480
+"""Batches of at most this many pages pass their table by value in the launch's parameters (960
+int32, within the 4 KiB every CUDA device takes): no pinned buffer, no upload before the copy."""
+
 _SOURCE = r"""
-extern "C" __global__ void __launch_bounds__(THREADS)
-raykv_copy_blocks(const int* __restrict__ table, unsigned long long page_base, long long page_stride,
-                  const unsigned long long* __restrict__ geometry,
-                  int npages, int parts, int tokens, int kernel_tokens, int heads, int dvec,
-                  long long sb, long long sr, long long sn, long long sh, int to_engine) {
+#define ARGS unsigned long long page_base, long long page_stride, \
+    const unsigned long long* __restrict__ geometry, int npages, int parts, int tokens, \
+    int kernel_tokens, int heads, int dvec, long long sb, long long sr, long long sn, long long sh, \
+    int to_engine
+#define PASS page_base, page_stride, geometry, npages, parts, tokens, kernel_tokens, heads, dvec, \
+    sb, sr, sn, sh, to_engine
+
+struct SmallTable { int v[2 * SMALL_PAGES]; };
+
+__device__ __forceinline__ void copy_pages(const int* __restrict__ table, ARGS) {
     const int part = blockIdx.x / tokens, t = blockIdx.x % tokens;
     const int row = heads * dvec;
     const unsigned long long base = geometry[part]
@@ -83,22 +92,27 @@ raykv_copy_blocks(const int* __restrict__ table, unsigned long long page_base, l
         }
     }
 }
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+raykv_copy_blocks(const int* __restrict__ table, ARGS) { copy_pages(table, PASS); }
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+raykv_copy_blocks_small(const __grid_constant__ SmallTable small, ARGS) { copy_pages(small.v, PASS); }
 """
 
 
 def kernel_source() -> str:
     """The kernel's CUDA C with :data:`THREADS` and :data:`PAGES_PER_STEP` filled in."""
-    return f"#define U {PAGES_PER_STEP}\n#define THREADS {THREADS}\n" + _SOURCE
+    head = f"#define U {PAGES_PER_STEP}\n#define THREADS {THREADS}\n#define SMALL_PAGES {SMALL_PAGES}\n"
+    return head + _SOURCE
 
 
-_ARG_TYPES = (
-    (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_longlong, ctypes.c_void_p)
-    + (ctypes.c_int,) * 6
-    + (ctypes.c_longlong,) * 4
-    + (ctypes.c_int,)
-)
+_INTS, _LONGS = (ctypes.c_int,) * 6, (ctypes.c_longlong,) * 4
+_REST = (ctypes.c_ulonglong, ctypes.c_longlong, ctypes.c_void_p, *_INTS, *_LONGS)
+_ARG_TYPES = (ctypes.c_void_p, *_REST, ctypes.c_int)
+_SMALL_ARG_TYPES = (ctypes.c_int * (2 * SMALL_PAGES), *_REST, ctypes.c_int)
 
-_KERNELS: dict[int, tuple[Any, Any] | None] = {}
+_KERNELS: dict[int, tuple[Any, Any, Any] | None] = {}  # device -> (module, function, small function)
 _LOCK = threading.Lock()
 
 
@@ -149,12 +163,15 @@ class PartGeometry:
 class BlockKernel:
     """The compiled kernel and the device tables of one engine's parts (see the module doc)."""
 
-    def __init__(self, device: Any, geometry: PartGeometry, function: Any) -> None:
+    def __init__(self, device: Any, geometry: PartGeometry, function: Any, small: Any) -> None:
         import torch
 
         self.device = device
         self.geometry = geometry
         self._launcher = KernelArgs(int(function), _ARG_TYPES)
+        self._small = KernelArgs(int(small), _SMALL_ARG_TYPES)
+        self._small_table = self._small.array(0)
+        self._small_lock = threading.Lock()  # the by-value table is filled, then launched
         self._geometry = torch.tensor(
             [*geometry.bases, *geometry.offsets], dtype=torch.int64, device=device
         )  # int64 bit patterns of the addresses; the kernel reads them as unsigned
@@ -181,36 +198,41 @@ class BlockKernel:
         if count == 0:
             return
         g = self.geometry
-        parts = len(g.bases)
         handle = current_stream(self.device.index or 0) if stream is None else int(stream)
         ensure_context(self.device.index or 0)
-        table = self._args.take(2 * count, np.int32)
-        try:
-            pack_ids(slots, block_ids, table, *limits)
-        except (ValueError, TypeError) as exc:
-            raise InvalidArgumentError(
-                "slots", f"block copy of {count} pages (first: page slots, second: block ids): {exc}"
-            ) from None
-        address = self._args.send(handle, 8 * count)
-        grid_x = parts * g.tokens
         steps = -(-count // PAGES_PER_STEP)
-        grid_y = max(1, min(steps, 65535, TARGET_BLOCKS // max(1, grid_x)))
-        values = (
-            address,
-            page_base,
-            page_stride,
-            self._geometry_address,
-            count,
-            parts,
-            g.tokens,
-            g.kernel_tokens,
-            g.heads,
-            g.row_bytes // 16,
-            *g.strides,
-            int(to_engine),
+        grid_x = len(g.bases) * g.tokens
+        grid = (grid_x, max(1, min(steps, 65535, TARGET_BLOCKS // max(1, grid_x))), 1)
+        rest = (
+            *(page_base, page_stride, self._geometry_address, count, len(g.bases), g.tokens),
+            *(g.kernel_tokens, g.heads, g.row_bytes // 16, *g.strides, int(to_engine)),
         )
-        self._launcher.launch((grid_x, grid_y, 1), THREADS, handle, values)
+        if count <= SMALL_PAGES:
+            with self._small_lock:
+                _pack(slots, block_ids, self._small_table, limits, count)
+                self._small.launch(grid, THREADS, handle, (None, *rest))
+            return
+        table = self._args.take(2 * count, np.int32)
+        _pack(slots, block_ids, table, limits, count)
+        self._launcher.launch(grid, THREADS, handle, (self._args.send(handle, 8 * count), *rest))
         self._args.record(handle)
+
+
+def _pack(
+    slots: Sequence[int] | npt.NDArray[np.int64] | None,
+    block_ids: Sequence[int] | npt.NDArray[np.int64],
+    table: npt.NDArray[np.int32],
+    limits: tuple[int, int],
+    count: int,
+) -> None:
+    """The kernel's table: ``slots`` then ``block_ids`` as int32 (InvalidArgumentError when one is
+    out of range or they differ in length)."""
+    try:
+        pack_ids(slots, block_ids, table, *limits)
+    except (ValueError, TypeError) as exc:
+        raise InvalidArgumentError(
+            "slots", f"block copy of {count} pages (first: page slots, second: block ids): {exc}"
+        ) from None
 
 
 def block_kernel(device: Any, geometry: PartGeometry | None) -> BlockKernel | None:
@@ -223,9 +245,11 @@ def block_kernel(device: Any, geometry: PartGeometry | None) -> BlockKernel | No
         if index not in _KERNELS:
             try:
                 ensure_context(index)
-                _KERNELS[index] = compile_kernel(index, kernel_source(), NAME)
+                module, function = compile_kernel(index, kernel_source(), NAME)
+                small = check(driver().cuModuleGetFunction(module, b"raykv_copy_blocks_small"), "small")
+                _KERNELS[index] = (module, function, small)
             except (CudaError, ImportError, RuntimeError) as exc:
                 log.warning("block copy kernel unavailable on cuda:%d (%s); copying with torch", index, exc)
                 _KERNELS[index] = None
         compiled = _KERNELS[index]
-    return None if compiled is None else BlockKernel(device, geometry, compiled[1])
+    return None if compiled is None else BlockKernel(device, geometry, compiled[1], compiled[2])

@@ -150,13 +150,25 @@ class KernelArgs:
         self._params = (_P * len(self._boxes))(*[ctypes.addressof(b) for b in self._boxes])
         self._lock = threading.Lock()
 
-    def launch(self, grid: tuple[int, int, int], threads: int, stream: int, values: Sequence[int]) -> None:
-        """``cuLaunchKernel`` with ``values`` (one per type), ``threads`` threads per block, on
-        ``stream``; CudaError when the driver refuses."""
+    def array(self, index: int) -> Any:
+        """A numpy view of argument ``index`` when its type is a ctypes array (an argument passed
+        by value and filled in place: pass None for it to :meth:`launch`; fill and launch from
+        one thread at a time)."""
+        import numpy as np
+
+        return np.ctypeslib.as_array(self._boxes[index])
+
+    def launch(
+        self, grid: tuple[int, int, int], threads: int, stream: int, values: Sequence[int | None]
+    ) -> None:
+        """``cuLaunchKernel`` with ``values`` (one per type; None: an argument filled in place
+        through :meth:`array`), ``threads`` threads per block, on ``stream``; CudaError when the
+        driver refuses."""
         run = calls()
         with self._lock:
             for box, value in zip(self._boxes, values):
-                box.value = value
+                if value is not None:
+                    box.value = value
             run.call("cuLaunchKernel", self.function, *grid, threads, 1, 1, 0, stream, self._params, None)
 
 
