@@ -182,13 +182,15 @@ def test_block_kernel_matches_torch_copies(
     pages = torch.zeros((16, layout.page_bytes), dtype=torch.uint8, device="cuda")
     slots = [7, 3, 4, 5, 15, 0]
     pages[torch.tensor(slots, device="cuda")] = torch.from_numpy(want).cuda()
-    for use_kernel, small in ((True, 480), (True, 0), (False, 480)):
+    # the table by value (packed by raykv.native._slots, by numpy), uploaded; torch
+    for use_kernel, small, pure in ((True, 480, "0"), (True, 480, "1"), (True, 0, "0"), (False, 480, "0")):
         monkeypatch.setattr(cuda_blocks, "SMALL_PAGES", small)
+        monkeypatch.setenv("RAYKV_PURE_SLOTS", pure)
         dst = _engine(kind, order, kernel, "bfloat16")
         BlockCopier(layout, LAYERS, dst, kind, use_kernel=use_kernel).load_device(pages, slots, into)
         _check_loaded(kind, dst, ref, ids, into)
         rows = np.zeros((len(ids), layout.page_bytes), dtype=np.uint8)
-        fast.save(ids, rows)
+        BlockCopier(layout, LAYERS, src, kind, use_kernel=use_kernel).save(ids, rows)
         assert np.array_equal(rows, want)
     monkeypatch.undo()
     with pytest.raises(InvalidArgumentError):
@@ -204,8 +206,11 @@ def test_block_kernel_matches_torch_copies(
         (slots[:-1], into),
         (slots, [*into[:-1], "x"]),
     )
-    for bad_slots, bad_into in bad:
-        with pytest.raises(InvalidArgumentError):
-            copier.load_device(pages, bad_slots, bad_into)
+    for small in (480, 0):
+        monkeypatch.setattr(cuda_blocks, "SMALL_PAGES", small)
+        for bad_slots, bad_into in bad:
+            with pytest.raises(InvalidArgumentError):
+                copier.load_device(pages, bad_slots, bad_into)
+    monkeypatch.undo()
     torch.cuda.synchronize()
     assert all(torch.equal(_bits(before[name]), _bits(dst[name])) for name in dst)  # nothing written
