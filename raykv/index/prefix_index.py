@@ -427,13 +427,14 @@ class PrefixIndex:
         """Per worker, the cached prefix of ``keys`` (all keys must belong to this shard; with one
         shard that is every key). Workers with no cached prefix are omitted."""
         if not self._predicted:  # the common case: keys are looked up until the prefix ends
+            names = self._lane_names
+            if names is not None and self._compiled_route is not None:  # it caps n itself
+                out = self._compiled_route(keys, names, RouteMatch)
+                if out is not None:  # None: an entry it cannot read, Python routes
+                    return out  # type: ignore[no-any-return]
             n = min(len(keys), MAX_ROUTE_BLOCKS)
             if not n:
                 return {}
-            if self._compiled_route is not None and self._lane_names is not None:
-                out = self._compiled_route(keys, self._lane_names, RouteMatch)
-                if out is not None:  # None: an entry it cannot read, Python routes
-                    return out  # type: ignore[no-any-return]
             get_many = self._entries.get_many
             first = get_many(keys[:FIRST_LOOKUPS])
             return route_held(first, n, self._lanes, keys, get_many, self._route_memo)

@@ -246,31 +246,49 @@ static PyObject *all_keys(PyObject *Py_UNUSED(module), PyObject *keys) {
  * the keys of the full blocks of `tokens` (a C-contiguous buffer of 4-byte unsigned token ids)
  * from `first_block` on, chained from `parent` (the key of block first_block - 1, or the root key):
  * the keys raykv.core.keys.chain_keys gives. A block whose parent key and tokens equal a slot's,
- * compared in full, reuses its key (a hit); another is hashed (a miss) and replaces the older of
- * its bucket's two slots. The bucket is chosen from 4 of the block's tokens, so colliding blocks
- * only cost misses: a key is never taken from a block that is not equal. A token above 2**31 - 1 anywhere (a hashed block or the trailing partial one; a hit's
- * tokens equal tokens checked before) raises ValueError. `hits` and `misses` count blocks. */
+ * compared in full, reuses its key (a hit); another is hashed (a miss) and replaces the least
+ * recently used slot of its bucket (MEMO_WAYS slots, fewer when `slots` is smaller). The bucket
+ * and a 32-bit tag come from 4 of the block's tokens, so colliding blocks only cost misses: a key
+ * is never taken from a block that is not equal. A token above 2**31 - 1 anywhere (a hashed block
+ * or the trailing partial one; a hit's tokens equal tokens checked before) raises ValueError.
+ * `hits` and `misses` count blocks.
+ *
+ * Memory: the tags (16 bytes a slot: one or two cache lines a bucket) apart from the slots' data
+ * (parent and tokens, cache-line aligned), on transparent huge pages where the OS offers them (a
+ * memo larger than the caches is read from memory: one TLB entry covers 2 MiB of it). A chain
+ * fetches the tags of a block MEMO_FAR blocks ahead and the data of the slots whose tag matches
+ * (usually one) MEMO_NEAR blocks ahead, so only the slot that is compared is read. */
+#include <sys/mman.h>
+
 #define MAX_TOKEN 0x7FFFFFFFu
-#define MEMO_AHEAD 4 /* blocks whose slots are fetched ahead of the one compared */
+#define MEMO_WAYS 8 /* slots per bucket */
+#define MEMO_FAR 8  /* blocks whose bucket tags are fetched ahead of the one compared */
+#define MEMO_NEAR 2 /* blocks whose matching slots' data are fetched ahead */
+#define MEMO_RING 16 /* > MEMO_FAR: hashes of the blocks ahead, by block number */
+#define HUGE_PAGE ((size_t)2 << 20)
 
 typedef struct {
-    uint64_t stamp;      /* 0: empty; else when it was filled (larger is newer) */
-    PyObject *key;       /* the block's key (32-byte bytes), owned */
-    unsigned char parent[32];
-} MemoHead;              /* followed by tokens_per_block uint32 tokens */
+    uint32_t tag;  /* from the block's sampled tokens (any value; key NULL: empty) */
+    uint32_t used; /* the memo's clock when last filled or hit (wraps; compared as an age) */
+    PyObject *key; /* the block's key (32-byte bytes), owned; NULL when empty */
+} MemoTag;
 
 typedef struct {
     PyObject_HEAD
-    char *slots;
-    Py_ssize_t nslots, tpb, stride;
+    MemoTag *tags;
+    char *data;           /* per slot: parent key (32 bytes), then tpb uint32 tokens */
+    void *map;            /* the mapping holding both (NULL: PyMem) */
+    size_t map_len;
+    Py_ssize_t nslots, ways, tpb, stride;
+    uint64_t bucket_mask;
     PyObject *sha256;
-    uint64_t clock;
+    uint32_t clock;
     long long hits, misses;
 } KeyMemo;
 
-#define MEMO_SLOT(m, i) ((MemoHead *)((m)->slots + (size_t)(i) * (size_t)(m)->stride))
+#define MEMO_DATA(m, i) ((m)->data + (size_t)(i) * (size_t)(m)->stride)
 
-static uint64_t memo_bucket(const uint32_t *toks, Py_ssize_t tpb) {
+static uint64_t memo_hash64(const uint32_t *toks, Py_ssize_t tpb) {
     uint64_t h = ((uint64_t)toks[0] << 32 | toks[tpb / 2]) * 0x9E3779B97F4A7C15ULL;
     h ^= ((uint64_t)toks[tpb - 1] << 32 | toks[tpb / 4]) * 0xC2B2AE3D27D4EB4FULL;
     return h ^ (h >> 29);
@@ -302,29 +320,51 @@ static PyObject *memo_hash(KeyMemo *m, const unsigned char *parent, const uint32
     return key;
 }
 
-/* The bucket (two slots) of a block: from its tokens alone, so the buckets of a whole prompt are
- * known before any key is, and their memory is fetched ahead (a memo larger than the caches is
- * mostly read from memory). */
-static MemoHead *memo_pair(KeyMemo *m, const uint32_t *toks) {
-    Py_ssize_t i = (Py_ssize_t)(memo_bucket(toks, m->tpb) & (uint64_t)(m->nslots - 1)) & ~(Py_ssize_t)1;
-    return MEMO_SLOT(m, i);
+/* The first slot of a block's bucket (from its hash: the low bits pick the bucket, the high
+ * 32 are its tag), so the buckets of a whole prompt are known before any key is. */
+static inline Py_ssize_t memo_bucket(const KeyMemo *m, uint64_t h) {
+    return (Py_ssize_t)(h & m->bucket_mask) * m->ways;
 }
 
-static void memo_prefetch(KeyMemo *m, const uint32_t *toks) {
-    const char *at = (const char *)memo_pair(m, toks);
-    for (Py_ssize_t off = 0; off < 2 * m->stride; off += 64) __builtin_prefetch(at + off);
+static void prefetch_lines(const void *at, size_t len, int write) {
+    const char *p = (const char *)((uintptr_t)at & ~(uintptr_t)63), *end = (const char *)at + len;
+    for (; p < end; p += 64) {
+        if (write)
+            __builtin_prefetch(p, 1);
+        else
+            __builtin_prefetch(p);
+    }
+}
+
+/* Fetch the data (and key object) of every slot of the block's bucket whose tag matches. */
+static void memo_fetch_matches(KeyMemo *m, uint64_t h) {
+    Py_ssize_t first = memo_bucket(m, h);
+    const MemoTag *t = m->tags + first;
+    for (Py_ssize_t w = 0; w < m->ways; w++)
+        if (t[w].key && t[w].tag == (uint32_t)(h >> 32)) {
+            prefetch_lines(MEMO_DATA(m, first + w), (size_t)m->stride, 0);
+            prefetch_lines(t[w].key, sizeof(PyBytesObject) + 32, 1); /* its refcount is written */
+        }
 }
 
 /* The key of one block (a new reference), from the memo or hashed and remembered. */
-static PyObject *memo_key(KeyMemo *m, const unsigned char *parent, const uint32_t *toks) {
+static PyObject *memo_key(KeyMemo *m, const unsigned char *parent, const uint32_t *toks, uint64_t h) {
     size_t body = (size_t)m->tpb * 4;
-    MemoHead *a = memo_pair(m, toks), *b = (MemoHead *)((char *)a + m->stride);
-    for (int k = 0; k < 2; k++) {
-        MemoHead *s = k ? b : a;
-        if (s->stamp && memcmp(s->parent, parent, 32) == 0 && memcmp(s + 1, toks, body) == 0) {
-            m->hits++;
-            return Py_NewRef(s->key);
+    Py_ssize_t first = memo_bucket(m, h), victim = first;
+    MemoTag *t = m->tags + first;
+    uint32_t tag = (uint32_t)(h >> 32), now = ++m->clock, oldest = 0;
+    for (Py_ssize_t w = 0; w < m->ways; w++) {
+        if (!t[w].key) {
+            victim = first + w, oldest = UINT32_MAX; /* an empty slot goes first */
+            continue;
         }
+        const char *d = MEMO_DATA(m, first + w);
+        if (t[w].tag == tag && memcmp(d, parent, 32) == 0 && memcmp(d + 32, toks, body) == 0) {
+            m->hits++;
+            t[w].used = now;
+            return Py_NewRef(t[w].key);
+        }
+        if (now - t[w].used > oldest) victim = first + w, oldest = now - t[w].used;
     }
     if (!tokens_ok(toks, m->tpb)) {
         PyErr_SetString(PyExc_ValueError, "token ids must be in 0..2**31-1");
@@ -333,12 +373,38 @@ static PyObject *memo_key(KeyMemo *m, const unsigned char *parent, const uint32_
     PyObject *key = memo_hash(m, parent, toks);
     if (!key) return NULL;
     m->misses++;
-    MemoHead *s = a->stamp <= b->stamp ? a : b; /* the empty or the older one */
+    MemoTag *s = &m->tags[victim];
     Py_XSETREF(s->key, Py_NewRef(key));
-    s->stamp = ++m->clock;
-    memcpy(s->parent, parent, 32);
-    memcpy(s + 1, toks, body);
+    s->tag = tag;
+    s->used = now;
+    memcpy(MEMO_DATA(m, victim), parent, 32);
+    memcpy(MEMO_DATA(m, victim) + 32, toks, body);
     return key;
+}
+
+/* The keys of blocks first..last-1 of toks (a new list), chained from parent. */
+static PyObject *memo_chain(KeyMemo *m, const unsigned char *parent, const uint32_t *toks, Py_ssize_t first,
+                            Py_ssize_t last) {
+    Py_ssize_t tpb = m->tpb;
+    uint64_t ring[MEMO_RING];
+    PyObject *out = PyList_New(first < last ? last - first : 0);
+    for (Py_ssize_t b = first; out && b < last; b++) {
+        for (Py_ssize_t k = b == first ? b : b + MEMO_FAR; k <= b + MEMO_FAR && k < last; k++) {
+            ring[k % MEMO_RING] = memo_hash64(toks + k * tpb, tpb);
+            prefetch_lines(m->tags + memo_bucket(m, ring[k % MEMO_RING]), (size_t)m->ways * sizeof(MemoTag), 1);
+        }
+        if (b == first)
+            for (Py_ssize_t k = b; k < b + MEMO_NEAR && k < last; k++) memo_fetch_matches(m, ring[k % MEMO_RING]);
+        if (b + MEMO_NEAR < last) memo_fetch_matches(m, ring[(b + MEMO_NEAR) % MEMO_RING]);
+        PyObject *key = memo_key(m, parent, toks + b * tpb, ring[b % MEMO_RING]);
+        if (!key) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, b - first, key);
+        parent = (const unsigned char *)PyBytes_AS_STRING(key);
+    }
+    return out;
 }
 
 static PyObject *KeyMemo_chain(KeyMemo *m, PyObject *args) {
@@ -353,28 +419,48 @@ static PyObject *KeyMemo_chain(KeyMemo *m, PyObject *args) {
         goto done;
     }
     const uint32_t *toks = (const uint32_t *)buf.buf;
-    Py_ssize_t n = buf.len / 4, tpb = m->tpb, last = n / tpb;
-    if (!tokens_ok(toks + last * tpb, n - last * tpb)) {
+    Py_ssize_t n = buf.len / 4, last = n / m->tpb;
+    if (!tokens_ok(toks + last * m->tpb, n - last * m->tpb)) {
         PyErr_SetString(PyExc_ValueError, "token ids must be in 0..2**31-1");
         goto done;
     }
-    out = PyList_New(first < last ? last - first : 0);
-    const unsigned char *prev = (const unsigned char *)parent;
-    for (Py_ssize_t b = first; out && b < last; b++) {
-        if (b == first)
-            for (Py_ssize_t k = b; k < b + MEMO_AHEAD && k < last; k++) memo_prefetch(m, toks + k * tpb);
-        if (b + MEMO_AHEAD < last) memo_prefetch(m, toks + (b + MEMO_AHEAD) * tpb);
-        PyObject *key = memo_key(m, prev, toks + b * tpb);
-        if (!key) {
-            Py_CLEAR(out);
-            break;
-        }
-        PyList_SET_ITEM(out, b - first, key);
-        prev = (const unsigned char *)PyBytes_AS_STRING(key);
-    }
+    out = memo_chain(m, (const unsigned char *)parent, toks, first, last);
 done:
     PyBuffer_Release(&buf);
     return out;
+}
+
+/* Zeroed memory for the tags and the data: an anonymous mapping on 2 MiB boundaries, marked for
+ * huge pages, where there is one; else PyMem_Calloc. -1 with MemoryError set on failure. */
+static int memo_alloc(KeyMemo *m) {
+    size_t tags = ((size_t)m->nslots * sizeof(MemoTag) + 63) & ~(size_t)63;
+    size_t len = tags + (size_t)m->nslots * (size_t)m->stride;
+    char *at = NULL;
+#if defined(MAP_ANONYMOUS) && defined(MADV_HUGEPAGE)
+    if (len >= HUGE_PAGE) {
+        size_t map_len = len + HUGE_PAGE;
+        void *map = mmap(NULL, map_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (map != MAP_FAILED) {
+            m->map = map, m->map_len = map_len;
+            at = (char *)(((uintptr_t)map + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+            (void)madvise(at, len, MADV_HUGEPAGE); /* a hint: without it, 4 KiB pages */
+        }
+    }
+#endif
+    if (!at) {
+        at = PyMem_Calloc(1, len + 63);
+        if (!at) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        m->map = NULL, m->map_len = 0;
+        m->tags = (MemoTag *)at; /* PyMem_Free's pointer; the data start on the next line */
+        m->data = (char *)(((uintptr_t)at + tags + 63) & ~(uintptr_t)63);
+        return 0;
+    }
+    m->tags = (MemoTag *)at;
+    m->data = at + tags;
+    return 0;
 }
 
 static PyObject *KeyMemo_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -387,21 +473,25 @@ static PyObject *KeyMemo_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     KeyMemo *m = (KeyMemo *)type->tp_alloc(type, 0);
     if (!m) return NULL;
     m->tpb = tpb;
-    m->stride = (Py_ssize_t)((sizeof(MemoHead) + (size_t)tpb * 4 + 7) & ~(size_t)7);
+    m->stride = (Py_ssize_t)((32 + (size_t)tpb * 4 + 63) & ~(size_t)63);
     m->nslots = nslots;
-    m->slots = PyMem_Calloc((size_t)nslots, (size_t)m->stride);
-    if (!m->slots) {
+    m->ways = nslots < MEMO_WAYS ? nslots : MEMO_WAYS;
+    m->bucket_mask = (uint64_t)(nslots / m->ways - 1);
+    if (memo_alloc(m) < 0) {
         Py_DECREF(m);
-        return PyErr_NoMemory();
+        return NULL;
     }
     m->sha256 = Py_NewRef(sha256);
     return (PyObject *)m;
 }
 
 static void KeyMemo_dealloc(KeyMemo *m) {
-    if (m->slots)
-        for (Py_ssize_t i = 0; i < m->nslots; i++) Py_XDECREF(MEMO_SLOT(m, i)->key);
-    PyMem_Free(m->slots);
+    if (m->tags)
+        for (Py_ssize_t i = 0; i < m->nslots; i++) Py_XDECREF(m->tags[i].key);
+    if (m->map)
+        munmap(m->map, m->map_len);
+    else
+        PyMem_Free(m->tags);
     Py_XDECREF(m->sha256);
     Py_TYPE(m)->tp_free((PyObject *)m);
 }

@@ -23,8 +23,10 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #define KEY_BYTES 32
 #define EMPTY 0
@@ -73,8 +75,46 @@ static Py_ssize_t find(KeyTable *t, const unsigned char *key, uint64_t tag) {
     }
 }
 
+/* Zeroed slots (all tags EMPTY, values NULL). From HUGE_SLOTS bytes on they get their own mapping,
+ * marked for transparent huge pages where the OS offers them: a route's lookups land on random
+ * slots, and 2 MiB pages keep them from missing the TLB as well as the caches. */
+#define HUGE_PAGE ((size_t)2 << 20)
+#define HUGE_SLOTS ((size_t)1 << 20)
+
+static size_t mapped_bytes(Py_ssize_t cap) {
+    size_t bytes = (size_t)cap * sizeof(Slot);
+#if defined(MAP_ANONYMOUS) && defined(MADV_HUGEPAGE)
+    if (bytes >= HUGE_SLOTS) return (bytes + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
+#endif
+    return 0;
+}
+
+static Slot *slots_alloc(Py_ssize_t cap) {
+    size_t len = mapped_bytes(cap);
+    if (!len) return PyMem_Calloc((size_t)cap, sizeof(Slot));
+#if defined(MAP_ANONYMOUS) && defined(MADV_HUGEPAGE)
+    void *at = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (at == MAP_FAILED) return NULL;
+    (void)madvise(at, len, MADV_HUGEPAGE); /* a hint: without it, 4 KiB pages */
+    return (Slot *)at;
+#else
+    return NULL;
+#endif
+}
+
+static void slots_free(Slot *slots, Py_ssize_t cap) {
+    size_t len = mapped_bytes(cap);
+    if (!len) {
+        PyMem_Free(slots);
+        return;
+    }
+#if defined(MAP_ANONYMOUS) && defined(MADV_HUGEPAGE)
+    munmap(slots, len);
+#endif
+}
+
 static int alloc_arrays(KeyTable *t, Py_ssize_t cap) {
-    Slot *slots = PyMem_Calloc((size_t)cap, sizeof(Slot)); /* all tags EMPTY, values NULL */
+    Slot *slots = slots_alloc(cap);
     if (!slots) {
         PyErr_NoMemory();
         return -1;
@@ -106,7 +146,7 @@ static int resize(KeyTable *t, Py_ssize_t new_cap) {
     }
     t->used = used;
     t->filled = used;
-    PyMem_Free(old);
+    slots_free(old, old_cap);
     return 0;
 }
 
@@ -180,8 +220,10 @@ static void free_memo(struct RouteMemo *memo);
 
 static void KeyTable_dealloc(KeyTable *t) {
     free_memo(t->memo);
-    if (t->slots) clear_all(t);
-    PyMem_Free(t->slots);
+    if (t->slots) {
+        clear_all(t);
+        slots_free(t->slots, t->cap);
+    }
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -334,6 +376,18 @@ static void end_lanes(Walk *w, uint64_t lanes, int at) {
     for (uint64_t b = lanes; b; b &= b - 1) w->ends[__builtin_ctzll(b)] = at;
 }
 
+/* Start loading what key_bytes() reads of a key object, its type and size and its 32 bytes (two
+ * cache lines at most), and a slot (48 bytes: one line or two). */
+static inline void prefetch_key(PyObject *key) {
+    __builtin_prefetch((const char *)key + offsetof(PyObject, ob_type));
+    __builtin_prefetch((const char *)key + offsetof(PyBytesObject, ob_sval) + KEY_BYTES - 1);
+}
+
+static inline void prefetch_slot(const Slot *slot) {
+    __builtin_prefetch(slot);
+    __builtin_prefetch((const char *)slot + sizeof(Slot) - 1);
+}
+
 /* Walk the chain: 1 when done, 0 when nobody holds the first key, -1 to leave it to Python. */
 static int walk(KeyTable *t, PyObject **keys, Py_ssize_t n, int lanes, Walk *w) {
     Masks cur;
@@ -343,13 +397,13 @@ static int walk(KeyTable *t, PyObject **keys, Py_ssize_t n, int lanes, Walk *w) 
     if (!cur.m[0]) return 0;
     w->alive = cur.m[0];
     Py_ssize_t i = 0, mask = t->cap - 1;
-    for (Py_ssize_t k = 1; k < 33 && k < n; k++) __builtin_prefetch((const char *)keys[k] + 32);
+    for (Py_ssize_t k = 1; k < 33 && k < n; k++) prefetch_key(keys[k]);
     for (Py_ssize_t j = 1;; j++) {
         if ((j & 15) == 1) /* warm the slots of the next 16 keys, and the key objects 16 further */
             for (Py_ssize_t k = j; k < j + 16 && k < n; k++) {
-                if (k + 32 < n) __builtin_prefetch((const char *)keys[k + 32] + 32);
+                if (k + 32 < n) prefetch_key(keys[k + 32]);
                 const unsigned char *key = key_bytes(keys[k]);
-                if (key) __builtin_prefetch(&t->slots[(Py_ssize_t)(tag_of(key) & (uint64_t)mask)]);
+                if (key) prefetch_slot(&t->slots[(Py_ssize_t)(tag_of(key) & (uint64_t)mask)]);
             }
         PyObject *e = j < n ? entry_of(t, keys[j]) : NULL;
         if (j < n && e == cur.obj) continue;

@@ -266,23 +266,25 @@ class RaykvRouter(Router):
         self._keys: Sequence[bytes] = ()
         self._queues: ServerQueues | None = None
         self._decided: tuple[int, Decision, float] = (0, Decision(WorkerId(""), 0.0, 0, None, 0, ()), 0.0)
+        self._hot_check = self._hot  # bound once, not per decision
 
     def choose(self, p: Prepared, queues: ServerQueues) -> Choice:
         """The decision the replay times: index route, reported loads, the policy (module doc)."""
         keys = p.keys
         matches = self._route(keys)
         self._keys, self._queues = keys, queues
+        num_tokens, decode = p.req.input_length, queues.mean_decode_units
         d = self.policy.decide(
-            p.req.input_length,
+            num_tokens,
             self._workers,
             queues.reported_loads(),
             matches,
             self.rng,
-            self._hot,
-            queues.mean_decode_units,
+            self._hot_check,
+            decode,
             learn=False,  # the policy learns in routed(), the router's update after dispatch
         )
-        self._decided = (p.req.input_length, d, queues.mean_decode_units)
+        self._decided = (num_tokens, d, decode)
         server = self.server_of[d.worker]
         pull_from = d.pull_from
         if pull_from is None:

@@ -11,7 +11,7 @@ With the compiled ``raykv.native._chain`` (and a little-endian host) a memo of r
 blocks replaces the per-session compare: any block whose parent key and tokens equal, in full, a
 block keyed before (an earlier turn of any session, a shared document or system prompt) reuses
 that block's key, and only the others are hashed, with SHA-256 as always (``KeyMemo``: it keeps
-about ``memo_bytes`` of blocks, two candidate slots per block, the older replaced). The keys are
+about ``memo_bytes`` of blocks in buckets of 8 slots, the least recently used replaced). The keys are
 the same either way; ``reused_blocks`` then counts memo hits, ``hashed_blocks`` the blocks hashed.
 A memo is shared by every scope, but a block's parent key carries its scope, so a hit never
 crosses scopes. Not thread-safe.

@@ -104,3 +104,22 @@ def test_session_keys_give_block_keys_with_and_without_the_memo(memo_bytes):
     for bad in ([1, 2**31] * TPB, [-1] * TPB, np.full(TPB, 2**31, dtype=np.uint32), np.full(TPB, -1)):
         with pytest.raises(InvalidArgumentError):
             keys.keys(bad, None, session=1)
+
+
+@compiled
+def test_a_block_used_again_outlives_newer_ones_in_its_bucket():
+    """One bucket of 8 slots: a hit makes a block the most recently used, so the next miss
+    replaces the least recently used block, not it."""
+    memo = native.load("_chain").KeyMemo(TPB, 8, hashlib.sha256)
+    root = ReuseScope().root_key()
+    blocks = [np.full(TPB, i, dtype=np.uint32) for i in range(10)]
+    for b in blocks[:8]:
+        memo.chain(root, b, 0)
+    assert (memo.hits, memo.misses) == (0, 8)
+    memo.chain(root, blocks[0], 0)  # a hit: block 0 is now the most recent, block 1 the oldest
+    memo.chain(root, blocks[8], 0)  # a miss: replaces block 1
+    assert (memo.hits, memo.misses) == (1, 9)
+    assert memo.chain(root, blocks[0], 0) == block_keys(blocks[0], TPB)  # still held
+    assert memo.hits == 2
+    assert memo.chain(root, blocks[1], 0) == block_keys(blocks[1], TPB)  # gone: hashed again
+    assert (memo.hits, memo.misses) == (2, 10)
