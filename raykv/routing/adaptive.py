@@ -179,17 +179,16 @@ class RoutingPolicy:
                     if m[1] > top:
                         holder, top = w, m[1]
                 break
-        if holder in excess:
-            kept = [
-                (load + excess[w] if w == holder else math.inf) if w in excess else load
-                for w, load in zip(workers, loads)
-            ]
-        else:
-            holder = None
-            kept = [math.inf if w in excess else load for w, load in zip(workers, loads)]
+        kept = list(loads)
+        for worker, over in excess.items():  # one or two workers, not all of them
+            try:
+                i = workers.index(worker)
+            except ValueError:  # not a candidate now
+                continue
+            kept[i] = loads[i] + over if worker == holder else math.inf
         if min(kept) == math.inf:
             return loads, None
-        return kept, holder
+        return kept, holder if holder in excess else None
 
     def _forced(self, d: Decision, holder: WorkerId) -> Decision:
         """``d`` with no chosen duplicate when ``holder`` lost only by its excess-work charge
