@@ -23,7 +23,12 @@ up to date from what the deployment shows it, instead of per-trace constants:
   decisions (exponentially decayed, :class:`WorkShares`); a worker whose share exceeds
   ``balance_limit`` x the mean share is left out of the decision (from the
   ``balance_window / 10``-th decision on, when the shares mean something), so sessions that stay
-  with their prefix cannot leave a worker idle or overloaded for long.
+  with their prefix cannot leave a worker idle or overloaded for long. The one exception is the
+  holder of the request's longest cached prefix: it stays, its work beyond the limit added to its
+  load as if still queued, so it keeps the request only while recomputing the prefix elsewhere
+  costs more than that excess (which grows with every request it keeps). A duplicate that only
+  this charge caused is reported as forced (``Decision.duplicated`` 0), like one the load guard
+  forces, and does not raise the duplicate price.
 
 A *hot* prefix (``hot(worker, blocks)``: the winner's prefix was brought by a request still in
 flight on it) is a burst: a second copy then serves concurrent requests instead of going stale, so
@@ -66,12 +71,14 @@ class WorkShares:
             self._scale = 1.0
         self.totals[worker] = self.totals.get(worker, 0.0) + work * self._scale
 
-    def over(self, workers: Sequence[WorkerId], limit: float) -> list[bool]:
-        """Per worker, is its share above ``limit`` x the mean share of ``workers``?"""
+    def excess(self, workers: Sequence[WorkerId], limit: float) -> dict[WorkerId, float]:
+        """The workers of ``workers`` whose share is above ``limit`` x the mean share, each with
+        the decayed work (token-equivalents) it was given beyond that limit."""
         get = self.totals.get
         shares = [get(w, 0.0) for w in workers]
         cap = limit * sum(shares) / len(shares)
-        return [x > cap for x in shares]
+        scale = self._scale
+        return {w: (x - cap) / scale for w, x in zip(workers, shares) if x > cap}
 
 
 class RoutingPolicy:
@@ -88,7 +95,7 @@ class RoutingPolicy:
         self.decisions = 0
         self.shares = WorkShares(cfg.balance_window)
         self._warm = cfg.balance_window // 10  # decisions before the shares are trusted
-        self._excluded: frozenset[WorkerId] = frozenset()  # past their share (set by learn)
+        self._excess: dict[WorkerId, float] = {}  # past their share: work beyond it (by learn)
         self._workers: Sequence[WorkerId] = ()
         self._prices = self._current()
 
@@ -122,19 +129,19 @@ class RoutingPolicy:
         learn: bool = True,
     ) -> Decision:
         """The lowest-cost worker (:func:`~raykv.routing.policy.choose_loads` at the current
-        prices, leaving out workers past their share of the work; a hot winner re-decided at
-        ``hot_price``), then (``learn``) :meth:`learn` from it; a router that learns after
-        dispatching passes ``learn=False`` and calls :meth:`learn` itself. ``decode_work``: a
-        request's expected decode work in token-equivalents (default ``decode_weight``). Raises
-        InvalidArgumentError when there is no candidate."""
+        prices, leaving out workers past their share of the work, except the prefix holder, which
+        is charged its excess; a hot winner re-decided at ``hot_price``), then (``learn``)
+        :meth:`learn` from it; a router that learns after dispatching passes ``learn=False`` and
+        calls :meth:`learn` itself. ``decode_work``: a request's expected decode work in
+        token-equivalents (default ``decode_weight``). Raises InvalidArgumentError when there is
+        no candidate."""
         if not workers:
             raise InvalidArgumentError("candidates", "no candidate workers")
-        cfg, prices, excluded = self.cfg, self._prices, self._excluded
+        cfg, prices = self.cfg, self._prices
         self._workers = workers
-        if excluded:
-            kept = [math.inf if w in excluded else load for w, load in zip(workers, loads)]
-            if min(kept) < math.inf:  # someone stays
-                loads = kept
+        charged = None  # the holder past its share that stays, charged its excess
+        if self._excess:
+            loads, charged = self._balanced(workers, loads, matches)
         d = decide_at(num_tokens, workers, loads, matches, cfg, prices, rng)
         if hot is not None and d.cached_blocks > 0 and not cfg.allow_pulls and hot(d.worker, d.cached_blocks):
             d = decide_at(
@@ -146,8 +153,52 @@ class RoutingPolicy:
                 Prices(cfg.hot_price, prices.pull, prices.slack),
                 rng,
             )
+        if charged is not None and d.duplicated and d.worker != charged:
+            d = self._forced(d, charged)
         if learn:
             self.learn(num_tokens, d, cfg.decode_weight if decode_work is None else decode_work)
+        return d
+
+    def _balanced(
+        self,
+        workers: Sequence[WorkerId],
+        loads: Sequence[float],
+        matches: Mapping[WorkerId, RouteMatch],
+    ) -> tuple[Sequence[float], WorkerId | None]:
+        """``loads`` with the balance rule applied, and the holder it charged (or None): a worker
+        past its share is left out (an infinite load), except the holder of the request's longest
+        cached prefix (the first worker in ``matches`` with the most blocks, the cost model's best
+        holder), which stays with its excess work (:meth:`WorkShares.excess`) added to its load.
+        ``loads`` unchanged (and None) when that would leave no candidate."""
+        excess = self._excess
+        holder = None
+        for worker in excess:
+            if worker in matches:  # a worker past its share holds some of the prefix
+                top = 0
+                for w, m in matches.items():
+                    if m[1] > top:
+                        holder, top = w, m[1]
+                break
+        kept = list(loads)
+        for worker, over in excess.items():  # one or two workers, not all of them
+            try:
+                i = workers.index(worker)
+            except ValueError:  # not a candidate now
+                continue
+            kept[i] = loads[i] + over if worker == holder else math.inf
+        if min(kept) == math.inf:
+            return loads, None
+        return kept, holder if holder in excess else None
+
+    def _forced(self, d: Decision, holder: WorkerId) -> Decision:
+        """``d`` with no chosen duplicate when ``holder`` lost only by its excess-work charge
+        (without it, its cost would not exceed the winner's): the balance rule forced the
+        duplicate, as the load guard forces one, so it does not raise the duplicate price."""
+        for worker, cost in d.costs:
+            if worker == holder:
+                if cost - self._excess[holder] <= d.cost + 1e-9:
+                    return Decision(d.worker, d.cost, d.cached_blocks, d.pull_from, d.pull_blocks, d.costs, 0)
+                break
         return d
 
     def learn(self, num_tokens: int, d: Decision, decode_work: float = 0.0) -> None:
@@ -160,8 +211,7 @@ class RoutingPolicy:
         self.shares.add(d.worker, work)
         self.decisions += 1
         if self.decisions >= self._warm and self._workers:
-            over = self.shares.over(self._workers, cfg.balance_limit)
-            self._excluded = frozenset(w for w, o in zip(self._workers, over) if o)
+            self._excess = self.shares.excess(self._workers, cfg.balance_limit)
         budget = cfg.recompute_budget
         if d.duplicated:
             share = min(1.0, d.duplicated * cfg.tokens_per_block / max(1, num_tokens))

@@ -13,7 +13,7 @@ import pytest
 from raykv.core.keys import ReuseScope, block_keys
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
-from raykv.routing.adaptive import RoutingPolicy
+from raykv.routing.adaptive import RoutingPolicy, WorkShares
 from raykv.routing.policy import DEFAULT_ROUTING, RoutingConfig
 from raykv.routing.session_keys import SessionKeys
 
@@ -152,10 +152,11 @@ def test_every_router_starts_from_the_one_default_configuration() -> None:
         assert '"routing"' not in text and "RoutingConfig(" not in text, name
 
 
-def test_a_worker_past_its_share_of_the_work_is_left_out() -> None:
+def test_a_holder_past_its_share_of_the_work_is_held_near_the_limit() -> None:
     """A holds every prefix and all loads look equal: at first everything goes to A; once the
-    shares are trusted (balance_window / 10 decisions) A is left out whenever its decayed share
-    of the work exceeds balance_limit x the mean, so B gets work although it holds nothing."""
+    shares are trusted (balance_window / 10 decisions) A, past balance_limit x the mean, pays its
+    excess work as queued load, so B gets work although it holds nothing and A's share stays
+    near the limit."""
     cfg = dataclasses.replace(CFG, balance_window=100, balance_limit=1.2, price_start=0.5)
     policy = RoutingPolicy(cfg)
     held = {A: RouteMatch(A, 10, gpu=10)}
@@ -164,3 +165,50 @@ def test_a_worker_past_its_share_of_the_work_is_left_out() -> None:
     assert picks[200:].count(B) > 20  # B recomputes (224 units a request), A hits (64)
     totals = policy.shares.totals
     assert 0.5 < totals[A] / (totals[A] + totals[B]) < 0.62  # held near balance_limit x the mean
+
+
+def test_work_shares_report_the_work_past_the_limit() -> None:
+    shares = WorkShares(10**9)  # (almost) no decay
+    shares.add(A, 30.0)
+    shares.add(B, 10.0)
+    over = shares.excess([A, B], 1.2)  # mean 20, limit 24
+    assert over.keys() == {A} and over[A] == pytest.approx(6.0)
+    assert shares.excess([A, B], 1.5) == {}  # A's 30 is within 1.5 x 20
+
+
+def _past_its_share() -> RoutingPolicy:
+    """A policy whose 10 first requests (the warm-up of balance_window 100) all hit on A: A has
+    all the work (64 decode units each, decayed by 0.99 a decision), so it is past 1.2 x the mean
+    by 0.4 x that (about 245)."""
+    policy = RoutingPolicy(dataclasses.replace(CFG, balance_window=100, balance_limit=1.2))
+    for _ in range(10):
+        assert policy.decide(160, [A, B], [0.0, 0.0], {A: RouteMatch(A, 10, gpu=10)}).worker == A
+    assert policy.shares.excess([A, B], 1.2)[A] == pytest.approx(0.4 * 64 * sum(0.99**i for i in range(10)))
+    return policy
+
+
+def test_a_worker_past_its_share_is_left_out_unless_it_holds_the_prefix() -> None:
+    """Past its share, A is no candidate for a request it holds nothing of (B wins though B is
+    busier); for a request whose prefix it holds it stays, its excess work added to its load
+    (about 245): a 10-block prefix (B would recompute 160 tokens at the duplicate price) stays
+    on A; a 1-block prefix (16 tokens saved) goes to B, a duplicate that the charge forced, not a
+    chosen one."""
+    policy = _past_its_share()
+    price = policy.duplicate_price
+    d = policy.decide(160, [A, B], [0.0, 100.0], {}, learn=False)
+    assert d.worker == B and [w for w, _ in d.costs] == [B]
+    d = policy.decide(160, [A, B], [0.0, 0.0], {A: RouteMatch(A, 10, gpu=10)}, learn=False)
+    assert d.worker == A and d.costs[0][1] == pytest.approx(policy.shares.excess([A, B], 1.2)[A])
+    d = policy.decide(160, [A, B], [0.0, 0.0], {A: RouteMatch(A, 1, gpu=1)})
+    assert d.worker == B and d.cached_blocks == 0 and d.duplicated == 0
+    assert policy.duplicate_price < price  # the forced duplicate did not raise the price
+
+
+def test_a_duplicate_the_charge_did_not_force_still_raises_the_price() -> None:
+    """A past its share holds a 1-block prefix but is also far busier than B: B would win even
+    without A's charge, so the duplicate is a chosen one and raises the price."""
+    policy = _past_its_share()
+    price = policy.duplicate_price
+    d = policy.decide(160, [A, B], [400.0, 0.0], {A: RouteMatch(A, 1, gpu=1)})
+    assert d.worker == B and d.duplicated == 1
+    assert policy.duplicate_price > price
