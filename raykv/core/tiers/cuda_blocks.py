@@ -3,8 +3,9 @@
 An engine keeps a block's KV as parts (per layer, keys and values) of shape ``[blocks, r, N, H, D]``
 with arbitrary strides (vLLM: any ``KVCacheLayout``, kernel blocks ``r`` of ``N`` tokens each); a
 token-major raykv page holds each part as ``[r * N, H, D]`` contiguous at its region's offset. The
-kernel moves a batch of pages in one launch. Its table is one int32 pair per page, uploaded per
-batch: the page's slot (the page is at ``base + slot * stride``) and its engine block. Grid rows
+kernel moves a batch of pages in one launch. Its table is one int32 pair per page: the page's
+slot (the page is at ``base + slot * stride``) and its engine block, passed by value in the
+launch's parameters for a batch of up to ``SMALL_PAGES`` pages, else uploaded first. Grid rows
 are (part, token) of one page, 16-byte vectors strided over the threads, ``PAGES_PER_STEP``
 pages at a time strided over the grid's second dimension. Both directions: pages into
 blocks (a load) and blocks into pages (a save). Page rows may be device memory (a GPU tier, mapped

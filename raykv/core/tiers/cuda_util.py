@@ -285,12 +285,12 @@ def one_run(slots: SlotList) -> bool:
 
 
 class ArgTables:
-    """Kernel argument tables (int64 arrays) uploaded without allocating: a ring of page-locked
-    host buffers and their device twins, each reused once the driver event recorded after the
-    work that read it completed (so neither side is overwritten or freed while in use).
+    """Kernel argument tables uploaded without allocating: a ring of page-locked host buffers and
+    their device twins, each reused once the driver event recorded after the work that read it
+    completed (so neither side is overwritten or freed while in use).
 
-    Per launch: :meth:`upload` (or :meth:`take`, filling the table, :meth:`send`: one host copy,
-    one ``cuMemcpyHtoDAsync``), the launch on the same stream, then :meth:`record` on that stream.
+    Per launch: :meth:`take`, filling the table, :meth:`send` (one ``cuMemcpyHtoDAsync``), the
+    launch on the same stream, then :meth:`record` on that stream.
     The ring comes round again ``RING`` tables later and waits for that event first."""
 
     RING = 4
@@ -334,17 +334,6 @@ class ArgTables:
         dev = int(slot["dev"].data_ptr())
         calls().htod_async(dev, int(slot["host"].data_ptr()), nbytes, stream_handle)
         return dev
-
-    def upload(self, stream_handle: int, arrays: Sequence[npt.NDArray[np.int64]]) -> int:
-        """:meth:`take`, then the int64 ``arrays`` one after another into the table, then
-        :meth:`send`."""
-        count = sum(len(a) for a in arrays)
-        host = self.take(count)
-        at = 0
-        for array in arrays:
-            host[at : at + len(array)] = array
-            at += len(array)
-        return self.send(stream_handle, 8 * count)
 
     def record(self, stream_handle: int) -> None:
         """The last uploaded table is free once the work enqueued on ``stream_handle`` so far
