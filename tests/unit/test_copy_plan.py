@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -147,3 +149,53 @@ def test_pack_ids_refuses_bad_input_and_writes_nothing(path: str) -> None:
     assert out.tolist() == [-1] * 8
     assert copy_plan.pack_ids([np.int64(5)], [True], out, 10, 10) == 1  # integer-like items
     assert out[:2].tolist() == [5, 1]
+
+
+def test_pack_ids_reads_lists_with_int_like_items(path: str) -> None:
+    out = np.full(8, -1, dtype=np.int32)
+    assert copy_plan.pack_ids([0, np.int64(3), 2], [True, 4, np.int32(5)], out, 10, 10) == 3
+    assert out.tolist() == [0, 3, 2, 1, 4, 5, -1, -1]
+    with pytest.raises(ValueError, match=r"first\[2\] is outside 0..9"):
+        copy_plan.pack_ids([0, np.int64(3), 12], [1, 2, 3], out, 10, 10)
+    assert out.tolist() == [0, 3, 2, 1, 4, 5, -1, -1]
+
+
+_VOID_P, _UINTS = ctypes.c_void_p, (ctypes.c_uint,) * 7
+_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, _VOID_P, *_UINTS, _VOID_P, ctypes.POINTER(_VOID_P), _VOID_P)
+"""cuLaunchKernel's C signature, for a stand-in launch function."""
+
+
+@pytest.mark.skipif(native.built("_slots") is None, reason="raykv.native._slots was not built")
+def test_pack_launch_packs_the_table_then_calls_the_launch_once() -> None:
+    compiled = native.built("_slots")
+    assert compiled is not None
+    table = (ctypes.c_int32 * 8)(*([-1] * 8))
+    params = (ctypes.c_void_p * 1)(ctypes.addressof(table))
+    seen: list[tuple[object, ...]] = []
+    result = [0]
+
+    def fake(fn, gx, gy, gz, bx, by, bz, shared, stream, argv, extra):  # type: ignore[no-untyped-def]
+        packed = ctypes.cast(argv[0], ctypes.POINTER(ctypes.c_int32 * 8)).contents
+        seen.append((fn, gx, gy, gz, bx, by, bz, shared, stream, list(packed), extra))
+        return result[0]
+
+    launch = _LAUNCH(fake)
+    address = ctypes.cast(launch, ctypes.c_void_p).value
+
+    def call(first: object, second: object, limits: tuple[int, int] = (10, 10)) -> int:
+        table_at, params_at = ctypes.addressof(table), ctypes.addressof(params)
+        return int(
+            compiled.pack_launch(address, 11, 3, 2, 64, 99, params_at, table_at, 8, first, second, *limits)
+        )
+
+    assert call([1, 2, 3], [4, 5, 6]) == 0
+    assert seen == [(11, 3, 2, 1, 64, 1, 1, 0, 99, [1, 2, 3, 4, 5, 6, -1, -1], None)]
+    for first, second in (([1, 2, 30], [4, 5, 6]), ([1, 2], [4, 5, 6]), ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5])):
+        with pytest.raises(ValueError):
+            call(first, second)
+    with pytest.raises(TypeError):
+        call([1, 2, 3], [4, "5", 6])
+    assert len(seen) == 1 and list(table) == [1, 2, 3, 4, 5, 6, -1, -1]  # refused: nothing launched
+    result[0] = 700  # a driver error comes back as its code
+    assert call(None, [7, 8]) == 700
+    assert seen[-1][9] == [0, 1, 7, 8, 5, 6, -1, -1]

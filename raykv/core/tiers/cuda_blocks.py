@@ -171,8 +171,6 @@ class BlockKernel:
         self.geometry = geometry
         self._launcher = KernelArgs(int(function), _ARG_TYPES)
         self._small = KernelArgs(int(small), _SMALL_ARG_TYPES)
-        self._small_table = self._small.array(0)
-        self._small_lock = threading.Lock()  # the by-value table is filled, then launched
         self._geometry = torch.tensor(
             [*geometry.bases, *geometry.offsets], dtype=torch.int64, device=device
         )  # int64 bit patterns of the addresses; the kernel reads them as unsigned
@@ -208,10 +206,13 @@ class BlockKernel:
             *(page_base, page_stride, self._geometry_address, count, len(g.bases), g.tokens),
             *(g.kernel_tokens, g.heads, g.row_bytes // 16, *g.strides, int(to_engine)),
         )
-        if count <= SMALL_PAGES:
-            with self._small_lock:
-                _pack(slots, block_ids, self._small_table, limits, count)
-                self._small.launch(grid, THREADS, handle, (None, *rest))
+        if count <= SMALL_PAGES:  # the table by value: packed and launched in one call
+            try:
+                self._small.launch_packed(
+                    grid[:2], THREADS, handle, (None, *rest), (slots, block_ids), limits
+                )
+            except (ValueError, TypeError) as exc:
+                raise _invalid(count, exc) from None
             return
         table = self._args.take(2 * count, np.int32)
         _pack(slots, block_ids, table, limits, count)
@@ -231,9 +232,13 @@ def _pack(
     try:
         pack_ids(slots, block_ids, table, *limits)
     except (ValueError, TypeError) as exc:
-        raise InvalidArgumentError(
-            "slots", f"block copy of {count} pages (first: page slots, second: block ids): {exc}"
-        ) from None
+        raise _invalid(count, exc) from None
+
+
+def _invalid(count: int, exc: Exception) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        "slots", f"block copy of {count} pages (first: page slots, second: block ids): {exc}"
+    )
 
 
 def block_kernel(device: Any, geometry: PartGeometry | None) -> BlockKernel | None:

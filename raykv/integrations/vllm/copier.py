@@ -193,7 +193,7 @@ class BlockCopier:
             and pages.dtype == torch.uint8
             and pages.dim() == 2
             and pages.shape[1] == self.page_bytes
-            and pages.device == torch.device(self.device)
+            and pages.device == self.device
         ):
             raise InvalidArgumentError("pages", f"need uint8 [n, {self.page_bytes}] on {self.device}")
         if self.kernel is not None and pages.stride() == (self.page_bytes, 1):
