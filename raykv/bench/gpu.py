@@ -14,7 +14,9 @@ slots (nothing coalesces into one run) is copied:
   same bytes (bytes counted once).
 
 Timing is wall clock from the call to the end of the copy (host overhead included), the median of
-``repeats`` samples taken alternately with the baseline. Page bytes are random.
+``repeats`` samples taken alternately with the baseline, after untimed pairs for at least
+``warm_s`` seconds (an idle GPU clocks down, which slows the copy kernels more than the raw
+copy). Page bytes are random.
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ class GpuSettings:
     d2d_bytes: int
     repeats: int
     warmup: int
+    warm_s: float
+    """Untimed pairs for at least this long before each row's samples (GPU clocks up)."""
 
 
-FULL = GpuSettings(total_bytes=256 << 20, d2d_bytes=1 << 30, repeats=15, warmup=3)
-QUICK = GpuSettings(total_bytes=64 << 20, d2d_bytes=256 << 20, repeats=5, warmup=2)
+FULL = GpuSettings(total_bytes=256 << 20, d2d_bytes=1 << 30, repeats=15, warmup=3, warm_s=0.25)
+QUICK = GpuSettings(total_bytes=64 << 20, d2d_bytes=256 << 20, repeats=5, warmup=2, warm_s=0.05)
 
 
 class _Setup:
@@ -155,7 +159,9 @@ def host_copy_benchmark(settings: GpuSettings, page_kib: int) -> list[Row]:
             ]
             base = timed(functools.partial(_raw, s, d2h))
             for name, fn, goal in cases:
-                t_ours, t_base = paired_seconds(timed(fn), base, settings.repeats, settings.warmup)
+                t_ours, t_base = paired_seconds(
+                    timed(fn), base, settings.repeats, settings.warmup, settings.warm_s
+                )
                 rows.append(
                     Row(
                         f"{direction} {name} {label}",
@@ -200,7 +206,9 @@ def d2d_benchmark(settings: GpuSettings, page_kib: int) -> list[Row]:
         idx_s, idx_d = torch.as_tensor(src, device=pool.device), torch.as_tensor(dst, device=pool.device)
         if not torch.equal(pool.tensor[idx_s], pool.tensor[idx_d]):
             raise AssertionError("device page copy changed the bytes")
-        t_ours, t_base = paired_seconds(timed(ours), timed(raw), settings.repeats, settings.warmup)
+        t_ours, t_base = paired_seconds(
+            timed(ours), timed(raw), settings.repeats, settings.warmup, settings.warm_s
+        )
         nbytes = n * page
         name = f"d2d batched {page_kib}KiB x{n}"
         gpu_ours = _gpu_seconds(pool.copier.streams["d2d"], lambda: pool.copy_slots(src, dst), settings)

@@ -104,14 +104,21 @@ def median_seconds(sampler: Sampler, repeats: int, warmup: int) -> float:
         return statistics.median(sampler() for _ in range(repeats))
 
 
-def paired_seconds(ours: Sampler, base: Sampler, repeats: int, warmup: int) -> tuple[float, float]:
-    """Median seconds of ``ours`` and ``base``, sampled alternately (order flips every round)."""
+def paired_seconds(
+    ours: Sampler, base: Sampler, repeats: int, warmup: int, warm_s: float = 0.0
+) -> tuple[float, float]:
+    """Median seconds of ``ours`` and ``base``, sampled alternately (order flips every round),
+    after ``warmup`` untimed pairs and, with ``warm_s``, untimed pairs for at least that many
+    seconds (a GPU left idle clocks down; a few 50 us samples do not bring it back up, and a
+    copy kernel then runs slower than the copy engines' raw copy it is compared with)."""
     mine: list[float] = []
     theirs: list[float] = []
     with gc_paused():
-        for _ in range(warmup):
+        start, done = time.perf_counter(), 0
+        while done < warmup or time.perf_counter() - start < warm_s:
             ours()
             base()
+            done += 1
         for i in range(repeats):
             if i % 2:
                 theirs.append(base())

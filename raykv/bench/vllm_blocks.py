@@ -26,7 +26,10 @@ which 256 move:
   device-to-device copy of the same bytes.
 
 Figures are GB/s (1e9 page bytes per second), the median of ``repeats`` samples taken
-alternately with the baseline, wall clock from the call until the copy is done. Before timing,
+alternately with the baseline, wall clock from the call until the copy is done, after untimed
+pairs for at least ``warm_s`` (an idle GPU clocks down, and a few samples of 50-100 us do not
+bring it back: the block kernel measured 0.69-0.71x of the raw copy at 64 MiB with 3 warm-up
+pairs against 0.79-0.81x once warm, 1x H200). Before timing,
 the rows saved from one engine are loaded into another and compared byte for byte.
 """
 
@@ -53,10 +56,12 @@ class Settings:
     layers: int
     repeats: int
     warmup: int
+    warm_s: float
+    """Untimed pairs for at least this long before each row's samples (GPU clocks up)."""
 
 
-FULL = Settings(layers=4, repeats=15, warmup=3)
-QUICK = Settings(layers=2, repeats=5, warmup=2)
+FULL = Settings(layers=4, repeats=15, warmup=3, warm_s=0.25)
+QUICK = Settings(layers=2, repeats=5, warmup=2, warm_s=0.05)
 
 ENGINES = {
     "cuda": (("flash_attn", "LBNHC"), ("flashinfer", "LBHNC"), ("flash_attn", "BLNHC")),
@@ -147,7 +152,7 @@ def copy_benchmark(
     rows = []
     for name, fn, d2h in (("save", case.save, True), ("load", case.load, False)):
         base = timed(functools.partial(case.raw, d2h))
-        t_ours, t_base = paired_seconds(timed(fn), base, settings.repeats, settings.warmup)
+        t_ours, t_base = paired_seconds(timed(fn), base, settings.repeats, settings.warmup, settings.warm_s)
         raw = "d2h" if d2h else "h2d"
         info = f"baseline: raw {raw}" if device == "cuda" else "baseline: host memcpy"
         ours, baseline = case.nbytes / t_ours / 1e9, case.nbytes / t_base / 1e9
@@ -186,7 +191,9 @@ def gpu_pages_benchmark(settings: Settings, kib: int, kind: str, order: str, run
         other.copy_(case.raw_dev)
         torch.cuda.current_stream(case.device).synchronize()
 
-    t_ours, t_base = paired_seconds(timed(load), timed(raw), settings.repeats, settings.warmup)
+    t_ours, t_base = paired_seconds(
+        timed(load), timed(raw), settings.repeats, settings.warmup, settings.warm_s
+    )
     label = f"{kind}/{order} {'run' if run else 'scattered'} {kib}KiB x{BLOCKS}x{settings.layers}L"
     ours, baseline = case.nbytes / t_ours / 1e9, case.nbytes / t_base / 1e9
     return [Row(f"load from GPU pages {label}", ours, baseline, "GB/s", info="baseline: raw d2d")]
@@ -226,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     settings = QUICK if opts.quick else FULL
     if opts.repeats:
-        settings = Settings(settings.layers, opts.repeats, settings.warmup)
+        settings = Settings(settings.layers, opts.repeats, settings.warmup, settings.warm_s)
     desc = (
         f"{'quick' if opts.quick else 'full'} mode, {BLOCKS} blocks of {settings.layers} layers, "
         f"{HEADS} heads x {HEAD} {DTYPE}, median of {settings.repeats}; {describe(opts.device)}"
