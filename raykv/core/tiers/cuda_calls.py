@@ -151,10 +151,13 @@ class KernelArgs:
     pointer array ``cuLaunchKernel`` reads. :meth:`launch` fills the boxes and launches under a
     lock (the driver copies the arguments during the call), so a block serves every thread. Boxes
     are written only when a value changed since the last launch (a batch's arguments mostly
-    repeat: 16 box writes were 3 us of a small copy's host time)."""
+    repeat: 16 box writes were 3 us of a small copy's host time). Whether :meth:`launch_packed`
+    packs in compiled code (``raykv.native._slots``, unless ``RAYKV_PURE_SLOTS=1``) is fixed when
+    the block is built."""
 
     def __init__(self, function: int, types: Sequence[Any]) -> None:
         self.function = function
+        self._compiled = native.load("_slots")
         self._boxes = [kind() for kind in types]
         self._params = (_P * len(self._boxes))(*[ctypes.addressof(b) for b in self._boxes])
         self._params_address = ctypes.addressof(self._params)
@@ -195,8 +198,7 @@ class KernelArgs:
         packed and launched in one compiled call where ``raykv.native._slots`` is built. Raises
         as ``pack_ids`` (ValueError, TypeError) before launching; CudaError when the driver
         refuses the launch."""
-        run = calls()
-        compiled = native.load("_slots")
+        run, compiled = calls(), self._compiled
         table = self._boxes[0]
         with self._lock:
             self._fill(values)
