@@ -38,6 +38,7 @@ import numpy.typing as npt
 
 from raykv.core.errors import PageCorruptError
 from raykv.core.tiers.base import PagePool, is_run
+from raykv.core.tiers.copy_plan import int64_array
 from raykv.core.tiers.cuda_util import SlotEvents
 from raykv.core.tiers.disk import DiskPool
 from raykv.core.tiers.host import HostPool
@@ -177,8 +178,8 @@ class CopyEngine:
         gpu: GpuPool = src if src.kind is TierKind.GPU else dst  # type: ignore[assignment]
         src_base, src_events = self._endpoint(src_level)
         dst_base, dst_events = self._endpoint(dst_level)
-        src_ids = np.asarray(src_list, dtype=np.int64)  # converted once: the bookkeeping is vectorized
-        dst_ids = np.asarray(dst_list, dtype=np.int64)
+        src_ids = int64_array(src_list)  # converted once: the bookkeeping is vectorized
+        dst_ids = int64_array(dst_list)
         if src_base is not None and dst_base is not None:
             stream = "d2d" if src.kind is dst.kind else ("d2h" if src.kind is TierKind.GPU else "h2d")
             waits = src_events.pending(src_ids) + dst_events.pending(dst_ids)

@@ -152,6 +152,101 @@ static PyObject *run_starts(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(count);
 }
 
+/* fill_int64(seq, out) -> count: the leading items of a list or tuple that are exact ints within
+ * int64, into the int64 buffer out (at least len(seq) items); stops at the first other item, so no
+ * Python code runs (the caller converts the rest, or all, another way). */
+static PyObject *fill_int64(PyObject *self, PyObject *args) {
+    PyObject *seq, *c;
+    Py_buffer out;
+    if (!PyArg_ParseTuple(args, "OO", &seq, &c)) {
+        return NULL;
+    }
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
+        PyErr_SetString(PyExc_TypeError, "seq must be a list or a tuple");
+        return NULL;
+    }
+    if (int_view(c, &out, 1, 0, "out") < 0) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i = 0;
+    if (out.shape[0] < n) {
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "out is too short");
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    int64_t *o = (int64_t *)out.buf;
+    for (; i < n; i++) {
+        if (!PyLong_CheckExact(items[i])) {
+            break;
+        }
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        if (overflow) {
+            break;
+        }
+        o[i] = v;
+    }
+    PyBuffer_Release(&out);
+    return PyLong_FromSsize_t(i);
+}
+
+/* spans(src, dst, src_base, dst_base, page_bytes, out_dst, out_src, out_sizes) -> runs: each run's
+ * DMA descriptor (destination address, source address, bytes) into the uint64 outputs (n items
+ * each), in one pass. */
+static PyObject *spans(PyObject *self, PyObject *args) {
+    PyObject *a, *b, *od, *os, *oz;
+    unsigned long long src_base, dst_base, page;
+    Py_buffer src, dst, vd, vs, vz;
+    if (!PyArg_ParseTuple(args, "OOKKKOOO", &a, &b, &src_base, &dst_base, &page, &od, &os, &oz)) {
+        return NULL;
+    }
+    if (int_view(a, &src, 0, 0, "src") < 0) {
+        return NULL;
+    }
+    if (int_view(b, &dst, 0, 0, "dst") < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    int got = 0;
+    Py_buffer *views[3] = {&vd, &vs, &vz};
+    PyObject *outs[3] = {od, os, oz};
+    for (; got < 3; got++) { /* uint64 outputs: 'Q'/'L' formats are read as 8-byte integers */
+        if (PyObject_GetBuffer(outs[got], views[got], PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+            break;
+        }
+        if (views[got]->ndim != 1 || views[got]->itemsize != 8 || views[got]->shape[0] < src.shape[0]) {
+            PyBuffer_Release(views[got]);
+            PyErr_SetString(PyExc_ValueError, "outputs must be 1-D 8-byte buffers of at least n items");
+            break;
+        }
+    }
+    Py_ssize_t n = src.shape[0], count = 0;
+    int ok = got == 3 && dst.shape[0] == n;
+    if (got == 3 && !ok) {
+        PyErr_SetString(PyExc_ValueError, "src and dst differ in length");
+    }
+    if (ok) {
+        const int64_t *s = (const int64_t *)src.buf, *d = (const int64_t *)dst.buf;
+        uint64_t *pd = (uint64_t *)vd.buf, *ps = (uint64_t *)vs.buf, *pz = (uint64_t *)vz.buf;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (i == 0 || s[i] != s[i - 1] + 1 || d[i] != d[i - 1] + 1) {
+                pd[count] = dst_base + (uint64_t)d[i] * page;
+                ps[count] = src_base + (uint64_t)s[i] * page;
+                pz[count++] = page;
+            } else {
+                pz[count - 1] += page;
+            }
+        }
+    }
+    for (int k = 0; k < got; k++) {
+        PyBuffer_Release(views[k]);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return ok ? PyLong_FromSsize_t(count) : NULL;
+}
+
 /* One input of pack_ids: a list or tuple (read in place), a 1-D int64 buffer, None (0..n-1), or
  * any other sequence (read as a tuple). */
 typedef struct {
@@ -354,6 +449,10 @@ static PyMethodDef methods[] = {
     {"pack_launch", pack_launch, METH_VARARGS,
      "pack_launch(launch, function, grid_x, grid_y, threads, stream, params, table, capacity, first, second, "
      "first_limit, second_limit) -> CUresult."},
+    {"fill_int64", fill_int64, METH_VARARGS, "fill_int64(seq, out) -> leading exact ints written."},
+    {"spans", spans, METH_VARARGS, "spans(src, dst, src_base, dst_base, page, out_dst, out_src, out_sizes) -> runs."},
+    {"fill_int64", fill_int64, METH_VARARGS, "fill_int64(seq, out) -> leading exact ints written."},
+    {"spans", spans, METH_VARARGS, "spans(src, dst, src_base, dst_base, page, out_dst, out_src, out_sizes) -> runs."},
     {"run_starts", run_starts, METH_VARARGS, "run_starts(src, dst, out) -> count of run starts written."},
     {NULL, NULL, 0, NULL},
 };

@@ -123,7 +123,7 @@ def test_benchmark_quick_runs() -> None:
     """The benchmark module's quick mode on this GPU (every row, no error)."""
     from raykv.bench.vllm_blocks import QUICK, Settings, benchmarks
 
-    settings = Settings(layers=1, repeats=1, warmup=0)
+    settings = Settings(layers=1, repeats=1, warmup=0, warm_s=0.0)
     assert settings.repeats <= QUICK.repeats
     for bench in benchmarks(settings, "cuda"):
         rows = bench.run()

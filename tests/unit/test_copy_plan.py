@@ -52,6 +52,11 @@ def test_pack_and_run_starts_match_the_oracle(path: str, drawn: list[tuple[int, 
     assert copy_plan.run_starts(src, dst).tolist() == starts
     lengths = np.diff([*starts, n]).tolist()
     assert copy_plan.runs(src, dst) == [(int(src[i]), int(dst[i]), k) for i, k in zip(starts, lengths)]
+    d, s, sizes = copy_plan.spans(src, dst, 1 << 40, 1 << 44, 4096)
+    assert d.tolist() == [(1 << 44) + int(dst[i]) * 4096 for i in starts]
+    assert s.tolist() == [(1 << 40) + int(src[i]) * 4096 for i in starts]
+    assert sizes.tolist() == [k * 4096 for k in lengths]
+    assert all(a.flags.c_contiguous and a.dtype == np.uint64 for a in (d, s, sizes))
 
 
 def test_spans_are_byte_addresses_of_the_runs(path: str) -> None:
@@ -199,3 +204,15 @@ def test_pack_launch_packs_the_table_then_calls_the_launch_once() -> None:
     result[0] = 700  # a driver error comes back as its code
     assert call(None, [7, 8]) == 700
     assert seen[-1][9] == [0, 1, 7, 8, 5, 6, -1, -1]
+
+
+def test_int64_array_reads_ints_of_any_kind(path: str) -> None:
+    for values in ([3, 1, 2], (3, 1, 2), [3, np.int64(1), True + 1], np.array([3, 1, 2])):
+        got = copy_plan.int64_array(values)
+        assert got.dtype == np.int64 and got.tolist() == [3, 1, 2]
+    assert copy_plan.int64_array([]).tolist() == []
+    assert copy_plan.int64_array([-(1 << 63), (1 << 63) - 1]).tolist() == [-(1 << 63), (1 << 63) - 1]
+    with pytest.raises(OverflowError):
+        copy_plan.int64_array([0, 1 << 64])
+    with pytest.raises((TypeError, ValueError)):
+        copy_plan.int64_array([0, "x"])

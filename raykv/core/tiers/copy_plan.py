@@ -118,10 +118,29 @@ def spans(
     page_bytes: int,
 ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
     """The runs as DMA copy descriptors: (destination addresses, source addresses, byte counts),
-    uint64 arrays in batch order (what ``cuMemcpyBatchAsync`` reads)."""
+    contiguous uint64 arrays in batch order (what ``cuMemcpyBatchAsync`` reads). ValueError
+    when the arrays differ in shape."""
+    _check(src, dst)
+    compiled = native.load("_slots")
+    if compiled is not None:  # one pass (numpy's five took 64 us of a 4,096-page batch)
+        out = np.empty((3, len(src)), dtype=np.uint64)
+        count = compiled.spans(src, dst, src_base, dst_base, page_bytes, *out)
+        return out[0, :count], out[1, :count], out[2, :count]
     starts = run_starts(src, dst)
     lengths = np.diff(np.append(starts, len(src))).astype(np.uint64)
     page = np.uint64(page_bytes)
     dst_addr = np.uint64(dst_base) + dst[starts].astype(np.uint64) * page
     src_addr = np.uint64(src_base) + src[starts].astype(np.uint64) * page
     return dst_addr, src_addr, lengths * page
+
+
+def int64_array(values: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """``values`` as a flat int64 array (no copy for one already). A list or tuple of ints is read
+    in compiled code where built: numpy's conversion took 77 us per 4,096 slots. OverflowError
+    or TypeError as numpy raises them for items that are not int64 integers."""
+    compiled = native.load("_slots")
+    if compiled is not None and type(values) in (list, tuple):
+        out = np.empty(len(values), dtype=np.int64)
+        if compiled.fill_int64(values, out) == len(out):
+            return out
+    return np.asarray(values, dtype=np.int64).reshape(-1)
