@@ -9,7 +9,7 @@ slots (nothing coalesces into one run) is copied:
   forced (one copy kernel launch, one ``cuMemcpyAsync`` per page, or chunked
   ``cuMemcpyBatchAsync``). Baseline: one raw ``cudaMemcpyAsync`` (torch
   ``copy_(non_blocking=True)``) of the same total bytes between one pinned host buffer and one
-  device buffer, then a stream synchronize. Issue goal for the batched rows: >= 0.8x.
+  device buffer, then a stream synchronize. Goal for the batched rows: >= 0.85x.
 * ``d2d batched``: ``GpuPool.copy_slots`` within the pool vs one raw device-to-device copy of the
   same bytes (bytes counted once).
 
@@ -39,6 +39,9 @@ from raykv.core.types import PageId
 
 PAGE_KIB = (64, 512, 4096)
 GOAL = 0.8
+"""Device-to-device rows: at least this fraction of a raw device copy."""
+HOST_GOAL = 0.85
+"""Host <-> GPU batched rows: at least this fraction of a raw pinned copy."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,7 @@ def host_copy_benchmark(settings: GpuSettings, page_kib: int) -> list[Row]:
         for d2h in (True, False):
             direction = "d2h" if d2h else "h2d"
             cases: list[tuple[str, Callable[[], object], float | None]] = [
-                ("batched", functools.partial(_batched, s, d2h), GOAL),
+                ("batched", functools.partial(_batched, s, d2h), HOST_GOAL),
                 ("per page", functools.partial(_per_page, s, d2h), None),
                 ("kernel", functools.partial(_batched, s, d2h, "kernel"), None),
                 ("memcpy", functools.partial(_batched, s, d2h, "memcpy"), None),
