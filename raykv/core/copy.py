@@ -38,8 +38,7 @@ import numpy.typing as npt
 
 from raykv.core.errors import PageCorruptError
 from raykv.core.tiers.base import PagePool, is_run
-from raykv.core.tiers.copy_plan import int64_array
-from raykv.core.tiers.cuda_util import SlotEvents
+from raykv.core.tiers.cuda_util import SlotEvents, slot_array
 from raykv.core.tiers.disk import DiskPool
 from raykv.core.tiers.host import HostPool
 from raykv.core.types import PageId, TierKind
@@ -178,8 +177,8 @@ class CopyEngine:
         gpu: GpuPool = src if src.kind is TierKind.GPU else dst  # type: ignore[assignment]
         src_base, src_events = self._endpoint(src_level)
         dst_base, dst_events = self._endpoint(dst_level)
-        src_ids = int64_array(src_list)  # converted once: the bookkeeping is vectorized
-        dst_ids = int64_array(dst_list)
+        src_ids = slot_array(src_list)  # converted once: the bookkeeping is vectorized
+        dst_ids = slot_array(dst_list)
         if src_base is not None and dst_base is not None:
             stream = "d2d" if src.kind is dst.kind else ("d2h" if src.kind is TierKind.GPU else "h2d")
             waits = src_events.pending(src_ids) + dst_events.pending(dst_ids)

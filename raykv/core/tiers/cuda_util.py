@@ -27,6 +27,7 @@ import numpy.typing as npt
 
 from raykv.core.errors import CudaError
 from raykv.core.tiers.base import is_run
+from raykv.core.tiers.copy_plan import int64_array
 from raykv.core.tiers.cuda_calls import OOM_NAMES, calls, driver, error_name, make_error
 
 __all__ = ["OOM_NAMES", "driver", "error_name", "make_error"]  # re-exported: their home is cuda_calls
@@ -274,8 +275,9 @@ SlotList = Sequence[int] | range | npt.NDArray[np.int64]
 
 
 def slot_array(slots: SlotList) -> npt.NDArray[np.int64]:
-    """``slots`` as a flat int64 array (no copy when it already is one)."""
-    return np.asarray(slots, dtype=np.int64).reshape(-1)
+    """``slots`` as a flat int64 array (no copy when it already is one; a list or tuple is read
+    in compiled code where built, :func:`raykv.core.tiers.copy_plan.int64_array`)."""
+    return int64_array(slots)
 
 
 def one_run(slots: SlotList) -> bool:
