@@ -25,7 +25,8 @@ raykv
     of it, from what a deployment reports, plus the prefill it does not hold), a duplicate of a
     block another worker holds charged the learned duplicate price unless the prefix is hot (in
     use by a request of this router still in flight on its holder), a load guard that scales
-    with the observed work per request, seeded ties. The load it sees per worker is
+    with the observed work per request, a charge for the work routed to each worker over the
+    last seconds of the replay's simulated clock (``now`` passed to the policy), seeded ties. The load it sees per worker is
     ``queued_prefill + (mean decode units of finished requests) x in_flight``
     (:class:`~raykv.replay.timing.ServerQueues`), not the simulator's exact outstanding work,
     which depends on output lengths no router knows.
@@ -283,6 +284,7 @@ class RaykvRouter(Router):
             self._hot_check,
             decode,
             learn=False,  # the policy learns in routed(), the router's update after dispatch
+            now=queues.now,  # simulated time: the recent work decays on the replay's clock
         )
         self._decided = (num_tokens, d, decode)
         server = self.server_of[d.worker]

@@ -30,6 +30,18 @@ up to date from what the deployment shows it, instead of per-trace constants:
   this charge caused is reported as forced (``Decision.duplicated`` 0), like one the load guard
   forces, and does not raise the duplicate price.
 
+- the recent work (only without pulls, which spread a burst by pulling, and for a caller that
+  passes ``now`` to :meth:`RoutingPolicy.decide`, as the replay does): each worker's work routed
+  over about the last ``recent_window_s`` seconds (exponentially decayed to the ``now`` of each
+  decision, :class:`RecentWork`). Requests that
+  share a prefix come in bursts (a tool-call fan-out) and sessions return within seconds, so work
+  just routed to a worker predicts work about to follow it there, and a request routed to it now
+  delays those followers (a FIFO worker serves it first). A decision charges each worker
+  ``recent_weight`` x its recent work on top of its reported load: a burst piled onto its prefix
+  holder spreads to a second copy once the recent pile outweighs the recompute, and a new session
+  starts where no session is active. The load guard still judges the reported loads only (neither
+  this charge nor the balance rule's excess makes a worker fail the guard).
+
 A *hot* prefix (``hot(worker, blocks)``: the winner's prefix was brought by a request still in
 flight on it) is a burst: a second copy then serves concurrent requests instead of going stale, so
 the decision is re-made with ``hot_price`` as the duplicate price. Not thread-safe; one policy per
@@ -40,6 +52,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from raykv.core.errors import InvalidArgumentError
@@ -52,6 +65,7 @@ HotPrefix = Callable[[WorkerId, int], bool]
 still in flight on it?"""
 
 _EWMA = 0.02  # weight of one observation in the running averages (about the last 50)
+_NO_SLACK_LIMIT = sys.float_info.max  # a slack no finite load exceeds (an infinite one does)
 
 
 class WorkShares:
@@ -81,6 +95,27 @@ class WorkShares:
         return {w: (x - cap) / scale for w, x in zip(workers, shares) if x > cap}
 
 
+class RecentWork:
+    """Work routed to each worker, decayed by ``exp(-dt / window_s)`` over ``dt`` seconds."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.at = -math.inf  # time of the last decay (none yet)
+        self.totals: dict[WorkerId, float] = {}
+
+    def advance(self, now: float) -> None:
+        """Decay every total to ``now`` (a time before the last one counts as the last one)."""
+        if now > self.at:
+            if self.totals:
+                keep = math.exp(-(now - self.at) / self.window_s) if self.window_s > 0 else 0.0
+                self.totals = {w: t * keep for w, t in self.totals.items() if t * keep > 1e-6}
+            self.at = now
+
+    def add(self, worker: WorkerId, work: float) -> None:
+        """``worker`` was given ``work`` token-equivalents at the last :meth:`advance`."""
+        self.totals[worker] = self.totals.get(worker, 0.0) + work
+
+
 class RoutingPolicy:
     """Cache-aware routing with online prices (module docstring). ``cfg`` defaults to
     :data:`~raykv.routing.policy.DEFAULT_ROUTING`."""
@@ -97,6 +132,7 @@ class RoutingPolicy:
         self._warm = cfg.balance_window // 10  # decisions before the shares are trusted
         self._excess: dict[WorkerId, float] = {}  # past their share: work beyond it (by learn)
         self._workers: Sequence[WorkerId] = ()
+        self.recent = RecentWork(cfg.recent_window_s)
         self._prices = self._current()
 
     @property
@@ -127,19 +163,29 @@ class RoutingPolicy:
         hot: HotPrefix | None = None,
         decode_work: float | None = None,
         learn: bool = True,
+        now: float | None = None,
     ) -> Decision:
         """The lowest-cost worker (:func:`~raykv.routing.policy.choose_loads` at the current
-        prices, leaving out workers past their share of the work, except the prefix holder, which
-        is charged its excess; a hot winner re-decided at ``hot_price``), then (``learn``)
-        :meth:`learn` from it; a router that learns after dispatching passes ``learn=False`` and
-        calls :meth:`learn` itself. ``decode_work``: a request's expected decode work in
-        token-equivalents (default ``decode_weight``). Raises InvalidArgumentError when there is
+        prices, each load plus ``recent_weight`` x the worker's recent work after the load guard
+        judged ``loads`` as given, leaving out workers past their share of the work, except the
+        prefix holder, which is charged its excess; a hot winner re-decided at ``hot_price``), then
+        (``learn``) :meth:`learn` from it; a router that learns after dispatching passes
+        ``learn=False`` and calls :meth:`learn` itself. ``decode_work``: a request's expected
+        decode work in token-equivalents (default ``decode_weight``). ``now``: the time of the
+        request in seconds (a replay passes its simulated clock), to which the recent work decays;
+        None (a caller without a clock), or with ``allow_pulls``: no recent-work charge, and the
+        guard judges the loads the decision compares. Raises InvalidArgumentError when there is
         no candidate."""
         if not workers:
             raise InvalidArgumentError("candidates", "no candidate workers")
         cfg, prices = self.cfg, self._prices
         self._workers = workers
         charged = None  # the holder past its share that stays, charged its excess
+        recent = self.recent
+        if now is not None and not cfg.allow_pulls:
+            recent.advance(now)
+            if recent.totals:  # guard on the reported loads, then the charges
+                workers, loads, prices = self._recent_charged(workers, loads, prices)
         if self._excess:
             loads, charged = self._balanced(workers, loads, matches)
         d = decide_at(num_tokens, workers, loads, matches, cfg, prices, rng)
@@ -158,6 +204,24 @@ class RoutingPolicy:
         if learn:
             self.learn(num_tokens, d, cfg.decode_weight if decode_work is None else decode_work)
         return d
+
+    def _recent_charged(
+        self, workers: Sequence[WorkerId], loads: Sequence[float], prices: Prices
+    ) -> tuple[list[WorkerId], list[float], Prices]:
+        """The workers that pass the load guard (:mod:`raykv.routing.policy`) on their reported
+        ``loads``, each load plus ``recent_weight`` x the worker's recent work, and ``prices``
+        whose slack no finite load exceeds (the guard was applied here, so neither this charge
+        nor the balance rule's excess makes a worker fail it; a worker the balance rule leaves
+        out, at an infinite load, still fails it)."""
+        floor = min(loads)
+        limit = max(floor, self.cfg.imbalance_factor * floor + prices.slack)
+        get, r = self.recent.totals.get, self.cfg.recent_weight
+        kept_workers, kept_loads = [], []
+        for w, load in zip(workers, loads):
+            if load <= limit:
+                kept_workers.append(w)
+                kept_loads.append(load + r * get(w, 0.0))
+        return kept_workers, kept_loads, Prices(prices.duplicate, prices.pull, _NO_SLACK_LIMIT)
 
     def _balanced(
         self,
@@ -209,6 +273,8 @@ class RoutingPolicy:
         work = max(0, num_tokens - tpb * (d.cached_blocks + d.pull_blocks)) + decode_work
         self._work = work if not self.decisions else self._work + _EWMA * (work - self._work)
         self.shares.add(d.worker, work)
+        if self.recent.at > -math.inf:  # a caller passed the time (and no pulls): keep it
+            self.recent.add(d.worker, work)
         self.decisions += 1
         if self.decisions >= self._warm and self._workers:
             self._excess = self.shares.excess(self._workers, cfg.balance_limit)

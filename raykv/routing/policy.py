@@ -63,6 +63,8 @@ class RoutingConfig:
     hot_price: float = 2.0
     balance_limit: float = 1.2
     balance_window: int = 3000
+    recent_weight: float = 0.5
+    recent_window_s: float = 2.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -82,6 +84,8 @@ class RoutingConfig:
             "price_step",
             "price_max",
             "hot_price",
+            "recent_weight",
+            "recent_window_s",
         ):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):

@@ -71,26 +71,35 @@ def _raykv(reqs: list[Request], routing: RoutingConfig = DEFAULT_ROUTING, worker
         return replay(prepare(reqs), RaykvRouter(routing=routing), backend, TIMING, 1000.0, workers)
 
 
-TTFT_ONLY = replace(DEFAULT_ROUTING, price_start=0.0, hot_price=0.0)  # no price on a duplicate
+# no price on a duplicate and no charge for recent work: estimated TTFT alone
+TTFT_ONLY = replace(DEFAULT_ROUTING, price_start=0.0, hot_price=0.0, recent_weight=0.0)
 
 
 def test_a_burst_on_one_prefix_spreads_once_its_queue_outweighs_the_recompute() -> None:
     """A burst of requests on one hot prefix (the first still in flight on its holder): by
-    estimated TTFT alone every other request recomputes elsewhere; at the default hot price (a
-    duplicate costs its recompute twice more) the burst stays until its queue costs three times
-    the recompute, then moves once (one duplicate, not one per request);
-    at a high hot price (9) it queues on the holder until the load guard (``guard_requests``
-    mean requests of work above the idle worker) sends it away."""
+    estimated TTFT alone every other request recomputes elsewhere; without the recent-work charge,
+    at the default hot price (a duplicate costs its recompute twice more) the burst stays until
+    its queue costs three times the recompute, then moves once (one duplicate, not one per
+    request); with the default recent-work charge (the burst just routed to the holder counts
+    against it) it moves once, about half-way, and its slowest request waits no longer than by
+    TTFT alone; at a high hot price (9) it queues on the holder until the load guard
+    (``guard_requests`` mean requests of work above the idle worker) sends it away."""
     ctx = list(range(8))  # 4096 tokens: 4.1 s of prefill at 1000 tokens/s
     burst = [req(0.01 * i, [*ctx, 100 + i] if i else ctx) for i in range(20)]
     ttft_only = _raykv(burst, TTFT_ONLY)
     holder = ttft_only.chosen[0]
     assert ttft_only.chosen[1] == holder and ttft_only.chosen[2] != holder
     assert ttft_only.ttft[2] < 4.7
+    late = _raykv(burst, replace(DEFAULT_ROUTING, recent_weight=0.0))
+    moves = sum(a != b for a, b in itertools.pairwise(late.chosen))
+    assert late.chosen[:15] == [late.chosen[0]] * 15 and moves == 1
+    assert max(ttft_only.ttft) < max(late.ttft)  # one duplicate instead of ten costs some queueing
     res = _raykv(burst)
     moves = sum(a != b for a, b in itertools.pairwise(res.chosen))
     assert res.chosen[:3] == [res.chosen[0]] * 3 and 1 <= moves <= 2
-    assert max(ttft_only.ttft) < max(res.ttft)  # one duplicate instead of ten costs some queueing
+    assert res.chosen.index(1 - res.chosen[0]) < late.chosen.index(1 - late.chosen[0])
+    assert max(res.ttft) <= max(ttft_only.ttft) + 1e-9 < max(late.ttft)
+    assert res.hit_blocks == late.hit_blocks  # the same one duplicate, made earlier
     sticky = _raykv(burst, replace(DEFAULT_ROUTING, hot_price=9.0))  # queues up until the load guard
     assert sticky.chosen[:15] == [sticky.chosen[0]] * 15 and max(sticky.ttft) > max(res.ttft) + 1.0
 

@@ -13,7 +13,7 @@ import pytest
 from raykv.core.keys import ReuseScope, block_keys
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
-from raykv.routing.adaptive import RoutingPolicy, WorkShares
+from raykv.routing.adaptive import RecentWork, RoutingPolicy, WorkShares
 from raykv.routing.policy import DEFAULT_ROUTING, RoutingConfig
 from raykv.routing.session_keys import SessionKeys
 
@@ -212,3 +212,45 @@ def test_a_duplicate_the_charge_did_not_force_still_raises_the_price() -> None:
     d = policy.decide(160, [A, B], [400.0, 0.0], {A: RouteMatch(A, 1, gpu=1)})
     assert d.worker == B and d.duplicated == 1
     assert policy.duplicate_price > price
+
+
+def test_recent_work_decays_over_its_window() -> None:
+    recent = RecentWork(2.0)
+    recent.advance(10.0)
+    recent.add(A, 100.0)
+    recent.advance(12.0)
+    assert recent.totals[A] == pytest.approx(100.0 / math.e)
+    recent.advance(11.0)  # an earlier time changes nothing
+    assert recent.totals[A] == pytest.approx(100.0 / math.e)
+    recent.advance(1000.0)  # decayed to nothing: forgotten
+    assert recent.totals == {}
+
+
+def test_work_just_routed_to_a_worker_is_charged_to_it() -> None:
+    """Given the time, a decision charges each worker ``recent_weight`` x the work routed to it
+    over about the last ``recent_window_s`` seconds; without the time, no charge."""
+    policy = RoutingPolicy(CFG)
+    d = policy.decide(1000, [A, B], [0.0, 100.0], {}, decode_work=0.0, now=0.0)
+    assert d.worker == A and policy.recent.totals == {A: 1000.0}
+    # 0.1 s later A's reported load is still the lower, but the 1000 units just routed there count
+    d = policy.decide(160, [A, B], [0.0, 100.0], {}, decode_work=0.0, now=0.1, learn=False)
+    charge = CFG.recent_weight * 1000.0 * math.exp(-0.1 / CFG.recent_window_s)
+    assert d.worker == B and dict(d.costs)[A] == pytest.approx(160 + charge)
+    assert policy.decide(160, [A, B], [0.0, 100.0], {}, learn=False).worker == A  # no time, no charge
+    # much later the work has decayed away
+    assert policy.decide(160, [A, B], [0.0, 100.0], {}, now=60.0, learn=False).worker == A
+
+
+def test_the_load_guard_judges_the_reported_loads_not_the_charges() -> None:
+    """A burst just routed to the prefix holder charges it past the guard's slack; it stays a
+    candidate (the charge is weighed against the recompute), while a reported load past the slack
+    still leaves it out."""
+    policy = RoutingPolicy(CFG)
+    for i in range(20):  # 20 x 1000 units routed to A within 20 ms
+        policy.decide(1000, [A], [0.0], {}, decode_work=0.0, now=i * 0.001)
+    assert policy.prices().slack < CFG.recent_weight * sum(policy.recent.totals.values())
+    held = {A: RouteMatch(A, 60, gpu=60)}
+    d = policy.decide(1000, [A, B], [0.0, 0.0], held, now=0.02, learn=False)
+    assert A in dict(d.costs)
+    d = policy.decide(1000, [A, B], [1e6, 0.0], held, now=0.02, learn=False)
+    assert d.worker == B and A not in dict(d.costs)
