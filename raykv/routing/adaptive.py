@@ -30,10 +30,10 @@ up to date from what the deployment shows it, instead of per-trace constants:
   this charge caused is reported as forced (``Decision.duplicated`` 0), like one the load guard
   forces, and does not raise the duplicate price.
 
-- the recent work (only without pulls, which spread a burst by pulling, and for a caller that
-  passes ``now`` to :meth:`RoutingPolicy.decide`, as the replay does): each worker's work routed
-  over about the last ``recent_window_s`` seconds (exponentially decayed to the ``now`` of each
-  decision, :class:`RecentWork`). Requests that
+- the recent work (only without pulls, which spread a burst by pulling): each worker's work routed
+  over about the last ``recent_window_s`` seconds (exponentially decayed to the time of each
+  decision, :class:`RecentWork`; the policy's clock, ``time.monotonic`` in a deployment, the
+  simulated clock in the replay). Requests that
   share a prefix come in bursts (a tool-call fan-out) and sessions return within seconds, so work
   just routed to a worker predicts work about to follow it there, and a request routed to it now
   delays those followers (a FIFO worker serves it first). A decision charges each worker
@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 import random
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from raykv.core.errors import InvalidArgumentError
@@ -96,32 +97,71 @@ class WorkShares:
 
 
 class RecentWork:
-    """Work routed to each worker, decayed by ``exp(-dt / window_s)`` over ``dt`` seconds."""
+    """Work routed to each worker, decayed by ``exp(-dt / window_s)`` over ``dt`` seconds.
+
+    Stored as work x ``exp((t - base) / window_s)`` for the time ``t`` it was added, so moving
+    the clock is O(1) whatever the number of workers: every total shares one decay factor. The
+    stored values are rebased (multiplied down) when the clock has moved 20 windows past
+    ``base``, which bounds them. A window of 0 keeps nothing."""
+
+    _REBASE = 20.0  # windows after which the stored values are rebased
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self.at = -math.inf  # time of the last decay (none yet)
-        self.totals: dict[WorkerId, float] = {}
+        self.at = -math.inf  # the clock: time of the last advance (none yet)
+        self._base = 0.0  # the stored values are exact totals at this time
+        self._grow = 1.0  # exp((at - base) / window_s): what work added now is stored as
+        self._stored: dict[WorkerId, float] = {}
 
     def advance(self, now: float) -> None:
-        """Decay every total to ``now`` (a time before the last one counts as the last one)."""
-        if now > self.at:
-            if self.totals:
-                keep = math.exp(-(now - self.at) / self.window_s) if self.window_s > 0 else 0.0
-                self.totals = {w: t * keep for w, t in self.totals.items() if t * keep > 1e-6}
-            self.at = now
+        """Move the clock to ``now`` (a time before the last one counts as the last one)."""
+        if now <= self.at:
+            return
+        if self.at == -math.inf:
+            self._base = now
+        self.at = now
+        w = self.window_s
+        if w <= 0:
+            return
+        if now - self._base > self._REBASE * w:
+            keep = math.exp(-(now - self._base) / w)
+            self._stored = {k: v * keep for k, v in self._stored.items() if v * keep > 1e-6}
+            self._base = now
+        self._grow = math.exp((now - self._base) / w)
 
     def add(self, worker: WorkerId, work: float) -> None:
-        """``worker`` was given ``work`` token-equivalents at the last :meth:`advance`."""
-        self.totals[worker] = self.totals.get(worker, 0.0) + work
+        """``worker`` was given ``work`` token-equivalents at the clock's time (nothing before
+        the first :meth:`advance`)."""
+        if self.window_s > 0 and self.at > -math.inf:
+            self._stored[worker] = self._stored.get(worker, 0.0) + work * self._grow
+
+    def factor(self) -> float:
+        """What a stored value is multiplied by to give its total at the clock's time."""
+        return 1.0 / self._grow
+
+    def totals(self) -> dict[WorkerId, float]:
+        """Each worker's decayed work at the clock's time (workers with none omitted)."""
+        f = self.factor()
+        return {k: v * f for k, v in self._stored.items() if v * f > 1e-6}
+
+    def __bool__(self) -> bool:
+        return bool(self._stored)
+
+    def get(self, worker: WorkerId) -> float:
+        """``worker``'s stored value (:meth:`factor` turns it into its total)."""
+        return self._stored.get(worker, 0.0)
 
 
 class RoutingPolicy:
     """Cache-aware routing with online prices (module docstring). ``cfg`` defaults to
-    :data:`~raykv.routing.policy.DEFAULT_ROUTING`."""
+    :data:`~raykv.routing.policy.DEFAULT_ROUTING`; ``clock`` (seconds) times the decisions a
+    caller does not pass ``now`` to, and defaults to ``time.monotonic``."""
 
-    def __init__(self, cfg: RoutingConfig = DEFAULT_ROUTING) -> None:
+    def __init__(
+        self, cfg: RoutingConfig = DEFAULT_ROUTING, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.cfg = cfg
+        self._clock = clock
         self.duplicate_price = cfg.price_start
         self._work = 0.0  # running mean work a routed request adds (token-equivalents)
         self._pull_s = 0.0  # running mean seconds per pulled token (0: none observed)
@@ -172,20 +212,18 @@ class RoutingPolicy:
         (``learn``) :meth:`learn` from it; a router that learns after dispatching passes
         ``learn=False`` and calls :meth:`learn` itself. ``decode_work``: a request's expected
         decode work in token-equivalents (default ``decode_weight``). ``now``: the time of the
-        request in seconds (a replay passes its simulated clock), to which the recent work decays;
-        None (a caller without a clock), or with ``allow_pulls``: no recent-work charge, and the
-        guard judges the loads the decision compares. Raises InvalidArgumentError when there is
-        no candidate."""
+        request in seconds, to which the recent work decays (None: the policy's clock; a replay
+        passes its simulated clock). With ``allow_pulls`` there is no recent-work charge. Raises
+        InvalidArgumentError when there is no candidate."""
         if not workers:
             raise InvalidArgumentError("candidates", "no candidate workers")
         cfg, prices = self.cfg, self._prices
         self._workers = workers
         charged = None  # the holder past its share that stays, charged its excess
         recent = self.recent
-        if now is not None and not cfg.allow_pulls:
-            recent.advance(now)
-            if recent.totals:  # guard on the reported loads, then the charges
-                workers, loads, prices = self._recent_charged(workers, loads, prices)
+        if not cfg.allow_pulls:
+            recent.advance(self._clock() if now is None else now)  # guard on the reported loads,
+            workers, loads, prices = self._recent_charged(workers, loads, prices)  # then charges
         if self._excess:
             loads, charged = self._balanced(workers, loads, matches)
         d = decide_at(num_tokens, workers, loads, matches, cfg, prices, rng)
@@ -215,12 +253,13 @@ class RoutingPolicy:
         out, at an infinite load, still fails it)."""
         floor = min(loads)
         limit = max(floor, self.cfg.imbalance_factor * floor + prices.slack)
-        get, r = self.recent.totals.get, self.cfg.recent_weight
+        recent = self.recent
+        get, r = recent.get, self.cfg.recent_weight * recent.factor()
         kept_workers, kept_loads = [], []
         for w, load in zip(workers, loads):
             if load <= limit:
                 kept_workers.append(w)
-                kept_loads.append(load + r * get(w, 0.0))
+                kept_loads.append(load + r * get(w))
         return kept_workers, kept_loads, Prices(prices.duplicate, prices.pull, _NO_SLACK_LIMIT)
 
     def _balanced(
@@ -273,8 +312,7 @@ class RoutingPolicy:
         work = max(0, num_tokens - tpb * (d.cached_blocks + d.pull_blocks)) + decode_work
         self._work = work if not self.decisions else self._work + _EWMA * (work - self._work)
         self.shares.add(d.worker, work)
-        if self.recent.at > -math.inf:  # a caller passed the time (and no pulls): keep it
-            self.recent.add(d.worker, work)
+        self.recent.add(d.worker, work)  # kept without pulls only (no clock ever advanced)
         self.decisions += 1
         if self.decisions >= self._warm and self._workers:
             self._excess = self.shares.excess(self._workers, cfg.balance_limit)

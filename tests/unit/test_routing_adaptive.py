@@ -9,6 +9,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from raykv.core.keys import ReuseScope, block_keys
 from raykv.core.types import WorkerId
@@ -18,7 +20,9 @@ from raykv.routing.policy import DEFAULT_ROUTING, RoutingConfig
 from raykv.routing.session_keys import SessionKeys
 
 A, B = WorkerId("a"), WorkerId("b")
-CFG = dataclasses.replace(DEFAULT_ROUTING, tokens_per_block=16)
+# the prices and shares alone: no charge for recent work (its own tests below use RECENT)
+CFG = dataclasses.replace(DEFAULT_ROUTING, tokens_per_block=16, recent_weight=0.0)
+RECENT = dataclasses.replace(DEFAULT_ROUTING, tokens_per_block=16)
 
 
 def test_a_duplicate_raises_the_price_and_clean_decisions_lower_it() -> None:
@@ -216,39 +220,67 @@ def test_a_duplicate_the_charge_did_not_force_still_raises_the_price() -> None:
 
 def test_recent_work_decays_over_its_window() -> None:
     recent = RecentWork(2.0)
+    recent.add(A, 5.0)  # no clock yet: nothing kept
+    assert not recent and recent.totals() == {}
     recent.advance(10.0)
     recent.add(A, 100.0)
     recent.advance(12.0)
-    assert recent.totals[A] == pytest.approx(100.0 / math.e)
+    recent.add(B, 10.0)
+    assert recent.totals() == pytest.approx({A: 100.0 / math.e, B: 10.0})
     recent.advance(11.0)  # an earlier time changes nothing
-    assert recent.totals[A] == pytest.approx(100.0 / math.e)
-    recent.advance(1000.0)  # decayed to nothing: forgotten
-    assert recent.totals == {}
+    assert recent.totals() == pytest.approx({A: 100.0 / math.e, B: 10.0})
+    assert recent.get(A) * recent.factor() == pytest.approx(100.0 / math.e)
+    recent.advance(1000.0)  # decayed to nothing: forgotten when the stored values are rebased
+    assert recent.totals() == {} and not recent
+    recent.add(A, 1.0)
+    recent.advance(1001.0)
+    assert recent.totals() == pytest.approx({A: math.exp(-0.5)})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 30.0), st.sampled_from([A, B]), st.floats(0.0, 1e4)), max_size=40))
+def test_recent_work_matches_the_direct_sum(adds: list[tuple[float, WorkerId, float]]) -> None:
+    """Against the definition: each worker's total is the sum of work x exp(-age / window)."""
+    recent, now, kept = RecentWork(0.5), 0.0, []
+    for dt, worker, work in adds:
+        now += dt
+        recent.advance(now)
+        recent.add(worker, work)
+        kept.append((now, worker, work))
+        want = {w: sum(x * math.exp((t - now) / 0.5) for t, v, x in kept if v == w) for w in (A, B)}
+        got = recent.totals()
+        for w in (A, B):
+            assert got.get(w, 0.0) == pytest.approx(want[w], rel=1e-9, abs=2e-6)
 
 
 def test_work_just_routed_to_a_worker_is_charged_to_it() -> None:
-    """Given the time, a decision charges each worker ``recent_weight`` x the work routed to it
-    over about the last ``recent_window_s`` seconds; without the time, no charge."""
-    policy = RoutingPolicy(CFG)
-    d = policy.decide(1000, [A, B], [0.0, 100.0], {}, decode_work=0.0, now=0.0)
-    assert d.worker == A and policy.recent.totals == {A: 1000.0}
+    """A decision charges each worker ``recent_weight`` x the work routed to it over about the
+    last ``recent_window_s`` seconds, decayed to ``now`` or else to the policy's clock."""
+    clock = [0.0]
+    policy = RoutingPolicy(RECENT, clock=lambda: clock[0])
+    d = policy.decide(1000, [A, B], [0.0, 100.0], {}, decode_work=0.0)
+    assert d.worker == A and policy.recent.totals() == {A: 1000.0}
     # 0.1 s later A's reported load is still the lower, but the 1000 units just routed there count
-    d = policy.decide(160, [A, B], [0.0, 100.0], {}, decode_work=0.0, now=0.1, learn=False)
-    charge = CFG.recent_weight * 1000.0 * math.exp(-0.1 / CFG.recent_window_s)
+    clock[0] = 0.1
+    d = policy.decide(160, [A, B], [0.0, 100.0], {}, decode_work=0.0, learn=False)
+    charge = RECENT.recent_weight * 1000.0 * math.exp(-0.1 / RECENT.recent_window_s)
     assert d.worker == B and dict(d.costs)[A] == pytest.approx(160 + charge)
-    assert policy.decide(160, [A, B], [0.0, 100.0], {}, learn=False).worker == A  # no time, no charge
-    # much later the work has decayed away
+    # much later (passed as now) the work has decayed away
     assert policy.decide(160, [A, B], [0.0, 100.0], {}, now=60.0, learn=False).worker == A
+    pulls = RoutingPolicy(dataclasses.replace(RECENT, allow_pulls=True), clock=lambda: 0.0)
+    for _ in range(3):  # with pulls no charge: a burst spreads by pulling
+        assert pulls.decide(1000, [A, B], [0.0, 100.0], {}, decode_work=0.0).worker == A
+    assert pulls.recent.totals() == {}
 
 
 def test_the_load_guard_judges_the_reported_loads_not_the_charges() -> None:
     """A burst just routed to the prefix holder charges it past the guard's slack; it stays a
     candidate (the charge is weighed against the recompute), while a reported load past the slack
     still leaves it out."""
-    policy = RoutingPolicy(CFG)
+    policy = RoutingPolicy(RECENT)
     for i in range(20):  # 20 x 1000 units routed to A within 20 ms
         policy.decide(1000, [A], [0.0], {}, decode_work=0.0, now=i * 0.001)
-    assert policy.prices().slack < CFG.recent_weight * sum(policy.recent.totals.values())
+    assert policy.prices().slack < RECENT.recent_weight * sum(policy.recent.totals().values())
     held = {A: RouteMatch(A, 60, gpu=60)}
     d = policy.decide(1000, [A, B], [0.0, 0.0], held, now=0.02, learn=False)
     assert A in dict(d.costs)

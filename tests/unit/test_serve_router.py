@@ -142,7 +142,7 @@ def test_reported_load_outweighs_a_cached_prefix() -> None:
 def test_in_flight_requests_count_until_completed_or_reported() -> None:
     index = FakeIndex()
     index.hold(A, toks(4, 8))
-    r = ranker(index, imbalance_slack=100.0)
+    r = ranker(index, imbalance_slack=100.0, recent_weight=0.0)  # the reported loads alone
     reps = replicas(0, 0, 0)
     assert first(run(r.rank(reps, req(toks(4, 12)), "q1"))) == ["r0"]
     r.routed("q1", "r0", A)
@@ -156,6 +156,19 @@ def test_in_flight_requests_count_until_completed_or_reported() -> None:
     for i in range(3):
         r.completed(f"big{i}")
     assert first(run(r.rank(reps, req(toks(4, 12))))) == ["r0"]
+
+
+def test_work_just_ranked_first_counts_against_its_replica() -> None:
+    """The deployed policy charges recent work on the wall clock, as the replay does on its
+    simulated one: requests on a prefix nobody holds, reported loads all equal, do not all go to
+    the same replica; with ``recent_weight`` 0 the seeded tie-break alone picks."""
+    index = FakeIndex()
+    reps = replicas(0, 0, 0)
+    r = ranker(index)
+    firsts = {first(run(r.rank(reps, req(toks(5 + i, 8)))))[0] for i in range(3)}
+    assert firsts == {"r0", "r1", "r2"}
+    plain = ranker(index, recent_weight=0.0)
+    assert len({first(run(plain.rank(reps, req(toks(5 + i, 8)))))[0] for i in range(3)}) < 3
 
 
 def test_a_completed_request_leaves_a_report_taken_while_it_ran() -> None:
@@ -190,7 +203,7 @@ def test_a_completed_request_stops_counting_as_a_running_decode() -> None:
 
 def test_routing_credits_the_chosen_worker_in_the_index() -> None:
     index = FakeIndex()
-    r = ranker(index)
+    r = ranker(index, recent_weight=0.0)  # the credit alone (recent work would spread a burst)
     tokens = toks(5, 16)
     ranks = run(r.rank(replicas(0, 0, 0), req(tokens), "q1"))
     chosen = ranks[0][0]
