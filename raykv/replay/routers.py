@@ -26,10 +26,10 @@ raykv
     block another worker holds charged the learned duplicate price unless the prefix is hot (in
     use by a request of this router still in flight on its holder), a load guard that scales
     with the observed work per request, a charge for the work routed to each worker over the
-    last seconds of the replay's simulated clock (``now`` passed to the policy), seeded ties. The load it sees per worker is
-    ``queued_prefill + (mean decode units of finished requests) x in_flight``
-    (:class:`~raykv.replay.timing.ServerQueues`), not the simulator's exact outstanding work,
-    which depends on output lengths no router knows.
+    last seconds of the replay's simulated clock (``now`` passed to the policy), seeded ties.
+    The load it sees per worker is ``queued_prefill + (mean decode units of finished requests)
+    x in_flight`` (:class:`~raykv.replay.timing.ServerQueues`), not the simulator's exact
+    outstanding work, which depends on output lengths no router knows.
 raykv_pull
     raykv with ``allow_pulls``: a worker may pull the part of the prefix another worker holds; the
     pull is priced at the observed pull time per token over the observed prefill time per token

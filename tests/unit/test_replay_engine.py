@@ -226,3 +226,20 @@ def test_router_names() -> None:
     assert (
         isinstance(make_router("raykv_pull"), RaykvRouter) and make_router("raykv_pull").name == "raykv_pull"
     )
+
+
+def test_the_peer_goal_notes_when_the_pooled_ideal_itself_misses_it() -> None:
+    """raykv's TTFT goal against the peers says when pooled's own p90 is above 0.9x the best peer
+    (the goal is then below the ideal), and says nothing when pooled meets it."""
+    reqs = [req(0.0, [0, 1]), req(5.0, [0, 1, 2])]
+    base = {n: summarize(run(n, reqs), 10.0, 64, TIMING, 5.0, 1024) for n in ROUTERS}
+
+    def line(pooled_p90: float) -> str:
+        sums = [
+            replace(s, ttft_p90_s={"pooled": pooled_p90, "pow2": 1.0, "ray_prefix": 2.0}.get(n, 0.5))
+            for n, s in base.items()
+        ]
+        return next(g.line for g in goal_checks(sums) if "best of pow2/ray_prefix" in g.line)
+
+    assert line(0.95).endswith("; pooled itself 0.95x") and "0.50x" in line(0.95)
+    assert "pooled itself" not in line(0.8)
