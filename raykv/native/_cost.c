@@ -4,12 +4,15 @@
  * duplicate price), drops those past the load guard and takes the cheapest, ties broken by the
  * caller's RNG. In Python this loop, run cold between requests, was most of a decision's time.
  *
- * decide(num_tokens, workers, loads, matches, weights, prices, rng, decision_type) -> Decision or
- * None. `workers` and `loads` are lists of one length (loads: floats or ints), `matches` a dict
+ * decide(num_tokens, workers, loads, matches, weights, prices, rng, decision_type[, charges]) ->
+ * Decision or None. `workers` and `loads` are lists of one length (loads: floats or ints), `matches` a dict
  * worker -> RouteMatch (tuples of 6: worker, blocks, gpu, host, disk, predicted; ints),
  * `weights` the tuple (w_gpu, w_host, w_disk, w_predicted, tokens_per_block, prefill_cost,
  * imbalance_factor, allow_pulls), `prices` (duplicate, pull, slack), `rng` an object with
- * choice(list) (called only for a tie), `decision_type` the Decision NamedTuple class. It returns
+ * choice(list) (called only for a tie), `decision_type` the Decision NamedTuple class, `charges`
+ * None or the tuple (totals, scale, holder, excess): a dict worker -> float and a float, a worker
+ * or None and a float, adding scale x totals[worker] (0 when absent), plus excess for holder, to a
+ * candidate's cost after the load guard judged `loads`. It returns
  * what decide_at returns, float for float (the same operations in the same order, in doubles; the
  * extension is built without floating-point contraction), or None when an argument is not of
  * these exact kinds (the caller then runs the Python loop, which raises what it raises).
@@ -71,6 +74,38 @@ static int best_of(PyObject *matches, PyObject **holder, long *blocks) {
 static int same(PyObject *a, PyObject *b) { return a == b ? 1 : b ? PyObject_RichCompareBool(a, b, Py_EQ) : 0; }
 
 typedef struct {
+    PyObject *totals; /* dict worker -> float, or NULL: no charges */
+    double scale, excess;
+    PyObject *holder; /* charged the excess (NULL: none) */
+} Charges;
+
+/* The charges tuple (totals, scale, holder, excess), or None: 0, or -1 (fall back). */
+static int read_charges(PyObject *c, Charges *out) {
+    out->totals = out->holder = NULL;
+    out->scale = out->excess = 0.0;
+    if (c == Py_None) return 0;
+    if (!PyTuple_Check(c) || PyTuple_GET_SIZE(c) != 4 || !PyDict_CheckExact(PyTuple_GET_ITEM(c, 0))) return -1;
+    out->totals = PyTuple_GET_ITEM(c, 0);
+    out->scale = PyFloat_AsDouble(PyTuple_GET_ITEM(c, 1));
+    out->holder = PyTuple_GET_ITEM(c, 2) == Py_None ? NULL : PyTuple_GET_ITEM(c, 2);
+    out->excess = PyFloat_AsDouble(PyTuple_GET_ITEM(c, 3));
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* What `charges` adds to `worker`'s cost: 0, or -1 (fall back). */
+static int charge_of(const Charges *c, PyObject *worker, double *out) {
+    PyObject *t = PyDict_GetItemWithError(c->totals, worker);
+    if (!t && PyErr_Occurred()) return -1;
+    if (t && !PyFloat_CheckExact(t)) return -1;
+    double charge = c->scale * (t ? PyFloat_AS_DOUBLE(t) : 0.0);
+    int is_holder = same(worker, c->holder);
+    if (is_holder < 0) return -1;
+    if (is_holder) charge += c->excess;
+    *out = charge;
+    return 0;
+}
+
+typedef struct {
     PyObject *costs;  /* list of (worker, cost) */
     double low;
     int kept;         /* the best holder passed the guard */
@@ -78,7 +113,7 @@ typedef struct {
 
 /* Score every candidate under the guard's limit (decide_at's loop). 0, or -1 (fall back). */
 static int score(long num_tokens, PyObject *workers, const double *loads, PyObject *matches, const Weights *w,
-                 double extra, double limit, PyObject *holder, long best, Scored *out) {
+                 double extra, double limit, PyObject *holder, long best, const Charges *ch, Scored *out) {
     Py_ssize_t n = PyList_GET_SIZE(workers);
     long left_none = num_tokens - w->tpb_int * best;
     out->low = INFINITY;
@@ -105,6 +140,11 @@ static int score(long num_tokens, PyObject *workers, const double *loads, PyObje
             left -= (double)(w->tpb_int * more);
         }
         double cost = (left > 0 ? w->pc * left : 0.0) + extra * (double)more + loads[i];
+        if (ch->totals) {
+            double charge;
+            if (charge_of(ch, worker, &charge) < 0) return -1;
+            cost += charge;
+        }
         PyObject *c = Py_BuildValue("(Od)", worker, cost);
         if (!c || PyList_Append(out->costs, c) < 0) {
             Py_XDECREF(c);
@@ -158,7 +198,7 @@ static PyObject *build(PyTypeObject *type, PyObject *won, PyObject *costs, PyObj
 }
 
 static PyObject *decide(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) return PyErr_Format(PyExc_TypeError, "decide() takes 8 arguments");
+    if (nargs != 8 && nargs != 9) return PyErr_Format(PyExc_TypeError, "decide() takes 8 or 9 arguments");
     PyObject *workers = args[1], *loadlist = args[2], *matches = args[3], *prices = args[5], *rng = args[6];
     PyTypeObject *type = (PyTypeObject *)args[7];
     if (!PyLong_CheckExact(args[0]) || !PyList_CheckExact(workers) || !PyList_CheckExact(loadlist) ||
@@ -168,11 +208,13 @@ static PyObject *decide(PyObject *Py_UNUSED(module), PyObject *const *args, Py_s
     Py_ssize_t n = PyList_GET_SIZE(workers);
     if (n < 1 || n > MAX_WORKERS || PyList_GET_SIZE(loadlist) != n) Py_RETURN_NONE;
     Weights w;
+    Charges ch;
     double loads[MAX_WORKERS], floor = INFINITY;
     long num_tokens = PyLong_AsLong(args[0]);
     double dup = PyFloat_AsDouble(PyTuple_GET_ITEM(prices, 0)), pull = PyFloat_AsDouble(PyTuple_GET_ITEM(prices, 1));
     double slack = PyFloat_AsDouble(PyTuple_GET_ITEM(prices, 2));
-    if (PyErr_Occurred() || read_weights(args[4], &w) < 0) goto fallback;
+    if (PyErr_Occurred() || read_weights(args[4], &w) < 0 || read_charges(nargs == 9 ? args[8] : Py_None, &ch) < 0)
+        goto fallback;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *x = PyList_GET_ITEM(loadlist, i);
         if (!PyFloat_CheckExact(x) && !PyLong_CheckExact(x)) Py_RETURN_NONE;
@@ -188,7 +230,7 @@ static PyObject *decide(PyObject *Py_UNUSED(module), PyObject *const *args, Py_s
     double extra = w.tpb * (w.pulls ? w.pc * pull : w.pc + dup);
     Scored s = {PyList_New(0), 0, 0};
     if (!s.costs) return NULL;
-    if (score(num_tokens, workers, loads, matches, &w, extra, limit, holder, best, &s) < 0 ||
+    if (score(num_tokens, workers, loads, matches, &w, extra, limit, holder, best, &ch, &s) < 0 ||
         !PyList_GET_SIZE(s.costs)) {
         Py_DECREF(s.costs);
         goto fallback;
@@ -215,7 +257,8 @@ fallback:
 
 static PyMethodDef methods[] = {
     {"decide", (PyCFunction)(void (*)(void))decide, METH_FASTCALL,
-     "decide(num_tokens, workers, loads, matches, weights, prices, rng, decision_type) -> Decision or None"},
+     "decide(num_tokens, workers, loads, matches, weights, prices, rng, decision_type[, charges]) -> Decision or "
+     "None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -52,21 +52,21 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 
 from raykv.core.errors import InvalidArgumentError
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
-from raykv.routing.policy import DEFAULT_ROUTING, Decision, Prices, RoutingConfig, decide_at
+from raykv.routing.policy import DEFAULT_ROUTING, Charges, Decision, Prices, RoutingConfig, decide_at
 
 HotPrefix = Callable[[WorkerId, int], bool]
 """``hot(worker, blocks)``: is ``worker``'s cached prefix of ``blocks`` blocks in use by a request
 still in flight on it?"""
 
 _EWMA = 0.02  # weight of one observation in the running averages (about the last 50)
-_NO_SLACK_LIMIT = sys.float_info.max  # a slack no finite load exceeds (an infinite one does)
+_NONE: dict[WorkerId, float] = {}  # no recent work (decisions with pulls): read, never written
+_NEW = tuple.__new__  # builds a NamedTuple from its field values without the generated __new__
 
 
 class WorkShares:
@@ -111,7 +111,9 @@ class RecentWork:
         self.at = -math.inf  # the clock: time of the last advance (none yet)
         self._base = 0.0  # the stored values are exact totals at this time
         self._grow = 1.0  # exp((at - base) / window_s): what work added now is stored as
-        self._stored: dict[WorkerId, float] = {}
+        self.stored: dict[WorkerId, float] = {}
+        """Each worker's work x ``exp((t - base) / window_s)`` (read it, don't change it):
+        times :meth:`factor`, its total now."""
 
     def advance(self, now: float) -> None:
         """Move the clock to ``now`` (a time before the last one counts as the last one)."""
@@ -125,7 +127,7 @@ class RecentWork:
             return
         if now - self._base > self._REBASE * w:
             keep = math.exp(-(now - self._base) / w)
-            self._stored = {k: v * keep for k, v in self._stored.items() if v * keep > 1e-6}
+            self.stored = {k: v * keep for k, v in self.stored.items() if v * keep > 1e-6}
             self._base = now
         self._grow = math.exp((now - self._base) / w)
 
@@ -133,7 +135,7 @@ class RecentWork:
         """``worker`` was given ``work`` token-equivalents at the clock's time (nothing before
         the first :meth:`advance`)."""
         if self.window_s > 0 and self.at > -math.inf:
-            self._stored[worker] = self._stored.get(worker, 0.0) + work * self._grow
+            self.stored[worker] = self.stored.get(worker, 0.0) + work * self._grow
 
     def factor(self) -> float:
         """What a stored value is multiplied by to give its total at the clock's time."""
@@ -142,14 +144,10 @@ class RecentWork:
     def totals(self) -> dict[WorkerId, float]:
         """Each worker's decayed work at the clock's time (workers with none omitted)."""
         f = self.factor()
-        return {k: v * f for k, v in self._stored.items() if v * f > 1e-6}
+        return {k: v * f for k, v in self.stored.items() if v * f > 1e-6}
 
     def __bool__(self) -> bool:
-        return bool(self._stored)
-
-    def get(self, worker: WorkerId) -> float:
-        """``worker``'s stored value (:meth:`factor` turns it into its total)."""
-        return self._stored.get(worker, 0.0)
+        return bool(self.stored)
 
 
 class RoutingPolicy:
@@ -173,7 +171,7 @@ class RoutingPolicy:
         self._excess: dict[WorkerId, float] = {}  # past their share: work beyond it (by learn)
         self._workers: Sequence[WorkerId] = ()
         self.recent = RecentWork(cfg.recent_window_s)
-        self._prices = self._current()
+        self._set_prices()
 
     @property
     def pull_price(self) -> float:
@@ -186,6 +184,11 @@ class RoutingPolicy:
     def prices(self) -> Prices:
         """The prices the next decision uses."""
         return self._prices
+
+    def _set_prices(self) -> None:
+        """The prices of the next decision, and the same at ``hot_price`` (for a hot prefix)."""
+        self._prices = p = self._current()
+        self._hot_prices = Prices(self.cfg.hot_price, p.pull, p.slack)
 
     def _current(self) -> Prices:
         if not self.decisions:  # no request seen yet: no scale for the guard
@@ -206,9 +209,10 @@ class RoutingPolicy:
         now: float | None = None,
     ) -> Decision:
         """The lowest-cost worker (:func:`~raykv.routing.policy.choose_loads` at the current
-        prices, each load plus ``recent_weight`` x the worker's recent work after the load guard
-        judged ``loads`` as given, leaving out workers past their share of the work, except the
-        prefix holder, which is charged its excess; a hot winner re-decided at ``hot_price``), then
+        prices, leaving out workers past their share of the work, except the prefix holder, which
+        is charged its excess; each cost plus ``recent_weight`` x the worker's recent work; both
+        charges added after the load guard judged ``loads`` as given
+        (:class:`~raykv.routing.policy.Charges`); a hot winner re-decided at ``hot_price``), then
         (``learn``) :meth:`learn` from it; a router that learns after dispatching passes
         ``learn=False`` and calls :meth:`learn` itself. ``decode_work``: a request's expected
         decode work in token-equivalents (default ``decode_weight``). ``now``: the time of the
@@ -219,60 +223,37 @@ class RoutingPolicy:
             raise InvalidArgumentError("candidates", "no candidate workers")
         cfg, prices = self.cfg, self._prices
         self._workers = workers
-        charged = None  # the holder past its share that stays, charged its excess
-        recent = self.recent
-        if not cfg.allow_pulls:
-            recent.advance(self._clock() if now is None else now)  # guard on the reported loads,
-            workers, loads, prices = self._recent_charged(workers, loads, prices)  # then charges
+        holder, excess = None, 0.0  # the holder past its share that stays, charged its excess
         if self._excess:
-            loads, charged = self._balanced(workers, loads, matches)
-        d = decide_at(num_tokens, workers, loads, matches, cfg, prices, rng)
+            loads, holder, excess = self._balanced(workers, loads, matches)
+        charges: Charges | None = None
+        if not cfg.allow_pulls:  # the guard judges the loads, then the charges add up
+            recent = self.recent
+            recent.advance(self._clock() if now is None else now)
+            charges = _NEW(Charges, (recent.stored, cfg.recent_weight * recent.factor(), holder, excess))
+        elif holder is not None:
+            charges = _NEW(Charges, (_NONE, 0.0, holder, excess))
+        d = decide_at(num_tokens, workers, loads, matches, cfg, prices, rng, charges)
         if hot is not None and d.cached_blocks > 0 and not cfg.allow_pulls and hot(d.worker, d.cached_blocks):
-            d = decide_at(
-                num_tokens,
-                workers,
-                loads,
-                matches,
-                cfg,
-                Prices(cfg.hot_price, prices.pull, prices.slack),
-                rng,
-            )
-        if charged is not None and d.duplicated and d.worker != charged:
-            d = self._forced(d, charged)
+            d = decide_at(num_tokens, workers, loads, matches, cfg, self._hot_prices, rng, charges)
+        if holder is not None and d.duplicated and d.worker != holder:
+            d = self._forced(d, holder)
         if learn:
             self.learn(num_tokens, d, cfg.decode_weight if decode_work is None else decode_work)
         return d
-
-    def _recent_charged(
-        self, workers: Sequence[WorkerId], loads: Sequence[float], prices: Prices
-    ) -> tuple[list[WorkerId], list[float], Prices]:
-        """The workers that pass the load guard (:mod:`raykv.routing.policy`) on their reported
-        ``loads``, each load plus ``recent_weight`` x the worker's recent work, and ``prices``
-        whose slack no finite load exceeds (the guard was applied here, so neither this charge
-        nor the balance rule's excess makes a worker fail it; a worker the balance rule leaves
-        out, at an infinite load, still fails it)."""
-        floor = min(loads)
-        limit = max(floor, self.cfg.imbalance_factor * floor + prices.slack)
-        recent = self.recent
-        get, r = recent.get, self.cfg.recent_weight * recent.factor()
-        kept_workers, kept_loads = [], []
-        for w, load in zip(workers, loads):
-            if load <= limit:
-                kept_workers.append(w)
-                kept_loads.append(load + r * get(w))
-        return kept_workers, kept_loads, Prices(prices.duplicate, prices.pull, _NO_SLACK_LIMIT)
 
     def _balanced(
         self,
         workers: Sequence[WorkerId],
         loads: Sequence[float],
         matches: Mapping[WorkerId, RouteMatch],
-    ) -> tuple[Sequence[float], WorkerId | None]:
-        """``loads`` with the balance rule applied, and the holder it charged (or None): a worker
-        past its share is left out (an infinite load), except the holder of the request's longest
-        cached prefix (the first worker in ``matches`` with the most blocks, the cost model's best
-        holder), which stays with its excess work (:meth:`WorkShares.excess`) added to its load.
-        ``loads`` unchanged (and None) when that would leave no candidate."""
+    ) -> tuple[Sequence[float], WorkerId | None, float]:
+        """``loads`` with the balance rule applied, the holder it charges (or None) and the
+        charge: a worker past its share is left out (an infinite load), except the holder of the
+        request's longest cached prefix (the first worker in ``matches`` with the most blocks, the
+        cost model's best holder), which stays, charged its excess work
+        (:meth:`WorkShares.excess`) after the load guard. ``loads`` unchanged (and None, 0) when
+        that would leave no candidate."""
         excess = self._excess
         holder = None
         for worker in excess:
@@ -282,16 +263,15 @@ class RoutingPolicy:
                     if m[1] > top:
                         holder, top = w, m[1]
                 break
+        if holder not in excess:
+            holder = None
         kept = list(loads)
-        for worker, over in excess.items():  # one or two workers, not all of them
-            try:
-                i = workers.index(worker)
-            except ValueError:  # not a candidate now
-                continue
-            kept[i] = loads[i] + over if worker == holder else math.inf
+        for worker in excess:  # one or two workers, not all of them
+            if worker != holder and worker in workers:
+                kept[workers.index(worker)] = math.inf
         if min(kept) == math.inf:
-            return loads, None
-        return kept, holder if holder in excess else None
+            return loads, None, 0.0
+        return kept, holder, excess[holder] if holder is not None else 0.0
 
     def _forced(self, d: Decision, holder: WorkerId) -> Decision:
         """``d`` with no chosen duplicate when ``holder`` lost only by its excess-work charge
@@ -323,14 +303,14 @@ class RoutingPolicy:
             self.duplicate_price = min(cfg.price_max, price)
         else:
             self.duplicate_price *= self._down
-        self._prices = self._current()
+        self._set_prices()
 
     def observe_pull(self, tokens: int, seconds: float) -> None:
         """A pull of ``tokens`` tokens took ``seconds`` (from the worker's report)."""
         if tokens > 0 and seconds > 0:
             rate = seconds / tokens
             self._pull_s = rate if not self._pull_s else self._pull_s + _EWMA * (rate - self._pull_s)
-            self._prices = self._current()
+            self._set_prices()
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A prefill of ``tokens`` tokens took ``seconds`` (from the worker's report)."""
@@ -339,4 +319,4 @@ class RoutingPolicy:
             self._prefill_s = (
                 rate if not self._prefill_s else self._prefill_s + _EWMA * (rate - self._prefill_s)
             )
-            self._prices = self._current()
+            self._set_prices()

@@ -171,6 +171,16 @@ class Prices(NamedTuple):
     slack: float
 
 
+class Charges(NamedTuple):
+    """What a decision adds to candidates' costs after the load guard judged their loads:
+    ``scale`` x ``totals[worker]`` (0 for a worker not in it), plus ``excess`` for ``holder``."""
+
+    totals: Mapping[WorkerId, float]
+    scale: float
+    holder: WorkerId | None
+    excess: float
+
+
 def static_prices(cfg: RoutingConfig) -> Prices:
     """The prices before anything was observed: ``price_start``, ``1 - w_remote`` and
     ``imbalance_slack`` (what :class:`raykv.routing.adaptive.RoutingPolicy` starts from)."""
@@ -203,22 +213,33 @@ def decide_at(
     cfg: RoutingConfig,
     prices: Prices,
     rng: random.Random | None,
+    charges: Charges | None = None,
 ) -> Decision:
     """:func:`choose_loads` at explicit ``prices``, for callers that checked ``workers`` is not
-    empty (a router's hot path; ValueError from ``min`` otherwise). With ``raykv.native._cost``
+    empty (a router's hot path; ValueError from ``min`` otherwise), each kept candidate's cost
+    plus its ``charges`` (the guard judges ``loads`` alone). With ``raykv.native._cost``
     built (and not switched off when this module was imported) the loop runs in C for lists of
-    workers and loads and a dict of matches, with the same result, float for float and the same
-    draws from ``rng``; otherwise, and for other argument kinds, :func:`decide_at_py`."""
+    workers and loads, a dict of matches and a dict of charged totals of floats, with the same
+    result, float for float and the same draws from ``rng``; otherwise, and for other argument
+    kinds, :func:`decide_at_py`."""
     if _COMPILED is not None:
         weights = _WEIGHTS.get(id(cfg))
         if weights is None or weights[0] is not cfg:
             weights = _weights(cfg)
         d = _COMPILED.decide(
-            num_tokens, workers, loads, matches, weights[1], prices, rng or random.Random(cfg.seed), Decision
+            num_tokens,
+            workers,
+            loads,
+            matches,
+            weights[1],
+            prices,
+            rng or random.Random(cfg.seed),
+            Decision,
+            charges,
         )
         if d is not None:
             return d  # type: ignore[no-any-return]
-    return decide_at_py(num_tokens, workers, loads, matches, cfg, prices, rng)
+    return decide_at_py(num_tokens, workers, loads, matches, cfg, prices, rng, charges)
 
 
 def _weights(cfg: RoutingConfig) -> tuple[RoutingConfig, tuple[float | int | bool, ...]]:
@@ -244,6 +265,7 @@ def decide_at_py(
     cfg: RoutingConfig,
     prices: Prices,
     rng: random.Random | None,
+    charges: Charges | None = None,
 ) -> Decision:
     """:func:`decide_at` in Python (the definition; the compiled loop must equal it)."""
     floor = min(loads)
@@ -277,6 +299,11 @@ def decide_at_py(
             more = best_blocks - blocks if best_blocks > blocks else 0
             left -= tpb * more
         cost = (pc * left if left > 0 else 0.0) + extra * more + load
+        if charges is not None:
+            charge = charges.scale * charges.totals.get(worker, 0.0)
+            if worker == charges.holder:
+                charge += charges.excess
+            cost += charge
         costs.append((worker, cost))
         if cost < low:
             low = cost

@@ -229,7 +229,7 @@ def test_recent_work_decays_over_its_window() -> None:
     assert recent.totals() == pytest.approx({A: 100.0 / math.e, B: 10.0})
     recent.advance(11.0)  # an earlier time changes nothing
     assert recent.totals() == pytest.approx({A: 100.0 / math.e, B: 10.0})
-    assert recent.get(A) * recent.factor() == pytest.approx(100.0 / math.e)
+    assert recent.stored[A] * recent.factor() == pytest.approx(100.0 / math.e)
     recent.advance(1000.0)  # decayed to nothing: forgotten when the stored values are rebased
     assert recent.totals() == {} and not recent
     recent.add(A, 1.0)
