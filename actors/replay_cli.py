@@ -6,17 +6,20 @@
     raykv replay --workload all --trace A.jsonl --trace B.jsonl  # every family, then both traces
     raykv replay --requests 400 --tenants 3 --seed 1          # the demo's built-in workload
     raykv replay --ray --workers 4 --requests 200              # through a Ray deployment
+    raykv replay --workload agentic --routing hot_price=2.5    # an experiment off the default
 
 For each workload (families first, in the order named, then traces) prints the comparison table
 and the goal lines on stdout (progress on stderr) and writes ``<out>/<name>.json`` and
 ``<out>/<name>.png``; then one summary line over every workload's goals. Every run uses the one
-default routing configuration (:data:`raykv.routing.policy.DEFAULT_ROUTING`). Ctrl-C stops the
+default routing configuration (:data:`raykv.routing.policy.DEFAULT_ROUTING`) unless ``--routing``
+overrides some of its fields for an experiment (then said on stdout and in the JSON). Ctrl-C stops the
 replay cleanly: what was measured so far is still printed and written, and the exit code is 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -28,6 +31,7 @@ from raykv.replay.report import Goal, format_table, goal_checks, goal_summary, w
 from raykv.replay.routers import ROUTERS, parse_routers
 from raykv.replay.trace import Request, load_mooncake
 from raykv.replay.workload import WorkloadSpec, generate
+from raykv.routing.policy import DEFAULT_ROUTING, RoutingConfig
 
 
 def _pcts(text: str) -> tuple[float, ...]:
@@ -35,6 +39,37 @@ def _pcts(text: str) -> tuple[float, ...]:
         return tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected numbers like 2,10,30, got {text!r}") from None
+
+
+def routing_overrides(text: str) -> RoutingConfig:
+    """:data:`DEFAULT_ROUTING` with the fields ``text`` names replaced (``name=value`` pairs,
+    comma-separated; numbers, or true/false for a flag); "" is the default itself.
+    InvalidArgumentError for an unknown field, a value of the wrong kind or one the config
+    rejects."""
+    fields = {f.name: f for f in dataclasses.fields(RoutingConfig)}
+    values: dict[str, Any] = {}
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        name, sep, raw = (part.strip() for part in item.partition("="))
+        if not sep or name not in fields:
+            raise InvalidArgumentError(
+                "routing",
+                f"expected name=value with a field of RoutingConfig ({', '.join(fields)}), got {item!r}",
+            )
+        default = getattr(DEFAULT_ROUTING, name)
+        try:
+            if isinstance(default, bool):
+                if raw.lower() not in ("true", "false"):
+                    raise ValueError(raw)
+                values[name] = raw.lower() == "true"
+            else:
+                values[name] = type(default)(raw)
+        except ValueError:
+            raise InvalidArgumentError(
+                "routing", f"{name} takes a {type(default).__name__}, got {raw!r}"
+            ) from None
+    return dataclasses.replace(DEFAULT_ROUTING, **values)
 
 
 def add_replay_parser(sub: Any) -> argparse.ArgumentParser:
@@ -66,6 +101,12 @@ def add_replay_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--ray", action="store_true", help="run through a Ray deployment (embedded local Ray)")
     p.add_argument("--address", help="with --ray: an existing Ray cluster's address")
     p.add_argument("--verify", type=int, default=16, help="oracle-check this many cached pages per worker")
+    p.add_argument(
+        "--routing",
+        default="",
+        help="experiments: override DEFAULT_ROUTING fields, e.g. hot_price=2.5,recent_weight=0.35 "
+        "(the goal lines then judge that configuration, not the shipped default)",
+    )
     p.set_defaults(func=replay_main)
     return p
 
@@ -131,7 +172,13 @@ def replay_main(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO 
         routers=tuple(parse_routers(args.routers)),
         seed=args.seed,
         verify=args.verify,
+        routing=routing_overrides(args.routing),
     )
+    if spec.routing != DEFAULT_ROUTING:
+        changed = {
+            k: v for k, v in dataclasses.asdict(spec.routing).items() if getattr(DEFAULT_ROUTING, k) != v
+        }
+        out.write(f"routing: DEFAULT_ROUTING with {changed} (an experiment, not the shipped default)\n")
     command = "raykv " + " ".join(sys.argv[1:])
     results: list[tuple[str, list[Goal]]] = []
     for name, requests in workloads(args):

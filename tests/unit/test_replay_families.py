@@ -70,3 +70,42 @@ def test_replay_command_prints_goal_lines_per_workload_and_one_summary(tmp_path:
     with pytest.raises(InvalidArgumentError):
         bad = build_parser().parse_args(["replay", "--workload", "nope"])
         bad.func(bad, io.StringIO(), io.StringIO())
+
+
+def test_routing_overrides_change_only_the_named_fields() -> None:
+    from dataclasses import replace
+
+    from actors.replay_cli import routing_overrides
+    from raykv.routing.policy import DEFAULT_ROUTING
+
+    assert routing_overrides("") == DEFAULT_ROUTING
+    cfg = routing_overrides("hot_price=2.5, recent_weight=0.35,allow_pulls=true,balance_window=100")
+    assert cfg == replace(
+        DEFAULT_ROUTING, hot_price=2.5, recent_weight=0.35, allow_pulls=True, balance_window=100
+    )
+    for bad in (
+        "nope=1",
+        "hot_price",
+        "hot_price=fast",
+        "allow_pulls=1",
+        "balance_window=1.5",
+        "hot_price=-1",
+    ):
+        with pytest.raises(InvalidArgumentError):
+            routing_overrides(bad)
+
+
+def test_replay_command_says_when_it_runs_an_override(tmp_path: Path) -> None:
+    """--routing replays an experiment: stdout and the JSON say which fields differ, and a run
+    without it prints no such line."""
+    import json
+
+    base = ["replay", "--workload", "chat", "--requests", "60", "--workers", "2", "--capacity-pct", "20"]
+    base += ["--routers", "raykv", "--out", str(tmp_path)]
+    for extra, said in (([], False), (["--routing", "hot_price=2.5"], True)):
+        args = build_parser().parse_args(base + extra)
+        out = io.StringIO()
+        assert args.func(args, out, io.StringIO()) == 0
+        assert ("routing: DEFAULT_ROUTING with {'hot_price': 2.5}" in out.getvalue()) == said
+        meta = json.loads((tmp_path / "chat.json").read_text())["meta"]
+        assert meta["routing"]["hot_price"] == (2.5 if said else 2.0)
