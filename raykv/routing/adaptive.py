@@ -146,9 +146,6 @@ class RecentWork:
         f = self.factor()
         return {k: v * f for k, v in self.stored.items() if v * f > 1e-6}
 
-    def __bool__(self) -> bool:
-        return bool(self.stored)
-
 
 class RoutingPolicy:
     """Cache-aware routing with online prices (module docstring). ``cfg`` defaults to
@@ -286,7 +283,8 @@ class RoutingPolicy:
 
     def learn(self, num_tokens: int, d: Decision, decode_work: float = 0.0) -> None:
         """After decision ``d`` (for a prompt of ``num_tokens``): update the duplicate price, the
-        mean work per request, the work shares and the workers past their share."""
+        mean work per request, the work shares, the workers past their share and (without pulls)
+        the chosen worker's recent work, at the time of the last decision."""
         cfg = self.cfg
         tpb = cfg.tokens_per_block
         work = max(0, num_tokens - tpb * (d.cached_blocks + d.pull_blocks)) + decode_work

@@ -221,7 +221,7 @@ def test_a_duplicate_the_charge_did_not_force_still_raises_the_price() -> None:
 def test_recent_work_decays_over_its_window() -> None:
     recent = RecentWork(2.0)
     recent.add(A, 5.0)  # no clock yet: nothing kept
-    assert not recent and recent.totals() == {}
+    assert recent.stored == {} and recent.totals() == {}
     recent.advance(10.0)
     recent.add(A, 100.0)
     recent.advance(12.0)
@@ -231,7 +231,7 @@ def test_recent_work_decays_over_its_window() -> None:
     assert recent.totals() == pytest.approx({A: 100.0 / math.e, B: 10.0})
     assert recent.stored[A] * recent.factor() == pytest.approx(100.0 / math.e)
     recent.advance(1000.0)  # decayed to nothing: forgotten when the stored values are rebased
-    assert recent.totals() == {} and not recent
+    assert recent.totals() == {} and recent.stored == {}
     recent.add(A, 1.0)
     recent.advance(1001.0)
     assert recent.totals() == pytest.approx({A: math.exp(-0.5)})
