@@ -1,4 +1,5 @@
-"""Prometheus metrics for CacheWorker actors, exported through ray.util.metrics.
+"""Prometheus metrics for CacheWorker actors, index shards and Serve routers, exported through
+ray.util.metrics.
 
 Counters are fed from stats deltas (so restarts of the exporter never double count), among them
 ``raykv_integrity_drops`` (disk pages that failed their checksum); gauges show bytes in use per
@@ -231,6 +232,58 @@ class IndexMetrics:
         self.route_seconds.observe(seconds, tags=self.tags)
 
 
+DECISION_SECONDS_BOUNDARIES = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1)
+"""Histogram buckets of ``raykv_router_decision_seconds`` (10 us to 100 ms)."""
+
+ROUTER_OUTCOMES = frozenset({"cache_routed", "targeted", "fallback", "index_timeouts", "index_errors"})
+"""The values the router's ``outcome`` tag takes (a decision is one of the first three; the two
+index outcomes count index trouble, each followed by a fallback)."""
+
+
+class RouterMetrics:
+    """Publishes one Serve router's decisions: how each came out (``outcome``: one of
+    :data:`ROUTER_OUTCOMES`), the time a cache-aware decision took (keys, index route and the
+    policy), and the prices its policy learned (the duplicate price, x the recompute of a block
+    another worker holds; the pull price, observed seconds per pulled token over per prefilled
+    token). Tag ``deployment`` (and ``outcome``)."""
+
+    def __init__(self, deployment: str, backend: Any = None) -> None:
+        if backend is None:
+            from ray.util import metrics as backend
+        self.tags = {"deployment": deployment}
+        self.decisions = backend.Counter(
+            "raykv_router_decisions", "Serve router decisions, by outcome", tag_keys=("deployment", "outcome")
+        )
+        self.seconds = backend.Histogram(
+            "raykv_router_decision_seconds",
+            "Time a cache-aware routing decision took (keys, index route, policy)",
+            boundaries=list(DECISION_SECONDS_BOUNDARIES),
+            tag_keys=("deployment",),
+        )
+        self.duplicate_price = backend.Gauge(
+            "raykv_router_duplicate_price",
+            "Learned price of recomputing a block another worker holds (x its recompute)",
+            tag_keys=("deployment",),
+        )
+        self.pull_price = backend.Gauge(
+            "raykv_router_pull_price",
+            "Observed seconds per pulled token over seconds per prefilled token",
+            tag_keys=("deployment",),
+        )
+
+    def count(self, outcome: str) -> None:
+        """One decision (or index failure) came out as ``outcome`` (ValueError for another)."""
+        if outcome not in ROUTER_OUTCOMES:
+            raise ValueError(f"unknown router outcome {outcome!r}")
+        self.decisions.inc(1.0, tags={**self.tags, "outcome": outcome})
+
+    def routed(self, seconds: float, duplicate_price: float, pull_price: float) -> None:
+        """A cache-aware decision took ``seconds``; the policy's prices after it."""
+        self.seconds.observe(seconds, tags=self.tags)
+        self.duplicate_price.set(duplicate_price, tags=self.tags)
+        self.pull_price.set(pull_price, tags=self.tags)
+
+
 SERIES: dict[str, str] = {
     **dict.fromkeys(
         (
@@ -244,6 +297,7 @@ SERIES: dict[str, str] = {
             *(row[0] for row in _TRANSFER_COUNTERS),
             *(row[0] for row in _SERVER_TOTALS),
             "raykv_index_resyncs",
+            "raykv_router_decisions",
         ),
         "counter",
     ),
@@ -256,13 +310,17 @@ SERIES: dict[str, str] = {
             "raykv_index_keys",
             "raykv_index_workers",
             "raykv_index_event_lag",
+            "raykv_router_duplicate_price",
+            "raykv_router_pull_price",
         ),
         "gauge",
     ),
     "raykv_transfer_pull_seconds": "histogram",
     "raykv_index_route_seconds": "histogram",
+    "raykv_router_decision_seconds": "histogram",
 }
-"""Every series WorkerMetrics and IndexMetrics create, and its kind (counter, gauge, histogram)."""
+"""Every series WorkerMetrics, IndexMetrics and RouterMetrics create, and its kind (counter,
+gauge, histogram)."""
 
 
 def prometheus_names(series: Mapping[str, str] | None = None) -> frozenset[str]:

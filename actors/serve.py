@@ -43,6 +43,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from actors.cluster import REGISTRY
 from actors.index import IndexClient
+from actors.metrics import RouterMetrics
 from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope, lora_id_from_name
 from raykv.core.types import WorkerId
@@ -222,6 +223,7 @@ class CacheRanker:
     over :data:`~raykv.routing.policy.DEFAULT_ROUTING`; ``routing`` overrides its fields (for
     deployment facts such as ``allow_pulls``; tokens_per_block comes from the deployment).
     Replicas are any objects with ``replica_id``, ``routing_stats`` and ``replica_metadata``.
+    Each decision counts in ``counters`` and, given ``metrics``, in its Prometheus series.
     """
 
     def __init__(
@@ -231,6 +233,7 @@ class CacheRanker:
         time_budget_s: float = 0.05,
         retry_after_s: float = 5.0,
         seed: int = 0,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         known = {f.name for f in fields(RoutingConfig)}
         unknown = sorted(set(routing or {}) - known)
@@ -249,6 +252,13 @@ class CacheRanker:
         self._sent: collections.OrderedDict[str, _Sent] = collections.OrderedDict()
         self._done: collections.deque[_Sent] = collections.deque(maxlen=_MAX_TRACKED)
         self.counters: collections.Counter[str] = collections.Counter()
+        self.metrics = metrics
+
+    def _count(self, outcome: str) -> None:
+        """One more ``outcome`` in ``counters`` and the metrics."""
+        self.counters[outcome] += 1
+        if self.metrics is not None:
+            self.metrics.count(outcome)
 
     def config(self, tokens_per_block: int) -> RoutingConfig:
         """The shipped default with this router's overrides, for ``tokens_per_block``."""
@@ -283,7 +293,7 @@ class CacheRanker:
         if request is not None and request.target is not None:
             hit = [r for r in replicas if worker_of(r) == request.target]
             if hit:
-                self.counters["targeted"] += 1
+                self._count("targeted")
                 return [hit, [r for r in replicas if worker_of(r) != request.target]]
         if request is None or not request.tokens:
             return self.fallback(replicas)
@@ -299,14 +309,18 @@ class CacheRanker:
             left = max(0.001, self.time_budget_s - (time.monotonic() - start))
             matches = await asyncio.wait_for(view.index.route_async(keys), left)
         except Exception as exc:
-            self.counters["index_timeouts" if isinstance(exc, asyncio.TimeoutError) else "index_errors"] += 1
+            self._count("index_timeouts" if isinstance(exc, asyncio.TimeoutError) else "index_errors")
             self.link.failed()
             return self.fallback(replicas)
         ranks, worker, cached = self._by_cost(replicas, len(request.tokens), matches, view.tokens_per_block)
         if request_id is not None:
             self._remember(self._pending, request_id, (worker, keys, len(request.tokens) - cached))
-        self.counters["cache_routed"] += 1
-        self.counters["decision_us_total"] += int((time.monotonic() - start) * 1e6)
+        self._count("cache_routed")
+        seconds = time.monotonic() - start
+        self.counters["decision_us_total"] += int(seconds * 1e6)
+        if self.metrics is not None:
+            policy = self.policy(view.tokens_per_block)
+            self.metrics.routed(seconds, policy.duplicate_price, policy.pull_price)
         return ranks
 
     def _by_cost(
@@ -343,7 +357,7 @@ class CacheRanker:
 
     def fallback(self, replicas: Sequence[Any]) -> list[list[Any]]:
         """Power of two choices: two random replicas, the less loaded (as reported) first."""
-        self.counters["fallback"] += 1
+        self._count("fallback")
         picks = list(replicas) if len(replicas) <= 2 else self.rng.sample(list(replicas), 2)
         self.rng.shuffle(picks)
         picks.sort(key=lambda r: self._load(WorkerId(""), r).tokens(self._decode_weight))
@@ -415,14 +429,20 @@ class CacheAwareRouter(RequestRouter):
         seed: int = 0,
         **_: Any,
     ) -> None:
+        deployment = str(self._deployment_id)
         self.ranker = CacheRanker(
-            lambda: connect_index(namespace), routing, time_budget_s, retry_after_s, seed
+            lambda: connect_index(namespace),
+            routing,
+            time_budget_s,
+            retry_after_s,
+            seed,
+            RouterMetrics(deployment) if ray.is_initialized() else None,
         )
         # Serve pickles a router's module by value, so this class may be a copy with its own
         # globals: register the counters in the imported module, which router_counters() reads.
         import actors.serve as home
 
-        home._COUNTERS[str(self._deployment_id)] = self.ranker.counters
+        home._COUNTERS[deployment] = self.ranker.counters
 
     def _ranker(self) -> CacheRanker:
         if getattr(self, "ranker", None) is None:

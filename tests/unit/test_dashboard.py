@@ -1,7 +1,7 @@
 """cluster/grafana-raykv.json against what raykv exports: every query names a series of
 actors.metrics.SERIES under the name Ray's Prometheus endpoint gives it, groups only by tags that
 series has, and the panels the operations guide promises are there. SERIES itself is checked
-against the series WorkerMetrics and IndexMetrics create."""
+against the series WorkerMetrics, IndexMetrics and RouterMetrics create."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from actors.metrics import SERIES, IndexMetrics, WorkerMetrics, prometheus_names
+from actors.metrics import SERIES, IndexMetrics, RouterMetrics, WorkerMetrics, prometheus_names
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "cluster" / "grafana-raykv.json"
 NAME = re.compile(r"\b(ray_raykv_[a-z_]+|raykv_[a-z_]+)")
@@ -43,6 +43,7 @@ def _created() -> KindRecorder:
     rec = KindRecorder()
     WorkerMetrics("w", backend=rec)
     IndexMetrics(0, backend=rec)
+    RouterMetrics("app", backend=rec)
     return rec
 
 
@@ -93,6 +94,8 @@ def test_dashboard_covers_what_operators_watch() -> None:
         "raykv_index_event_lag",  # index lag
         "raykv_index_route_seconds",  # route latency
         "raykv_integrity_drops",
+        "raykv_router_decisions",  # routing outcomes
+        "raykv_router_decision_seconds",  # routing decision latency
     }
     assert must <= used, must - used
     dash = json.loads(DASHBOARD.read_text())

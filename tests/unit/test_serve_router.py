@@ -351,3 +351,35 @@ def test_adapter_names_map_to_a_stable_lora_id_distinct_from_text_scopes() -> No
     assert named != block_keys([1, 2, 3, 4], TPB, ReuseScope())  # not the base model's blocks
     with pytest.raises(ValueError):
         lora_id_from_name("")
+
+
+def test_decisions_are_exported_by_outcome_with_time_and_learned_prices() -> None:
+    """Each decision's outcome counts in the router's Prometheus series (tag ``deployment``);
+    a cache-aware one also records its time and the policy's prices after it."""
+    from test_worker_metrics import Recorder
+
+    from actors.metrics import RouterMetrics
+
+    rec = Recorder()
+    index = FakeIndex()
+    index.hold(A, toks(7, 8))
+
+    async def connect() -> IndexView:
+        return IndexView(index, TPB)
+
+    r = CacheRanker(connect, None, 0.5, 30.0, 1, RouterMetrics("app", backend=rec))
+    reps = replicas(0, 0, 0)
+    assert first(run(r.rank(reps, req(toks(7, 12))))) == ["r0"]  # cache-routed
+    run(r.rank(reps, None))  # no request: power of two choices
+    index.fail = True
+    run(r.rank(reps, req(toks(7, 12))))  # the index fails: counted, then a fallback
+    got = {dict(tags)["outcome"]: v for tags, v in rec.named("raykv_router_decisions").items()}
+    assert got == {"cache_routed": 1.0, "fallback": 2.0, "index_errors": 1.0}
+    assert got == {k: v for k, v in r.counters.items() if k in got}  # the same as the counters
+    seconds = [v for name, tags, v in rec.observed if name == "raykv_router_decision_seconds"]
+    assert len(seconds) == 1 and 0 < seconds[0] < 0.5
+    policy = r.policy(TPB)
+    assert rec.get("raykv_router_duplicate_price", deployment="app") == policy.duplicate_price > 0
+    assert rec.get("raykv_router_pull_price", deployment="app") == policy.pull_price
+    with pytest.raises(ValueError):
+        RouterMetrics("app", backend=Recorder()).count("made_up")
