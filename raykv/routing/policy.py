@@ -60,7 +60,7 @@ class RoutingConfig:
     price_start: float = 4.0
     price_step: float = 0.01
     price_max: float = 64.0
-    hot_price: float = 2.0
+    hot_price: float = 2.25
     balance_limit: float = 1.2
     balance_window: int = 3000
     recent_weight: float = 0.5

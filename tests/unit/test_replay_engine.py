@@ -78,11 +78,11 @@ TTFT_ONLY = replace(DEFAULT_ROUTING, price_start=0.0, hot_price=0.0, recent_weig
 def test_a_burst_on_one_prefix_spreads_once_its_queue_outweighs_the_recompute() -> None:
     """A burst of requests on one hot prefix (the first still in flight on its holder): by
     estimated TTFT alone every other request recomputes elsewhere; without the recent-work charge,
-    at the default hot price (a duplicate costs its recompute twice more) the burst stays until
-    its queue costs three times the recompute, then moves once (one duplicate, not one per
-    request); with the default recent-work charge (the burst just routed to the holder counts
-    against it) it moves once, about half-way, and its slowest request waits no longer than by
-    TTFT alone; at a high hot price (9) it queues on the holder until the load guard
+    at a hot price of 2 (a duplicate costs its recompute twice more) the burst stays until its
+    queue costs three times the recompute, then moves once (one duplicate, not one per request);
+    with the default recent-work charge and hot price (the burst just routed to the holder counts
+    against it) it moves once, about half-way, and its slowest request waits less than without the
+    charge; at a high hot price (9) it queues on the holder until the load guard
     (``guard_requests`` mean requests of work above the idle worker) sends it away."""
     ctx = list(range(8))  # 4096 tokens: 4.1 s of prefill at 1000 tokens/s
     burst = [req(0.01 * i, [*ctx, 100 + i] if i else ctx) for i in range(20)]
@@ -90,7 +90,7 @@ def test_a_burst_on_one_prefix_spreads_once_its_queue_outweighs_the_recompute() 
     holder = ttft_only.chosen[0]
     assert ttft_only.chosen[1] == holder and ttft_only.chosen[2] != holder
     assert ttft_only.ttft[2] < 4.7
-    late = _raykv(burst, replace(DEFAULT_ROUTING, recent_weight=0.0))
+    late = _raykv(burst, replace(DEFAULT_ROUTING, recent_weight=0.0, hot_price=2.0))
     moves = sum(a != b for a, b in itertools.pairwise(late.chosen))
     assert late.chosen[:15] == [late.chosen[0]] * 15 and moves == 1
     assert max(ttft_only.ttft) < max(late.ttft)  # one duplicate instead of ten costs some queueing
@@ -98,7 +98,7 @@ def test_a_burst_on_one_prefix_spreads_once_its_queue_outweighs_the_recompute() 
     moves = sum(a != b for a, b in itertools.pairwise(res.chosen))
     assert res.chosen[:3] == [res.chosen[0]] * 3 and 1 <= moves <= 2
     assert res.chosen.index(1 - res.chosen[0]) < late.chosen.index(1 - late.chosen[0])
-    assert max(res.ttft) <= max(ttft_only.ttft) + 1e-9 < max(late.ttft)
+    assert max(res.ttft) < max(late.ttft)
     assert res.hit_blocks == late.hit_blocks  # the same one duplicate, made earlier
     sticky = _raykv(burst, replace(DEFAULT_ROUTING, hot_price=9.0))  # queues up until the load guard
     assert sticky.chosen[:15] == [sticky.chosen[0]] * 15 and max(sticky.ttft) > max(res.ttft) + 1.0

@@ -100,6 +100,8 @@ def test_replay_command_says_when_it_runs_an_override(tmp_path: Path) -> None:
     without it prints no such line."""
     import json
 
+    from raykv.routing.policy import DEFAULT_ROUTING
+
     base = ["replay", "--workload", "chat", "--requests", "60", "--workers", "2", "--capacity-pct", "20"]
     base += ["--routers", "raykv", "--out", str(tmp_path)]
     for extra, said in (([], False), (["--routing", "hot_price=2.5"], True)):
@@ -108,4 +110,4 @@ def test_replay_command_says_when_it_runs_an_override(tmp_path: Path) -> None:
         assert args.func(args, out, io.StringIO()) == 0
         assert ("routing: DEFAULT_ROUTING with {'hot_price': 2.5}" in out.getvalue()) == said
         meta = json.loads((tmp_path / "chat.json").read_text())["meta"]
-        assert meta["routing"]["hot_price"] == (2.5 if said else 2.0)
+        assert meta["routing"]["hot_price"] == (2.5 if said else DEFAULT_ROUTING.hot_price)
