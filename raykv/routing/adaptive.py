@@ -168,7 +168,7 @@ class RoutingPolicy:
         self._excess: dict[WorkerId, float] = {}  # past their share: work beyond it (by learn)
         self._workers: Sequence[WorkerId] = ()
         self.recent = RecentWork(cfg.recent_window_s)
-        self._set_prices()
+        self._prices = self._current()
 
     @property
     def pull_price(self) -> float:
@@ -181,11 +181,6 @@ class RoutingPolicy:
     def prices(self) -> Prices:
         """The prices the next decision uses."""
         return self._prices
-
-    def _set_prices(self) -> None:
-        """The prices of the next decision, and the same at ``hot_price`` (for a hot prefix)."""
-        self._prices = p = self._current()
-        self._hot_prices = Prices(self.cfg.hot_price, p.pull, p.slack)
 
     def _current(self) -> Prices:
         if not self.decisions:  # no request seen yet: no scale for the guard
@@ -232,7 +227,8 @@ class RoutingPolicy:
             charges = _NEW(Charges, (_NONE, 0.0, holder, excess))
         d = decide_at(num_tokens, workers, loads, matches, cfg, prices, rng, charges)
         if hot is not None and d.cached_blocks > 0 and not cfg.allow_pulls and hot(d.worker, d.cached_blocks):
-            d = decide_at(num_tokens, workers, loads, matches, cfg, self._hot_prices, rng, charges)
+            hot_prices = Prices(cfg.hot_price, prices.pull, prices.slack)
+            d = decide_at(num_tokens, workers, loads, matches, cfg, hot_prices, rng, charges)
         if holder is not None and d.duplicated and d.worker != holder:
             d = self._forced(d, holder)
         if learn:
@@ -264,8 +260,12 @@ class RoutingPolicy:
             holder = None
         kept = list(loads)
         for worker in excess:  # one or two workers, not all of them
-            if worker != holder and worker in workers:
+            if worker == holder:
+                continue
+            try:
                 kept[workers.index(worker)] = math.inf
+            except ValueError:  # not a candidate now
+                continue
         if min(kept) == math.inf:
             return loads, None, 0.0
         return kept, holder, excess[holder] if holder is not None else 0.0
@@ -301,14 +301,14 @@ class RoutingPolicy:
             self.duplicate_price = min(cfg.price_max, price)
         else:
             self.duplicate_price *= self._down
-        self._set_prices()
+        self._prices = self._current()
 
     def observe_pull(self, tokens: int, seconds: float) -> None:
         """A pull of ``tokens`` tokens took ``seconds`` (from the worker's report)."""
         if tokens > 0 and seconds > 0:
             rate = seconds / tokens
             self._pull_s = rate if not self._pull_s else self._pull_s + _EWMA * (rate - self._pull_s)
-            self._set_prices()
+            self._prices = self._current()
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A prefill of ``tokens`` tokens took ``seconds`` (from the worker's report)."""
@@ -317,4 +317,4 @@ class RoutingPolicy:
             self._prefill_s = (
                 rate if not self._prefill_s else self._prefill_s + _EWMA * (rate - self._prefill_s)
             )
-            self._set_prices()
+            self._prices = self._current()
