@@ -185,6 +185,8 @@ class RayKVCluster:
         policy = self._policies.get(cfg)
         if policy is None:
             policy = self._policies[cfg] = RoutingPolicy(cfg)
+            for worker in self.worker_ids:  # every worker runs this deployment's config
+                policy.observe_capacity(worker, self.config.capacity_blocks)
         cands = list(loads) if loads is not None else [WorkerLoad(w) for w in self.worker_ids]
         known = set(self.worker_ids)
         usable = set(

@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 TOKEN_FIELDS = ("tokens", "prompt_token_ids", "token_ids")
 PROMPT_FIELD = "prompt"  # an OpenAI completion request's prompt, when given as token ids
 WORKER_FIELD = "raykv_worker"
+CAPACITY_FIELD = "raykv_cache_blocks"  # the paired worker's capacity in blocks (routing stats)
 _MAX_TRACKED = 10_000
 _INFLIGHT_TTL_S = 600.0
 _DONE_TTL_S = 30.0  # completed requests are remembered this long (replicas report every ~1 s)
@@ -148,6 +149,15 @@ def worker_of(replica: Any) -> WorkerId | None:
         name = source.get(WORKER_FIELD) if isinstance(source, Mapping) else None
         if name:
             return WorkerId(str(name))
+    return None
+
+
+def capacity_of(replica: Any) -> int | None:
+    """The capacity in blocks of a replica's raykv worker, as it reported it (None: not told)."""
+    for source in (getattr(replica, "replica_metadata", None), getattr(replica, "routing_stats", None)):
+        blocks = source.get(CAPACITY_FIELD) if isinstance(source, Mapping) else None
+        if isinstance(blocks, int) and blocks >= 0:
+            return blocks
     return None
 
 
@@ -334,7 +344,12 @@ class CacheRanker:
                 per_replica[cid] = m._replace(worker=cid)
         dw = self._decode_weight
         loads = [self._load(cid, r).tokens(dw) for cid, r in ids.items()]
-        decision = self.policy(tpb).decide(num_tokens, list(ids), loads, per_replica, self.rng)
+        policy = self.policy(tpb)
+        for cid, r in ids.items():  # the capacities the replicas report, for the placement rule
+            blocks = capacity_of(r)
+            if blocks is not None and policy.placement.capacity.get(cid) != blocks:
+                policy.observe_capacity(cid, blocks)
+        decision = policy.decide(num_tokens, list(ids), loads, per_replica, self.rng)
         costs = dict(decision.costs)
         order = sorted(costs, key=lambda c: (c != decision.worker, costs[c]))
         ranks = [[ids[c]] for c in order]

@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from actors.liveness import Pinger
-from actors.serve import WORKER_FIELD, IndexLink, RoutedRequest, connect_index
+from actors.serve import CAPACITY_FIELD, WORKER_FIELD, IndexLink, RoutedRequest, connect_index
 from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope, block_keys
 from raykv.core.records import ExportedBlock
@@ -91,13 +91,14 @@ class ReplicaCache:
         self.counters: collections.Counter[str] = collections.Counter()
 
     def metadata(self) -> dict[str, Any]:
-        """For ``record_replica_metadata``."""
-        return {WORKER_FIELD: str(self.worker_id)}
+        """For ``record_replica_metadata``: the paired worker and its capacity in blocks."""
+        return {WORKER_FIELD: str(self.worker_id), CAPACITY_FIELD: self.cluster.config.capacity_blocks}
 
     def routing_stats(self) -> dict[str, Any]:
         """For ``record_routing_stats``."""
         return {
             WORKER_FIELD: str(self.worker_id),
+            CAPACITY_FIELD: self.cluster.config.capacity_blocks,
             "queued_prefill_tokens": self.queued_prefill_tokens,
             "running_decodes": self.running_decodes,
             "ts": time.time(),

@@ -332,6 +332,11 @@ class CacheConfig:
     def tokens_per_block(self) -> int:
         return self.layout.tokens_per_block
 
+    @property
+    def capacity_blocks(self) -> int:
+        """The most blocks one worker of this config holds: the pages of all its tiers together."""
+        return sum(t.num_pages(self.layout.page_bytes) for t in self.tiers)
+
     def replace(self, **changes: object) -> CacheConfig:
         """``dataclasses.replace`` with validation (kept for discoverability)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

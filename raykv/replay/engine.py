@@ -135,6 +135,7 @@ def _context(
         mean_work,
         seed,
         lambda: queues.now,
+        backend.capacity_blocks,
     )
 
 

@@ -96,7 +96,8 @@ class Choice(NamedTuple):
 
 @dataclass
 class RouterContext:
-    """What a router may use: servers, their cache workers, the index, clock and timing."""
+    """What a router may use: servers, their cache workers (each holding at most
+    ``capacity_blocks`` blocks; 0: not told), the index, clock and timing."""
 
     servers: int
     worker_ids: list[WorkerId]
@@ -107,6 +108,7 @@ class RouterContext:
     mean_work: float
     seed: int = 0
     clock: Callable[[], float] = field(default=lambda: 0.0)
+    capacity_blocks: int = 0
 
 
 class Router:
@@ -261,6 +263,9 @@ class RaykvRouter(Router):
     def start(self, ctx: RouterContext) -> None:
         super().start(ctx)
         self.policy = RoutingPolicy(replay_routing(self.routing, self.allow_pulls, ctx.seed))
+        if ctx.capacity_blocks:  # what a worker reports in a deployment
+            for worker in ctx.worker_ids:
+                self.policy.observe_capacity(worker, ctx.capacity_blocks)
         self.server_of = {w: i for i, w in enumerate(ctx.worker_ids)}
         self._route, self._workers = ctx.route, ctx.worker_ids
         self._routed: dict[bytes, tuple[int, float]] = {}  # key -> (server, when) of its last request

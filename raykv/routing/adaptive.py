@@ -42,6 +42,12 @@ up to date from what the deployment shows it, instead of per-trace constants:
   starts where no session is active. The load guard still judges the reported loads only (neither
   this charge nor the balance rule's excess makes a worker fail the guard).
 
+- the placement of cold requests (:class:`~raykv.routing.placement.ColdPlacement`): a request
+  that finds almost nothing cached and would fill a full worker goes, among the workers within
+  ``place_margin`` x its prefill of the cheapest, to the one that was sent the fewest new blocks
+  lately, whose least recently used blocks are the oldest (as one pooled cache would evict). The
+  workers' capacities come from their reports (:meth:`RoutingPolicy.observe_capacity`).
+
 A *hot* prefix (``hot(worker, blocks)``: the winner's prefix was brought by a request still in
 flight on it) is a burst: a second copy then serves concurrent requests instead of going stale, so
 the decision is re-made with ``hot_price`` as the duplicate price. Not thread-safe; one policy per
@@ -58,6 +64,7 @@ from collections.abc import Callable, Mapping, Sequence
 from raykv.core.errors import InvalidArgumentError
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
+from raykv.routing.placement import ColdPlacement
 from raykv.routing.policy import DEFAULT_ROUTING, Charges, Decision, Prices, RoutingConfig, decide_at
 
 HotPrefix = Callable[[WorkerId, int], bool]
@@ -168,6 +175,7 @@ class RoutingPolicy:
         self._excess: dict[WorkerId, float] = {}  # past their share: work beyond it (by learn)
         self._workers: Sequence[WorkerId] = ()
         self.recent = RecentWork(cfg.recent_window_s)
+        self.placement = ColdPlacement(cfg)
         self._prices = self._current()
 
     @property
@@ -205,6 +213,7 @@ class RoutingPolicy:
         is charged its excess; each cost plus ``recent_weight`` x the worker's recent work; both
         charges added after the load guard judged ``loads`` as given
         (:class:`~raykv.routing.policy.Charges`); a hot winner re-decided at ``hot_price``), then
+        a cold request placed by :class:`~raykv.routing.placement.ColdPlacement`, then
         (``learn``) :meth:`learn` from it; a router that learns after dispatching passes
         ``learn=False`` and calls :meth:`learn` itself. ``decode_work``: a request's expected
         decode work in token-equivalents (default ``decode_weight``). ``now``: the time of the
@@ -231,6 +240,7 @@ class RoutingPolicy:
             d = decide_at(num_tokens, workers, loads, matches, cfg, hot_prices, rng, charges)
         if holder is not None and d.duplicated and d.worker != holder:
             d = self._forced(d, holder)
+        d = self.placement.place(num_tokens, d, matches)
         if learn:
             self.learn(num_tokens, d, cfg.decode_weight if decode_work is None else decode_work)
         return d
@@ -283,10 +293,12 @@ class RoutingPolicy:
 
     def learn(self, num_tokens: int, d: Decision, decode_work: float = 0.0) -> None:
         """After decision ``d`` (for a prompt of ``num_tokens``): update the duplicate price, the
-        mean work per request, the work shares, the workers past their share and (without pulls)
-        the chosen worker's recent work, at the time of the last decision."""
+        mean work per request, the work shares, the workers past their share, the new blocks sent
+        to the chosen worker and (without pulls) its recent work, at the time of the last
+        decision."""
         cfg = self.cfg
         tpb = cfg.tokens_per_block
+        self.placement.stored(d.worker, num_tokens / tpb - d.cached_blocks)
         work = max(0, num_tokens - tpb * (d.cached_blocks + d.pull_blocks)) + decode_work
         self._work = work if not self.decisions else self._work + _EWMA * (work - self._work)
         self.shares.add(d.worker, work)
@@ -302,6 +314,11 @@ class RoutingPolicy:
         else:
             self.duplicate_price *= self._down
         self._prices = self._current()
+
+    def observe_capacity(self, worker: WorkerId, blocks: int) -> None:
+        """``worker`` holds at most ``blocks`` blocks (from its report; the placement of cold
+        requests is off until some worker reported). InvalidArgumentError for a negative count."""
+        self.placement.observe_capacity(worker, blocks)
 
     def observe_pull(self, tokens: int, seconds: float) -> None:
         """A pull of ``tokens`` tokens took ``seconds`` (from the worker's report)."""

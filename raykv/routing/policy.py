@@ -42,7 +42,10 @@ from raykv.index.prefix_index import RouteMatch
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """Weights of the cost model (module docstring; all finite and >= 0, tier weights at most 1)."""
+    """Weights of the cost model (module docstring; all finite and >= 0, tier weights at most 1);
+    the online parts' parameters (:mod:`raykv.routing.adaptive`; ``place_margin``,
+    ``place_window`` and ``cold_blocks``: :mod:`raykv.routing.placement`, a ``place_margin`` of 0
+    turns that rule off)."""
 
     tokens_per_block: int = 16
     w_gpu: float = 1.0
@@ -65,6 +68,9 @@ class RoutingConfig:
     balance_window: int = 3000
     recent_weight: float = 0.5
     recent_window_s: float = 2.0
+    place_margin: float = 0.2
+    place_window: float = 4.0
+    cold_blocks: int = 2
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -86,10 +92,14 @@ class RoutingConfig:
             "hot_price",
             "recent_weight",
             "recent_window_s",
+            "place_margin",
+            "place_window",
         ):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise InvalidArgumentError(name, f"must be finite and >= 0, got {value!r}")
+        if not (isinstance(self.cold_blocks, int) and self.cold_blocks >= 0):
+            raise InvalidArgumentError("cold_blocks", f"must be an int >= 0, got {self.cold_blocks!r}")
         if not (math.isfinite(self.imbalance_factor) and self.imbalance_factor >= 1.0):
             raise InvalidArgumentError("imbalance_factor", "must be >= 1")
         if not 0.0 < self.recompute_budget < 1.0:

@@ -16,6 +16,7 @@ pytest.importorskip("ray.serve")
 from import_support import toks
 
 from actors.serve import (
+    CAPACITY_FIELD,
     CacheRanker,
     IndexView,
     RoutedRequest,
@@ -40,11 +41,14 @@ class FakeReplica:
     decodes: int = 0
     ts: float = 0.0
     replica_metadata: dict[str, Any] = field(default_factory=dict)
+    capacity: int | None = None
 
     @property
     def routing_stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {"queued_prefill_tokens": self.queued, "running_decodes": self.decodes}
         stats["ts"] = self.ts
+        if self.capacity is not None:
+            stats[CAPACITY_FIELD] = self.capacity
         if self.worker:
             stats["raykv_worker"] = self.worker
         return stats
@@ -383,3 +387,21 @@ def test_decisions_are_exported_by_outcome_with_time_and_learned_prices() -> Non
     assert rec.get("raykv_router_pull_price", deployment="app") == policy.pull_price
     with pytest.raises(ValueError):
         RouterMetrics("app", backend=Recorder()).count("made_up")
+
+
+def test_reported_capacities_reach_the_policy_and_turn_on_cold_placement() -> None:
+    """Replicas report their worker's capacity in blocks; the ranker hands it to its policy
+    (once per change), which then places cold requests away from a full worker."""
+    index = FakeIndex()
+    r = ranker(index, recent_weight=0.0)
+    reps = replicas(0, 0, 0)
+    for rep in reps:
+        rep.capacity = 4
+    reps[2].replica_metadata = {CAPACITY_FIELD: 9}  # metadata first, as for the worker name
+    run(r.rank(reps, req(toks(5, 40))))
+    policy = r.policy(TPB)
+    assert policy.placement.capacity == {"replica-0": 4, "replica-1": 4, "replica-2": 9}
+    moved = policy.placement.moved
+    for i in range(6):  # cold requests of 10 blocks each: every worker fills, then the rule acts
+        run(r.rank(reps, req(toks(100 + i, 40))))
+    assert policy.placement.moved > moved
