@@ -240,7 +240,9 @@ class RoutingPolicy:
             d = decide_at(num_tokens, workers, loads, matches, cfg, hot_prices, rng, charges)
         if holder is not None and d.duplicated and d.worker != holder:
             d = self._forced(d, holder)
-        d = self.placement.place(num_tokens, d, matches)
+        placement = self.placement
+        if placement.active and d.cached_blocks <= cfg.cold_blocks:  # else place() keeps d
+            d = placement.place(num_tokens, d, matches)
         if learn:
             self.learn(num_tokens, d, cfg.decode_weight if decode_work is None else decode_work)
         return d

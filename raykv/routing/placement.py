@@ -46,6 +46,10 @@ class ColdPlacement:
         self._scale = 1.0
         self._per_block = 0.0  # log of the scale's growth per new block (0: no capacity yet)
         self.moved = 0  # requests this rule placed away from the cheapest worker
+        self.active = False
+        """Can the rule move a request (capacities reported, a margin, no pulls)? Callers may
+        skip :meth:`place` while it is False, or for a decision with more than ``cold_blocks``
+        cached blocks (it would return the decision unchanged)."""
 
     def observe_capacity(self, worker: WorkerId, blocks: int) -> None:
         """``worker`` holds at most ``blocks`` blocks (its report; a later one replaces it).
@@ -53,8 +57,10 @@ class ColdPlacement:
         if blocks < 0:
             raise InvalidArgumentError("blocks", f"capacity must be >= 0, got {blocks}")
         self.capacity[worker] = blocks
-        window = self.cfg.place_window * sum(self.capacity.values())
+        cfg = self.cfg
+        window = cfg.place_window * sum(self.capacity.values())
         self._per_block = 1.0 / window if window > 0 else 0.0
+        self.active = bool(self._per_block) and cfg.place_margin > 0 and not cfg.allow_pulls
 
     def stored(self, worker: WorkerId, blocks: float) -> None:
         """``blocks`` new blocks were routed to ``worker`` (recomputed or pulled there)."""
@@ -78,9 +84,7 @@ class ColdPlacement:
         cfg = self.cfg
         cold = cfg.cold_blocks
         if (
-            not self._per_block
-            or cfg.allow_pulls
-            or cfg.place_margin <= 0
+            not self.active
             or d.cached_blocks > cold
             or num_tokens < cfg.tokens_per_block * (d.cached_blocks + 2 * cold)
             or self.routed.get(d.worker, 0.0) < self.capacity.get(d.worker, math.inf)
