@@ -97,15 +97,16 @@ class ColdPlacement:
         if best > cold or num_tokens < cfg.tokens_per_block * (best + 2 * cold):
             return d
         limit = d.cost + cfg.place_margin * cfg.prefill_cost * num_tokens
-        recent = self.recent
-        pick, low = d.worker, recent.get(d.worker, 0.0)
+        get = self.recent.get
+        pick, low, pick_cost = d.worker, get(d.worker, 0.0), d.cost
         for worker, cost in d.costs:
-            count = recent.get(worker, 0.0)
-            if cost <= limit and count < low:
-                pick, low = worker, count
+            if cost <= limit:
+                count = get(worker, 0.0)
+                if count < low:
+                    pick, low, pick_cost = worker, count, cost
         if pick == d.worker:
             return d
         self.moved += 1
         held = matches.get(pick)
         own = held[1] if held is not None else 0
-        return _NEW(Decision, (pick, dict(d.costs)[pick], own, None, 0, d.costs, 0))
+        return _NEW(Decision, (pick, pick_cost, own, None, 0, d.costs, 0))

@@ -360,7 +360,7 @@ def test_adapter_names_map_to_a_stable_lora_id_distinct_from_text_scopes() -> No
 def test_decisions_are_exported_by_outcome_with_time_and_learned_prices() -> None:
     """Each decision's outcome counts in the router's Prometheus series (tag ``deployment``);
     a cache-aware one also records its time and the policy's prices after it."""
-    from test_worker_metrics import Recorder
+    from metrics_support import Recorder
 
     from actors.metrics import RouterMetrics
 

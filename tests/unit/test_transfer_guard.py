@@ -12,6 +12,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from metrics_support import Recorder
 from transfer_support import (
     Pair,
     authed,
@@ -70,31 +71,6 @@ def make_guarded(layout: KVLayout, oracle: ContentOracle) -> Iterator[Callable[.
 def guarded(make_guarded: Callable[..., Guarded]) -> Guarded:
     """A pair under ``CFG`` (see ``make_guarded``)."""
     return make_guarded()
-
-
-class Recorder:
-    """Stands in for ray.util.metrics: every series' value per tag set."""
-
-    def __init__(self) -> None:
-        self.values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-
-    def _series(self, name: str, *args: Any, **kw: Any) -> Any:
-        recorder = self
-
-        class Series:
-            def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
-                key = (name, tuple(sorted((tags or {}).items())))
-                recorder.values[key] = recorder.values.get(key, 0.0) + value
-
-            def set(self, value: float, tags: dict[str, str] | None = None) -> None:
-                recorder.values[(name, tuple(sorted((tags or {}).items())))] = value
-
-            def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
-                pass
-
-        return Series()
-
-    Counter = Gauge = Histogram = _series
 
 
 def export(metrics: WorkerMetrics, pair: Pair) -> None:
