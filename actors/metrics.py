@@ -245,7 +245,8 @@ class RouterMetrics:
     :data:`ROUTER_OUTCOMES`), the time a cache-aware decision took (keys, index route and the
     policy), and the prices its policy learned (the duplicate price, x the recompute of a block
     another worker holds; the pull price, observed seconds per pulled token over per prefilled
-    token). Tag ``deployment`` (and ``outcome``)."""
+    token), and the cache-aware decisions cold placement moved off a full worker
+    (:mod:`raykv.routing.placement`). Tag ``deployment`` (and ``outcome``)."""
 
     def __init__(self, deployment: str, backend: Any = None) -> None:
         if backend is None:
@@ -270,6 +271,11 @@ class RouterMetrics:
             "Observed seconds per pulled token over seconds per prefilled token",
             tag_keys=("deployment",),
         )
+        self.cold_placed = backend.Counter(
+            "raykv_router_cold_placed",
+            "Cold requests moved off a full worker to the one sent the fewest new blocks lately",
+            tag_keys=("deployment",),
+        )
 
     def count(self, outcome: str) -> None:
         """One decision (or index failure) came out as ``outcome`` (ValueError for another)."""
@@ -277,11 +283,14 @@ class RouterMetrics:
             raise ValueError(f"unknown router outcome {outcome!r}")
         self.decisions.inc(1.0, tags={**self.tags, "outcome": outcome})
 
-    def routed(self, seconds: float, duplicate_price: float, pull_price: float) -> None:
-        """A cache-aware decision took ``seconds``; the policy's prices after it."""
+    def routed(self, seconds: float, duplicate_price: float, pull_price: float, placed: bool = False) -> None:
+        """A cache-aware decision took ``seconds``; the policy's prices after it; ``placed``: cold
+        placement moved it."""
         self.seconds.observe(seconds, tags=self.tags)
         self.duplicate_price.set(duplicate_price, tags=self.tags)
         self.pull_price.set(pull_price, tags=self.tags)
+        if placed:
+            self.cold_placed.inc(1.0, tags=self.tags)
 
 
 SERIES: dict[str, str] = {
@@ -298,6 +307,7 @@ SERIES: dict[str, str] = {
             *(row[0] for row in _SERVER_TOTALS),
             "raykv_index_resyncs",
             "raykv_router_decisions",
+            "raykv_router_cold_placed",
         ),
         "counter",
     ),

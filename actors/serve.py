@@ -322,15 +322,19 @@ class CacheRanker:
             self._count("index_timeouts" if isinstance(exc, asyncio.TimeoutError) else "index_errors")
             self.link.failed()
             return self.fallback(replicas)
+        policy = self.policy(view.tokens_per_block)
+        moved = policy.placement.moved
         ranks, worker, cached = self._by_cost(replicas, len(request.tokens), matches, view.tokens_per_block)
+        placed = policy.placement.moved > moved
+        if placed:
+            self.counters["cold_placed"] += 1
         if request_id is not None:
             self._remember(self._pending, request_id, (worker, keys, len(request.tokens) - cached))
         self._count("cache_routed")
         seconds = time.monotonic() - start
         self.counters["decision_us_total"] += int(seconds * 1e6)
         if self.metrics is not None:
-            policy = self.policy(view.tokens_per_block)
-            self.metrics.routed(seconds, policy.duplicate_price, policy.pull_price)
+            self.metrics.routed(seconds, policy.duplicate_price, policy.pull_price, placed)
         return ranks
 
     def _by_cost(

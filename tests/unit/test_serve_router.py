@@ -405,3 +405,25 @@ def test_reported_capacities_reach_the_policy_and_turn_on_cold_placement() -> No
     for i in range(6):  # cold requests of 10 blocks each: every worker fills, then the rule acts
         run(r.rank(reps, req(toks(100 + i, 40))))
     assert policy.placement.moved > moved
+    assert r.counters["cold_placed"] == policy.placement.moved
+
+
+def test_cold_placements_are_exported() -> None:
+    from metrics_support import Recorder
+
+    from actors.metrics import RouterMetrics
+
+    rec = Recorder()
+    index = FakeIndex()
+
+    async def connect() -> IndexView:
+        return IndexView(index, TPB)
+
+    r = CacheRanker(connect, {"recent_weight": 0.0}, 0.5, 30.0, 1, RouterMetrics("app", backend=rec))
+    reps = replicas(0, 0, 0)
+    for rep in reps:
+        rep.capacity = 4
+    for i in range(7):
+        run(r.rank(reps, req(toks(200 + i, 40))))
+    placed = r.policy(TPB).placement.moved
+    assert placed > 0 and rec.get("raykv_router_cold_placed", deployment="app") == placed
