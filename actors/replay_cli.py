@@ -7,6 +7,7 @@
     raykv replay --requests 400 --tenants 3 --seed 1          # the demo's built-in workload
     raykv replay --ray --workers 4 --requests 200              # through a Ray deployment
     raykv replay --workload agentic --routing hot_price=2.5    # an experiment off the default
+    raykv replay --workload agentic --shape tenants=12,fanout_p=0.6  # agentic of another shape
 
 For each workload (families first, in the order named, then traces) prints the comparison table
 and the goal lines on stdout (progress on stderr) and writes ``<out>/<name>.json`` and
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from raykv.core.errors import InvalidArgumentError
-from raykv.replay.families import DEFAULT_REQUESTS, FAMILIES, FamilySpec, generate_family
+from raykv.replay.families import DEFAULT_REQUESTS, FAMILIES, AgenticShape, FamilySpec, generate_family
 from raykv.replay.grid import GridResult, GridSpec, run_grid
 from raykv.replay.report import Goal, format_table, goal_checks, goal_summary, write_json, write_plot
 from raykv.replay.routers import ROUTERS, parse_routers
@@ -107,6 +108,12 @@ def add_replay_parser(sub: Any) -> argparse.ArgumentParser:
         help="experiments: override DEFAULT_ROUTING fields, e.g. hot_price=2.5,recent_weight=0.35 "
         "(the goal lines then judge that configuration, not the shipped default)",
     )
+    p.add_argument(
+        "--shape",
+        default="",
+        help="--workload agentic of another shape: AgenticShape fields, e.g. tenants=12,fanout_p=0.6,"
+        "step_gap_s=0.2:1.5 (ranges as low:high)",
+    )
     p.set_defaults(func=replay_main)
     return p
 
@@ -129,9 +136,14 @@ def workloads(args: argparse.Namespace) -> list[tuple[str, list[Request]]]:
     """``(name, requests)`` for every workload the arguments name: families, then traces; the
     demo's built-in workload when none is named."""
     out = []
-    for name in _families(args.workload):
+    names = _families(args.workload)
+    shape = AgenticShape.parse(args.shape) if args.shape else None
+    if shape is not None and "agentic" not in names:
+        raise InvalidArgumentError("shape", "--shape shapes the agentic family: add --workload agentic")
+    for name in names:
         n = args.requests or DEFAULT_REQUESTS[name]
-        out.append((name, generate_family(FamilySpec(name, n, args.seed))))
+        spec = FamilySpec(name, n, args.seed, shape if name == "agentic" else None)
+        out.append((name, generate_family(spec)))
     for trace in args.trace:
         out.append((trace.stem, load_mooncake(trace, args.limit)))
     if not out:

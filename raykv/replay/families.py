@@ -31,6 +31,7 @@ long_context
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,12 +43,82 @@ from raykv.replay.trace import BLOCK_TOKENS, Request
 
 
 @dataclass(frozen=True)
+class AgenticShape:
+    """The ``agentic`` family's shape (the defaults are the family; ``raykv replay --workload
+    agentic --shape tenants=12,fanout_p=0.6`` draws another): ``tenants`` with system prompts of
+    ``prompt_blocks`` blocks; tasks starting at ``task_rate`` per second with a first request of
+    ``first_tokens``, then ``steps`` steps ``step_gap_s`` apart, each a tool-call fan-out with
+    probability ``fanout_p`` (``fanout`` branches arriving within ``spread_s``) or a tool loop
+    whose result adds ``tool_tokens``. Ranges are inclusive ``(low, high)``."""
+
+    tenants: int = 6
+    prompt_blocks: Range = (2, 12)
+    task_rate: float = 0.5
+    first_tokens: Range = (100, 1500)
+    steps: Range = (3, 12)
+    step_gap_s: tuple[float, float] = (0.5, 4.0)
+    fanout_p: float = 0.4
+    fanout: Range = (2, 8)
+    spread_s: float = 0.02
+    tool_tokens: Range = (100, 2000)
+
+    def __post_init__(self) -> None:
+        if self.tenants < 1:
+            raise InvalidArgumentError("tenants", f"must be >= 1, got {self.tenants}")
+        for name in ("prompt_blocks", "first_tokens", "steps", "fanout", "tool_tokens"):
+            lo, hi = getattr(self, name)
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                raise InvalidArgumentError(name, f"range must be ints with 1 <= low <= high, got {(lo, hi)}")
+        lo_s, hi_s = self.step_gap_s
+        if not 0 <= lo_s <= hi_s:
+            raise InvalidArgumentError(
+                "step_gap_s", f"range must satisfy 0 <= low <= high, got {(lo_s, hi_s)}"
+            )
+        if not 0.0 <= self.fanout_p <= 1.0:
+            raise InvalidArgumentError("fanout_p", f"must be in [0, 1], got {self.fanout_p}")
+        if not (self.task_rate > 0 and self.spread_s >= 0):
+            raise InvalidArgumentError("task_rate", "task_rate must be > 0 and spread_s >= 0")
+
+    @classmethod
+    def parse(cls, text: str) -> AgenticShape:
+        """The default shape with the fields ``text`` names replaced (``name=value`` pairs,
+        comma-separated; a range as ``low:high``). InvalidArgumentError for an unknown field or
+        a value of the wrong kind, or one the shape rejects."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        base = cls()
+        values: dict[str, object] = {}
+        for item in (x.strip() for x in text.split(",")):
+            if not item:
+                continue
+            name, sep, raw = (part.strip() for part in item.partition("="))
+            if not sep or name not in known:
+                raise InvalidArgumentError(
+                    "shape", f"expected name=value with a field of {list(known)}, got {item!r}"
+                )
+            default = getattr(base, name)
+            try:
+                if isinstance(default, tuple):
+                    lo, sep2, hi = raw.partition(":")
+                    kind = type(default[0])
+                    values[name] = (kind(lo), kind(hi)) if sep2 else (kind(raw), kind(raw))
+                else:
+                    values[name] = type(default)(raw)
+            except ValueError:
+                raise InvalidArgumentError(
+                    "shape", f"{name} takes {type(default).__name__}, got {raw!r}"
+                ) from None
+        return dataclasses.replace(base, **values)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
 class FamilySpec:
-    """Name, size and seed of a generated workload (see the module docstring)."""
+    """Name, size and seed of a generated workload (see the module docstring), and for
+    ``agentic`` its shape (None: the family's)."""
 
     name: str = "agentic"
     requests: int = 3000
     seed: int = 0
+    shape: AgenticShape | None = None
 
     def __post_init__(self) -> None:
         if self.name not in FAMILIES:
@@ -56,6 +127,8 @@ class FamilySpec:
             )
         if self.requests < 1:
             raise InvalidArgumentError("requests", f"must be >= 1, got {self.requests}")
+        if self.shape is not None and self.name != "agentic":
+            raise InvalidArgumentError("shape", f"only the agentic family takes a shape, not {self.name!r}")
 
 
 class _Out:
@@ -111,33 +184,37 @@ def chat(requests: int, seed: int) -> list[Request]:
     return _sessions(out, requests, 1.0 / 3.0, session)
 
 
-def agentic(requests: int, seed: int) -> list[Request]:
-    """The ``agentic`` family (module docstring)."""
-    out = _Out(seed, tenants=6)
-    prompts = out.prompts((2, 12))
+def agentic(requests: int, seed: int, shape: AgenticShape | None = None) -> list[Request]:
+    """The ``agentic`` family (module docstring), of ``shape`` (None: the family's own)."""
+    sh = shape or AgenticShape()
+    out = _Out(seed, tenants=sh.tenants)
+    prompts = out.prompts(sh.prompt_blocks)
     rng = out.rng
 
     def task(start: float) -> None:
         tenant = rng.randrange(len(out.salts))
         salt = out.salts[tenant]
-        doc, at = prompts[tenant].grown(out.ids, draw(rng, (100, 1500))), start
-        for _ in range(draw(rng, (3, 12))):
-            if rng.random() < 0.4:
+        doc, at = prompts[tenant].grown(out.ids, draw(rng, sh.first_tokens)), start
+        for _ in range(draw(rng, sh.steps)):
+            if rng.random() < sh.fanout_p:
                 answers = 0
-                for _ in range(draw(rng, (2, 8))):
+                for _ in range(draw(rng, sh.fanout)):
                     output = draw(rng, (20, 300))
                     answers += output
                     out.add(
-                        at + rng.uniform(0.0, 0.02), doc.grown(out.ids, draw(rng, (20, 200))), salt, output
+                        at + rng.uniform(0.0, sh.spread_s),
+                        doc.grown(out.ids, draw(rng, (20, 200))),
+                        salt,
+                        output,
                     )
                 doc = doc.grown(out.ids, answers)
             else:
                 output = draw(rng, (20, 400))
                 out.add(at, doc, salt, output)
-                doc = doc.grown(out.ids, output + draw(rng, (100, 2000)))  # the answer, a tool result
-            at += rng.uniform(0.5, 4.0)
+                doc = doc.grown(out.ids, output + draw(rng, sh.tool_tokens))  # the answer, a tool result
+            at += rng.uniform(*sh.step_gap_s)
 
-    return _sessions(out, requests, 1.0 / 2.0, task)
+    return _sessions(out, requests, sh.task_rate, task)
 
 
 def rag(requests: int, seed: int) -> list[Request]:
@@ -192,4 +269,6 @@ DEFAULT_REQUESTS = {"chat": 4000, "agentic": 6000, "rag": 3000, "long_context": 
 
 def generate_family(spec: FamilySpec) -> list[Request]:
     """The requests of ``spec``'s family, in arrival order (deterministic for a spec)."""
+    if spec.shape is not None:
+        return agentic(spec.requests, spec.seed, spec.shape)
     return FAMILIES[spec.name](spec.requests, spec.seed)

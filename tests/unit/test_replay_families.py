@@ -111,3 +111,36 @@ def test_replay_command_says_when_it_runs_an_override(tmp_path: Path) -> None:
         assert ("routing: DEFAULT_ROUTING with {'hot_price': 2.5}" in out.getvalue()) == said
         meta = json.loads((tmp_path / "chat.json").read_text())["meta"]
         assert meta["routing"]["hot_price"] == (2.5 if said else DEFAULT_ROUTING.hot_price)
+
+
+def test_agentic_shapes_parse_change_the_workload_and_reject_bad_fields() -> None:
+    """``--shape`` draws the agentic family with other fields: the default shape is the family
+    itself, a named field changes only what it names, and bad input is a typed error."""
+    from raykv.replay.families import AgenticShape
+
+    assert AgenticShape.parse("") == AgenticShape()
+    shape = AgenticShape.parse("tenants=12, fanout_p=0.6,step_gap_s=0.2:1.5,fanout=4")
+    assert (shape.tenants, shape.fanout_p, shape.step_gap_s, shape.fanout) == (12, 0.6, (0.2, 1.5), (4, 4))
+    base = generate_family(FamilySpec("agentic", 500, 3))
+    assert generate_family(FamilySpec("agentic", 500, 3, AgenticShape())) == base
+    many = generate_family(FamilySpec("agentic", 2000, 3, AgenticShape.parse("tenants=12")))
+    assert many[:500] != base and len({r.salt for r in many}) == 12
+    wide = generate_family(FamilySpec("agentic", 2000, 3, AgenticShape.parse("fanout_p=1,fanout=8")))
+    gaps = [b.arrival_s - a.arrival_s for a, b in itertools.pairwise(wide) if a.session == b.session]
+    assert sum(g <= 0.02 for g in gaps) > 0.8 * len(gaps)  # nearly every step is an 8-way fan-out
+    bad_shapes = ("nope=1", "tenants", "tenants=x", "tenants=0", "fanout=3:2", "fanout_p=2", "step_gap_s=2:1")
+    for bad in bad_shapes:
+        with pytest.raises(InvalidArgumentError):
+            AgenticShape.parse(bad)
+    with pytest.raises(InvalidArgumentError):
+        FamilySpec("chat", 100, 0, AgenticShape())
+
+
+def test_replay_command_shapes_only_the_agentic_family(tmp_path: Path) -> None:
+    base = ["replay", "--requests", "60", "--workers", "2", "--capacity-pct", "20", "--routers", "raykv"]
+    base += ["--out", str(tmp_path), "--shape", "tenants=2"]
+    args = build_parser().parse_args([*base, "--workload", "agentic"])
+    assert args.func(args, io.StringIO(), io.StringIO()) == 0
+    args = build_parser().parse_args([*base, "--workload", "chat"])
+    with pytest.raises(InvalidArgumentError):
+        args.func(args, io.StringIO(), io.StringIO())
