@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from raykv.core.errors import InvalidArgumentError
+from raykv.core.overrides import replace_fields
 from raykv.replay.families import DEFAULT_REQUESTS, FAMILIES, AgenticShape, FamilySpec, generate_family
 from raykv.replay.grid import GridResult, GridSpec, run_grid
 from raykv.replay.report import Goal, format_table, goal_checks, goal_summary, write_json, write_plot
@@ -44,33 +45,10 @@ def _pcts(text: str) -> tuple[float, ...]:
 
 def routing_overrides(text: str) -> RoutingConfig:
     """:data:`DEFAULT_ROUTING` with the fields ``text`` names replaced (``name=value`` pairs,
-    comma-separated; numbers, or true/false for a flag); "" is the default itself.
-    InvalidArgumentError for an unknown field, a value of the wrong kind or one the config
-    rejects."""
-    fields = {f.name: f for f in dataclasses.fields(RoutingConfig)}
-    values: dict[str, Any] = {}
-    for item in (x.strip() for x in text.split(",")):
-        if not item:
-            continue
-        name, sep, raw = (part.strip() for part in item.partition("="))
-        if not sep or name not in fields:
-            raise InvalidArgumentError(
-                "routing",
-                f"expected name=value with a field of RoutingConfig ({', '.join(fields)}), got {item!r}",
-            )
-        default = getattr(DEFAULT_ROUTING, name)
-        try:
-            if isinstance(default, bool):
-                if raw.lower() not in ("true", "false"):
-                    raise ValueError(raw)
-                values[name] = raw.lower() == "true"
-            else:
-                values[name] = type(default)(raw)
-        except ValueError:
-            raise InvalidArgumentError(
-                "routing", f"{name} takes a {type(default).__name__}, got {raw!r}"
-            ) from None
-    return dataclasses.replace(DEFAULT_ROUTING, **values)
+    comma-separated; numbers, or true/false for a flag; :func:`replace_fields`); "" is the
+    default itself. InvalidArgumentError for an unknown field, a value of the wrong kind or one
+    the config rejects."""
+    return replace_fields(DEFAULT_ROUTING, text, "routing")
 
 
 def add_replay_parser(sub: Any) -> argparse.ArgumentParser:

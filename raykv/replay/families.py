@@ -31,13 +31,13 @@ long_context
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from raykv.core.errors import InvalidArgumentError
 from raykv.core.keys import ReuseScope
+from raykv.core.overrides import replace_fields
 from raykv.replay.blocks import BlockIds, Doc, Range, draw
 from raykv.replay.trace import BLOCK_TOKENS, Request
 
@@ -82,32 +82,10 @@ class AgenticShape:
     @classmethod
     def parse(cls, text: str) -> AgenticShape:
         """The default shape with the fields ``text`` names replaced (``name=value`` pairs,
-        comma-separated; a range as ``low:high``). InvalidArgumentError for an unknown field or
-        a value of the wrong kind, or one the shape rejects."""
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        base = cls()
-        values: dict[str, object] = {}
-        for item in (x.strip() for x in text.split(",")):
-            if not item:
-                continue
-            name, sep, raw = (part.strip() for part in item.partition("="))
-            if not sep or name not in known:
-                raise InvalidArgumentError(
-                    "shape", f"expected name=value with a field of {list(known)}, got {item!r}"
-                )
-            default = getattr(base, name)
-            try:
-                if isinstance(default, tuple):
-                    lo, sep2, hi = raw.partition(":")
-                    kind = type(default[0])
-                    values[name] = (kind(lo), kind(hi)) if sep2 else (kind(raw), kind(raw))
-                else:
-                    values[name] = type(default)(raw)
-            except ValueError:
-                raise InvalidArgumentError(
-                    "shape", f"{name} takes {type(default).__name__}, got {raw!r}"
-                ) from None
-        return dataclasses.replace(base, **values)  # type: ignore[arg-type]
+        comma-separated; a range as ``low:high``; :func:`raykv.core.overrides.replace_fields`).
+        InvalidArgumentError for an unknown field, a value of the wrong kind or one the shape
+        rejects."""
+        return replace_fields(cls(), text, "shape")
 
 
 @dataclass(frozen=True)
