@@ -7,8 +7,9 @@
  * table (page-locked memory). With numpy that is seven passes over the arrays and more than half
  * of the host time before a 1 GiB batch of 64 KiB pages starts on the GPU; here it is one.
  *
- * pack(src, dst, out) -> runs: writes src into out[0:n] and dst into out[n:2n] as int32 and
- *     returns the number of runs (0 for n == 0). src and dst: C-contiguous 1-D int64 buffers of
+ * pack(src, dst, out[, cap]) -> runs: writes src into out[0:n] and dst into out[n:2n] as int32
+ *     and returns the number of runs (0 for n == 0), or `cap` when there are at least that many
+ *     (cap >= 0: the count stops there, so a scattered batch is not scanned for runs past it). src and dst: C-contiguous 1-D int64 buffers of
  *     equal length n; out: a writable C-contiguous int32 buffer of at least 2n items. Nothing is
  *     written unless all three are valid (TypeError for a wrong item type or shape, ValueError
  *     for differing lengths, a short out, or a slot outside 0..2**31-1).
@@ -95,12 +96,51 @@ static int three_views(PyObject *args, Py_buffer *src, Py_buffer *dst, Py_buffer
     return 0;
 }
 
+/* Runs of (s, d) (pages consecutive on both sides), counted no further than `cap` (< 0: all).
+ * Blocks of 256 pairs keep the inner loop branch-free; the cap is checked between blocks. */
+static Py_ssize_t count_runs(const int64_t *s, const int64_t *d, Py_ssize_t n, Py_ssize_t cap) {
+    if (n == 0) {
+        return 0;
+    }
+    int64_t runs = 1; /* slots below 2**31: the differences cannot overflow */
+    if (cap >= 0 && runs >= cap) {
+        return cap;
+    }
+    Py_ssize_t i = 1;
+    while (i < n) {
+        Py_ssize_t end = n - i > 256 ? i + 256 : n;
+        int64_t breaks = 0;
+        for (; i < end; i++) {
+            breaks += (s[i] - s[i - 1] != 1) | (d[i] - d[i - 1] != 1);
+        }
+        runs += breaks;
+        if (cap >= 0 && runs >= cap) {
+            return cap;
+        }
+    }
+    return (Py_ssize_t)runs;
+}
+
 static PyObject *pack(PyObject *self, PyObject *args) {
     Py_buffer src, dst, out;
-    if (three_views(args, &src, &dst, &out, 2, 1) < 0) {
+    Py_ssize_t cap = -1;
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args);
+    if (nargs == 4) {
+        cap = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, 3));
+        if (cap == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    PyObject *three = nargs == 4 ? PyTuple_GetSlice(args, 0, 3) : (Py_INCREF(args), args);
+    if (three == NULL) {
         return NULL;
     }
-    Py_ssize_t n = src.shape[0], runs = n > 0 ? 1 : 0;
+    int bad = three_views(three, &src, &dst, &out, 2, 1) < 0;
+    Py_DECREF(three);
+    if (bad) {
+        return NULL;
+    }
+    Py_ssize_t n = src.shape[0], runs = 0;
     const int64_t *s = (const int64_t *)src.buf, *d = (const int64_t *)dst.buf;
     int32_t *o = (int32_t *)out.buf;
     /* Three branch-free passes the compiler vectorizes (one fused loop with a run test did not:
@@ -111,11 +151,7 @@ static PyObject *pack(PyObject *self, PyObject *args) {
     }
     high >>= 31;
     if (high == 0) {
-        int64_t breaks = 0; /* slots below 2**31: the differences cannot overflow */
-        for (Py_ssize_t i = 1; i < n; i++) {
-            breaks += (s[i] - s[i - 1] != 1) | (d[i] - d[i - 1] != 1);
-        }
-        runs += (Py_ssize_t)breaks;
+        runs = count_runs(s, d, n, cap);
         for (Py_ssize_t i = 0; i < n; i++) {
             o[i] = (int32_t)s[i];
         }
@@ -444,7 +480,7 @@ static PyObject *pack_launch(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"pack", pack, METH_VARARGS, "pack(src, dst, out) -> runs: out[:n] = src, out[n:2n] = dst."},
+    {"pack", pack, METH_VARARGS, "pack(src, dst, out[, cap]) -> runs (at most cap): out[:n] = src, out[n:2n] = dst."},
     {"pack_ids", pack_ids, METH_VARARGS, "pack_ids(first, second, out, first_limit, second_limit) -> n."},
     {"pack_launch", pack_launch, METH_VARARGS,
      "pack_launch(launch, function, grid_x, grid_y, threads, stream, params, table, capacity, first, second, "

@@ -48,6 +48,9 @@ def test_pack_and_run_starts_match_the_oracle(path: str, drawn: list[tuple[int, 
     starts = oracle_starts(src.tolist(), dst.tolist())
     assert copy_plan.pack(src, dst, out) == len(starts)
     assert out[:n].tolist() == src.tolist() and out[n : 2 * n].tolist() == dst.tolist()
+    for cap in (0, 1, 2, 9, 300, len(starts), len(starts) + 1):  # the count stops at the cap
+        assert copy_plan.pack(src, dst, out, cap) == min(len(starts), cap)
+    assert out[:n].tolist() == src.tolist() and out[n : 2 * n].tolist() == dst.tolist()
     assert out[2 * n :].tolist() == [-7, -7, -7]
     assert copy_plan.run_starts(src, dst).tolist() == starts
     lengths = np.diff([*starts, n]).tolist()
@@ -216,3 +219,19 @@ def test_int64_array_reads_ints_of_any_kind(path: str) -> None:
         copy_plan.int64_array([0, 1 << 64])
     with pytest.raises((TypeError, ValueError)):
         copy_plan.int64_array([0, "x"])
+
+
+@pytest.mark.parametrize("cap", [0, 1, 9, 255, 256, 257, 700, 5000])
+def test_a_capped_run_count_over_many_blocks_of_pairs(path: str, cap: int) -> None:
+    """Batches longer than the compiled pass's 256-pair blocks: runs of random lengths, so the
+    count crosses blocks; the capped count is min(runs, cap), the table the same either way."""
+    rng = np.random.default_rng(cap)
+    lengths = rng.integers(1, 5, 900)
+    starts = np.cumsum(np.concatenate(([0], lengths[:-1] + 3)))  # a gap after every run
+    src = np.concatenate([np.arange(s, s + k) for s, k in zip(starts, lengths)]).astype(np.int64)
+    dst = src[::-1].copy()  # every pair breaks the destination's order: one run per page
+    for a, b, runs in ((src, src + 7, len(lengths)), (src, dst, len(src))):
+        out = np.zeros(2 * len(a), dtype=np.int32)
+        assert copy_plan.pack(a, b, out) == runs
+        assert copy_plan.pack(a, b, out, cap) == min(runs, cap)
+        assert out[: len(a)].tolist() == a.tolist() and out[len(a) :].tolist() == b.tolist()

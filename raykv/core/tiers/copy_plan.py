@@ -40,22 +40,27 @@ def run_starts(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64]) -> npt.ND
     return np.concatenate((np.zeros(1, dtype=np.int64), breaks.astype(np.int64)))
 
 
-def pack(src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64], out: npt.NDArray[np.int32]) -> int:
+def pack(
+    src: npt.NDArray[np.int64], dst: npt.NDArray[np.int64], out: npt.NDArray[np.int32], cap: int = -1
+) -> int:
     """Write ``src`` then ``dst`` into the int32 ``out[:2n]`` (the copy kernel's slot table) and
-    return the batch's number of runs. ValueError, with ``out`` unchanged, when the arrays differ
-    in shape, ``out`` holds fewer than ``2n`` items or a slot is outside ``0..2**31-1``."""
+    return the batch's number of runs, or ``cap`` (>= 0) when there are at least that many (the
+    compiled pass then stops counting: a scattered batch whose only question is "more than a
+    few runs?" is not scanned to the end). ValueError, with ``out`` unchanged, when the arrays
+    differ in shape, ``out`` holds fewer than ``2n`` items or a slot is outside ``0..2**31-1``."""
     _check(src, dst)
     n = len(src)
     if len(out) < 2 * n:
         raise ValueError(f"slot table of {len(out)} items is too short for {n} pages")
     compiled = native.load("_slots")
     if compiled is not None:
-        return int(compiled.pack(src, dst, out))
+        return int(compiled.pack(src, dst, out, cap))
     if n and (min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) > SLOT_MAX):
         raise ValueError("a slot is outside 0..2**31-1")
     out[:n] = src
     out[n : 2 * n] = dst
-    return len(run_starts(src, dst))
+    runs = len(run_starts(src, dst))
+    return min(runs, cap) if cap >= 0 else runs
 
 
 def pack_ids(

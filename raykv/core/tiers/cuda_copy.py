@@ -242,7 +242,9 @@ class CudaCopier:
         argument table while their runs are counted (one pass, :func:`copy_plan.pack`), so the
         common case, a launch, touches the arrays once before the GPU starts."""
         table = self._tables.take(2 * len(src), np.int32)
-        method = self._choose(stream, len(src), pack(src, dst, table), nbytes)
+        # within the device only "at most MEMCPY_MAX_RUNS runs?" matters: stop counting past it
+        cap = MEMCPY_MAX_RUNS + 1 if stream is self.streams["d2d"] and self.method == "auto" else -1
+        method = self._choose(stream, len(src), pack(src, dst, table, cap), nbytes)
         if method == "kernel":
             if nbytes % 16 == 0 and not (src_base | dst_base) % 16 and self._load_kernel():
                 self._launch(stream, src_base, dst_base, len(src), nbytes)
