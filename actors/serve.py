@@ -324,7 +324,8 @@ class CacheRanker:
             return self.fallback(replicas)
         policy = self.policy(view.tokens_per_block)
         moved = policy.placement.moved
-        ranks, worker, cached = self._by_cost(replicas, len(request.tokens), matches, view.tokens_per_block)
+        tpb = view.tokens_per_block
+        ranks, worker, cached = self._by_cost(policy, replicas, len(request.tokens), matches, tpb)
         placed = policy.placement.moved > moved
         if placed:
             self.counters["cold_placed"] += 1
@@ -338,7 +339,12 @@ class CacheRanker:
         return ranks
 
     def _by_cost(
-        self, replicas: Sequence[Any], num_tokens: int, matches: Mapping[WorkerId, RouteMatch], tpb: int
+        self,
+        policy: RoutingPolicy,
+        replicas: Sequence[Any],
+        num_tokens: int,
+        matches: Mapping[WorkerId, RouteMatch],
+        tpb: int,
     ) -> tuple[list[list[Any]], WorkerId | None, int]:
         ids = {WorkerId(f"replica-{i}"): r for i, r in enumerate(replicas)}
         per_replica: dict[WorkerId, RouteMatch] = {}
@@ -346,13 +352,11 @@ class CacheRanker:
             m = matches.get(worker_of(r) or WorkerId(""))
             if m is not None:
                 per_replica[cid] = m._replace(worker=cid)
-        dw = self._decode_weight
-        loads = [self._load(cid, r).tokens(dw) for cid, r in ids.items()]
-        policy = self.policy(tpb)
-        for cid, r in ids.items():  # the capacities the replicas report, for the placement rule
-            blocks = capacity_of(r)
+            blocks = capacity_of(r)  # the capacity the replica reports, for the placement rule
             if blocks is not None and policy.placement.capacity.get(cid) != blocks:
                 policy.observe_capacity(cid, blocks)
+        dw = self._decode_weight
+        loads = [self._load(cid, r).tokens(dw) for cid, r in ids.items()]
         decision = policy.decide(num_tokens, list(ids), loads, per_replica, self.rng)
         costs = dict(decision.costs)
         order = sorted(costs, key=lambda c: (c != decision.worker, costs[c]))

@@ -46,6 +46,7 @@ class ColdPlacement:
         self._scale = 1.0
         self._per_block = 0.0  # log of the scale's growth per new block (0: no capacity yet)
         self.moved = 0  # requests this rule placed away from the cheapest worker
+        self._enabled = cfg.place_margin > 0 and not cfg.allow_pulls  # can it ever move one?
         self.active = False
         """Can the rule move a request (capacities reported, a margin, no pulls)? Callers may
         skip :meth:`place` while it is False, or for a decision with more than ``cold_blocks``
@@ -57,14 +58,14 @@ class ColdPlacement:
         if blocks < 0:
             raise InvalidArgumentError("blocks", f"capacity must be >= 0, got {blocks}")
         self.capacity[worker] = blocks
-        cfg = self.cfg
-        window = cfg.place_window * sum(self.capacity.values())
+        window = self.cfg.place_window * sum(self.capacity.values())
         self._per_block = 1.0 / window if window > 0 else 0.0
-        self.active = bool(self._per_block) and cfg.place_margin > 0 and not cfg.allow_pulls
+        self.active = self._enabled and bool(self._per_block)
 
     def stored(self, worker: WorkerId, blocks: float) -> None:
-        """``blocks`` new blocks were routed to ``worker`` (recomputed or pulled there)."""
-        if blocks <= 0:
+        """``blocks`` new blocks were routed to ``worker`` (recomputed or pulled there). Nothing
+        is kept when the rule can never move a request (with pulls, or a ``place_margin`` of 0)."""
+        if blocks <= 0 or not self._enabled:
             return
         self.routed[worker] = self.routed.get(worker, 0.0) + blocks
         if not self._per_block:
