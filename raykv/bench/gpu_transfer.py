@@ -235,132 +235,183 @@ def _median_seconds(fn: Callable[[], Any], before: Callable[[], Any], repeats: i
     return statistics.median(times)
 
 
+class _Pulls:
+    """One scenario's clients, managers and buffers, and each kind of timed pull (the rows of
+    :func:`_scenario`). ``close`` releases them."""
+
+    def __init__(self, sc: Scenario, entry: dict[str, Any], token: bytes, device: int = 1) -> None:
+        """``device``: the pulling side's CUDA device (the server's is cuda:0)."""
+        import torch
+
+        from raykv.transfer import PageClient, TransferConfig, get_runtime
+
+        self.torch, self.runtime, self.entry = torch, get_runtime(), entry
+        self.keys = [bytes.fromhex(k) for k in entry["keys"]]
+        self.nbytes = len(self.keys) * entry["page_bytes"]
+        self.dst_dev = torch.device("cuda", device)
+        self.mgr = gpu_manager(sc.page_kib, sc.pages, device)
+        self.client = PageClient(token, TransferConfig(host="127.0.0.1", timeout_s=30.0))
+        self.slow = PageClient(token, TransferConfig(host="127.0.0.1", timeout_s=60.0))
+        self.asking = PageClient(token, TransferConfig(host="127.0.0.1", timeout_s=30.0, use_shm_read=False))
+        self.src = torch.randint(0, 256, (self.nbytes,), dtype=torch.uint8, device=torch.device("cuda", 0))
+        self.dst = torch.empty(self.nbytes, dtype=torch.uint8, device=self.dst_dev)
+        self.phases: list[tuple[float, float, float]] = []
+        self.local_served: list[int] = []
+
+    def peer(self, variant: str) -> Any:
+        from raykv.transfer import PeerAddress
+
+        return PeerAddress("127.0.0.1", self.entry[variant])
+
+    def sync(self) -> None:
+        self.torch.cuda.synchronize(self.dst_dev)
+
+    def raw(self) -> None:
+        """The baseline: one torch copy of the same bytes from cuda:0 to cuda:1."""
+        self.dst.copy_(self.src)
+        self.sync()
+
+    def clear(self) -> None:
+        self.mgr.clear_reusable()
+
+    def pull(self, peer: Any) -> Any:
+        from raykv.transfer.device import pull_direct
+
+        pages = self.runtime.run(pull_direct(self.client, peer, self.keys, self.dst_dev), 60)
+        self.sync()
+        self.phases.append(pages.phases)
+        return pages
+
+    def pull_import(self, peer: Any) -> None:
+        from raykv.transfer.device import import_direct
+
+        outcome = import_direct(self.mgr, self.pull(peer))
+        self.sync()
+        assert len(outcome.imported) == len(self.keys)
+
+    def peer_pull_import(self, one_sided: bool) -> None:
+        from raykv.transfer import pull_gpu_peer_into
+
+        client = self.client if one_sided else self.asking
+        outcome = self.runtime.run(pull_gpu_peer_into(client, self.peer("staged"), self.mgr, self.keys), 60)
+        self.sync()
+        assert len(outcome.imported) == len(self.keys)
+        assert outcome.path in (("gpu_read", "gpu_peer") if one_sided else ("gpu_peer",)), outcome.path
+
+    def local_pull_import(self) -> None:
+        """What CacheWorker.pull does on a GPU worker: gpu_read in the caller's thread, the owner
+        asked only for what that could not serve (the first pull: the directory is not known)."""
+        from raykv.transfer import pull_gpu_local, pull_gpu_peer_into
+
+        peer = self.peer("staged")
+        landed = pull_gpu_local(self.client, peer, self.mgr, self.keys)
+        if landed is None or landed[1]:
+            rest = self.keys if landed is None else landed[1]
+            self.runtime.run(pull_gpu_peer_into(self.client, peer, self.mgr, rest), 60)
+        else:
+            self.local_served.append(len(landed[0].imported))
+        self.sync()
+
+    def ucx_pull_import(self) -> None:
+        from raykv.transfer import pull_into
+
+        outcome = self.runtime.run(
+            pull_into(self.slow, self.peer("in_place"), self.mgr, self.keys, prefer_shm=False), 90
+        )
+        self.sync()
+        assert len(outcome.imported) == len(self.keys) and outcome.path == "ucx"
+
+    def close(self) -> None:
+        self.client.close()
+        self.slow.close()
+        self.asking.close()
+        self.mgr.shutdown()
+
+
+Rows = list[tuple[str, float]]
+
+
+def _nothing() -> None:
+    pass
+
+
+def _direct_rows(
+    p: _Pulls, sc: Scenario, options: argparse.Namespace, repeats: int, warmup: int
+) -> tuple[Rows, dict[str, str], list[str]]:
+    """The ``direct pull`` and ``direct pull+import`` rows of every variant, the per-row split
+    of a pull into phases, and errors (a variant whose first row failed skips its second)."""
+    rows: Rows = []
+    info: dict[str, str] = {}
+    errors: list[str] = []
+    for variant in [v for v in VARIANTS if options.in_place or v != "in_place"]:
+        peer = p.peer(variant)
+        for what, fn, before in (("pull", p.pull, _nothing), ("pull+import", p.pull_import, p.clear)):
+            try:
+                p.phases.clear()
+                seconds = _median_seconds(lambda: fn(peer), before, repeats, warmup)  # noqa: B023
+                rows.append((f"direct {what} ({variant})", seconds))
+                split = [statistics.median(ph[i] for ph in p.phases[warmup:]) * 1e3 for i in range(3)]
+                info[rows[-1][0]] = "request/payload/verify ms: " + "/".join(f"{x:.2f}" for x in split)
+            except Exception as exc:  # recorded; the variant's other row is skipped
+                errors.append(f"{sc.name} direct {what} ({variant}): {type(exc).__name__}: {exc}")
+                break
+    return rows, info, errors
+
+
+def _peer_rows(p: _Pulls, sc: Scenario, only: bool, repeats: int, warmup: int) -> tuple[Rows, list[str]]:
+    """The gpu_peer / gpu_read rows (only the caller's-thread one with ``only``), and errors;
+    run after the direct rows: the first gpu_peer pull makes the server's pool shared."""
+    rows: Rows = []
+    errors: list[str] = []
+    labelled = (
+        ("gpu_peer pull+import", functools.partial(p.peer_pull_import, False)),
+        ("gpu_read pull+import (event loop)", functools.partial(p.peer_pull_import, True)),
+        ("gpu_read pull+import (caller's thread)", p.local_pull_import),
+    )[2 if only else 0 :]
+    for label, work in labelled:
+        try:
+            rows.append((label, _median_seconds(work, p.clear, repeats, warmup)))
+        except Exception as exc:
+            errors.append(f"{sc.name} {label}: {type(exc).__name__}: {exc}")
+    if len(p.local_served) < repeats:
+        errors.append(f"{sc.name}: gpu_read served {len(p.local_served)} of {repeats} timed pulls")
+    return rows, errors
+
+
 def _scenario(
     sc: Scenario, entry: dict[str, Any], token: bytes, repeats: int, warmup: int, options: argparse.Namespace
 ) -> dict[str, Any]:
     """Rows of one scenario (seconds per pull) against the server's ``entry``."""
-    import torch
-
-    from raykv.transfer import (
-        PageClient,
-        PeerAddress,
-        TransferConfig,
-        get_runtime,
-        pull_gpu_local,
-        pull_gpu_peer_into,
-        pull_into,
-    )
-    from raykv.transfer.device import import_direct, pull_direct
-
-    runtime = get_runtime()
-    keys = [bytes.fromhex(k) for k in entry["keys"]]
-    nbytes = len(keys) * entry["page_bytes"]
-    src_dev, dst_dev = torch.device("cuda", 0), torch.device("cuda", 1)
-    mgr = gpu_manager(sc.page_kib, sc.pages, 1)
-    client = PageClient(token, TransferConfig(host="127.0.0.1", timeout_s=30.0))
-    slow = PageClient(token, TransferConfig(host="127.0.0.1", timeout_s=60.0))
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=src_dev)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
+    p = _Pulls(sc, entry, token)
     errors: list[str] = []
-    phases: list[tuple[float, float, float]] = []
     info: dict[str, str] = {}
-
-    def raw() -> None:
-        dst.copy_(src)
-        torch.cuda.synchronize(dst_dev)
-
-    def clear() -> None:
-        mgr.clear_reusable()
-
-    def nothing() -> None:
-        pass
-
-    def pull(peer: PeerAddress) -> Any:
-        pages = runtime.run(pull_direct(client, peer, keys, dst_dev), 60)
-        torch.cuda.synchronize(dst_dev)
-        phases.append(pages.phases)
-        return pages
-
-    def pull_import(peer: PeerAddress) -> None:
-        outcome = import_direct(mgr, pull(peer))
-        torch.cuda.synchronize(dst_dev)
-        assert len(outcome.imported) == len(keys)
-
-    asking = PageClient(token, TransferConfig(host="127.0.0.1", timeout_s=30.0, use_shm_read=False))
-
-    def peer_pull_import(one_sided: bool) -> None:
-        peer = PeerAddress("127.0.0.1", entry["staged"])
-        outcome = runtime.run(pull_gpu_peer_into(client if one_sided else asking, peer, mgr, keys), 60)
-        torch.cuda.synchronize(dst_dev)
-        assert len(outcome.imported) == len(keys)
-        assert outcome.path in (("gpu_read", "gpu_peer") if one_sided else ("gpu_peer",)), outcome.path
-
-    local_served: list[int] = []
-
-    def local_pull_import() -> None:
-        """What CacheWorker.pull does on a GPU worker: gpu_read in the caller's thread, the owner
-        asked only for what that could not serve (the first pull: the directory is not known)."""
-        peer = PeerAddress("127.0.0.1", entry["staged"])
-        landed = pull_gpu_local(client, peer, mgr, keys)
-        if landed is None or landed[1]:
-            rest = keys if landed is None else landed[1]
-            runtime.run(pull_gpu_peer_into(client, peer, mgr, rest), 60)
-        else:
-            local_served.append(len(landed[0].imported))
-        torch.cuda.synchronize(dst_dev)
-
-    def ucx_pull_import() -> None:
-        peer = PeerAddress("127.0.0.1", entry["in_place"])
-        outcome = runtime.run(pull_into(slow, peer, mgr, keys, prefer_shm=False), 90)
-        torch.cuda.synchronize(dst_dev)
-        assert len(outcome.imported) == len(keys) and outcome.path == "ucx"
-
     try:
-        rows = [("raw torch peer copy", _median_seconds(raw, nothing, repeats, warmup))]
+        rows: Rows = [("raw torch peer copy", _median_seconds(p.raw, _nothing, repeats, warmup))]
         only = getattr(options, "gpu_read_only", False)
-        for variant in [v for v in VARIANTS if (options.in_place or v != "in_place") and not only]:
-            peer = PeerAddress("127.0.0.1", entry[variant])
-            for what, fn, before in (("pull", pull, nothing), ("pull+import", pull_import, clear)):
-                try:
-                    phases.clear()
-                    seconds = _median_seconds(lambda: fn(peer), before, repeats, warmup)  # noqa: B023
-                    rows.append((f"direct {what} ({variant})", seconds))
-                    split = [statistics.median(p[i] for p in phases[warmup:]) * 1e3 for i in range(3)]
-                    info[rows[-1][0]] = "request/payload/verify ms: " + "/".join(f"{x:.2f}" for x in split)
-                except Exception as exc:  # recorded; the variant's other row is skipped
-                    errors.append(f"{sc.name} direct {what} ({variant}): {type(exc).__name__}: {exc}")
-                    break
-        labelled = (
-            ("gpu_peer pull+import", functools.partial(peer_pull_import, False)),
-            ("gpu_read pull+import (event loop)", functools.partial(peer_pull_import, True)),
-            ("gpu_read pull+import (caller's thread)", local_pull_import),
-        )[2 if only else 0 :]
-        for label, work in labelled:
-            try:  # after the direct rows: the first gpu_peer pull makes the server's pool shared
-                rows.append((label, _median_seconds(work, clear, repeats, warmup)))
-            except Exception as exc:
-                errors.append(f"{sc.name} {label}: {type(exc).__name__}: {exc}")
-        if len(local_served) < repeats:
-            errors.append(f"{sc.name}: gpu_read served {len(local_served)} of {repeats} timed pulls")
+        if not only:
+            direct, info, errors = _direct_rows(p, sc, options, repeats, warmup)
+            rows += direct
+        peer_rows, peer_errors = _peer_rows(p, sc, only, repeats, warmup)
+        rows += peer_rows
+        errors += peer_errors
         if only:  # the machine drifts: the baseline again, after the rows it is compared with
-            rows.append(("raw torch peer copy (again)", _median_seconds(raw, nothing, repeats, warmup)))
+            rows.append(("raw torch peer copy (again)", _median_seconds(p.raw, _nothing, repeats, warmup)))
         if options.host_path:
             try:
-                rows.append(("ucx pull+import (host path)", _median_seconds(ucx_pull_import, clear, 2, 1)))
+                rows.append(
+                    ("ucx pull+import (host path)", _median_seconds(p.ucx_pull_import, p.clear, 2, 1))
+                )
             except Exception as exc:
                 errors.append(f"{sc.name} ucx host path: {type(exc).__name__}: {exc}")
     finally:
-        client.close()
-        slow.close()
-        asking.close()
-        mgr.shutdown()
+        p.close()
     raw_s = rows[0][1]
     out = [
         {
             "scenario": sc.name,
             "what": name,
             "ms": round(seconds * 1e3, 3),
-            "GB/s": round(nbytes / seconds / 1e9, 2),
+            "GB/s": round(p.nbytes / seconds / 1e9, 2),
             "ratio": round(raw_s / seconds, 3),
             "info": info.get(name, ""),
         }
