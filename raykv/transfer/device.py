@@ -385,7 +385,6 @@ def import_direct(manager: CacheManager, pages: DirectPages, priority: int = DEF
     propagates. Nothing is imported in either case.
     """
     prio = check_priority(priority)
-    tpb = manager.tokens_per_block
     with manager.locked():
         manager.store.check_open()
         if pages.keys and int(pages.data.shape[1]) != manager.layout.page_bytes:
@@ -393,20 +392,7 @@ def import_direct(manager: CacheManager, pages: DirectPages, priority: int = DEF
                 "import refused: page size differs from this manager's", reason=TransferFailure.REJECTED
             )
         tree = manager.tree
-        seen: set[bytes] = set()
-        n = 0
-        for key, parent, root, ntok in zip(
-            pages.keys, pages.parent_keys, pages.parent_is_root, pages.num_tokens
-        ):
-            if not (root or parent in seen or parent in tree):
-                break
-            if ntok != tpb:
-                raise TransferError(
-                    f"import refused: a block of {ntok} tokens (only full blocks are shared)",
-                    reason=TransferFailure.REJECTED,
-                )
-            seen.add(key)
-            n += 1
+        n = _importable(pages, tree, manager.tokens_per_block)
         present = [i for i in range(n) if pages.keys[i] in tree]
         first = {key: i for i, key in reversed(list(enumerate(pages.keys[:n])))}
         new = [i for i in sorted(first.values()) if pages.keys[i] not in tree]  # a repeated key once
@@ -442,6 +428,25 @@ def import_direct(manager: CacheManager, pages: DirectPages, priority: int = DEF
         nbytes=pages.nbytes,
         seconds=pages.seconds,
     )
+
+
+def _importable(pages: DirectPages, tree: Any, tokens_per_block: int) -> int:
+    """How many of ``pages`` lead with a chain whose every parent is the root, an earlier page or
+    a block in ``tree``. TransferError (reason "rejected") for a block of that chain that is not
+    full; changes nothing."""
+    seen: set[bytes] = set()
+    n = 0
+    for key, parent, root, ntok in zip(pages.keys, pages.parent_keys, pages.parent_is_root, pages.num_tokens):
+        if not (root or parent in seen or parent in tree):
+            break
+        if ntok != tokens_per_block:
+            raise TransferError(
+                f"import refused: a block of {ntok} tokens (only full blocks are shared)",
+                reason=TransferFailure.REJECTED,
+            )
+        seen.add(key)
+        n += 1
+    return n
 
 
 def _write_top(manager: CacheManager, slots: list[Any], data: Any, rows: list[int]) -> None:

@@ -187,3 +187,22 @@ def test_a_key_repeated_in_one_pull_is_imported_once_and_leaks_no_page(
     assert dst.pools[0].num_free == free - 3  # one page per distinct block, none left allocated
     assert oracle.verify_manager(dst) == 3
     _no_leases(server, src)
+
+
+def test_a_partial_block_in_a_direct_import_is_refused_and_imports_nothing(
+    pair: tuple[CacheManager, CacheManager, PageServer, PageClient],
+) -> None:
+    src, dst, server, client = pair
+    oracle = ContentOracle(BIG)
+    keys = _commit(src, oracle, 5, 3)
+    pulled = get_runtime().run(pull_direct(client, server.address, keys, "cpu"), 30)  # type: ignore[arg-type]
+    short = dataclasses.replace(pulled, num_tokens=(*pulled.num_tokens[:2], BIG.tokens_per_block - 1))
+    free = dst.pools[0].num_free
+    with pytest.raises(TransferError) as info:
+        import_direct(dst, short)
+    assert info.value.reason == "rejected"
+    assert not dst.committed_blocks() and dst.pools[0].num_free == free
+    dst.check_invariants()
+    outcome = import_direct(dst, pulled)  # the same pages, whole: imported
+    assert list(outcome.imported) == keys and oracle.verify_manager(dst) == 3
+    _no_leases(server, src)
