@@ -48,7 +48,7 @@ from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope, lora_id_from_name
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
-from raykv.routing.adaptive import RoutingPolicy
+from raykv.routing.adaptive import HotPrefix, RoutingPolicy
 from raykv.routing.policy import DEFAULT_ROUTING, RoutingConfig, WorkerLoad
 from raykv.routing.session_keys import SessionKeys
 
@@ -59,6 +59,7 @@ PROMPT_FIELD = "prompt"  # an OpenAI completion request's prompt, when given as 
 WORKER_FIELD = "raykv_worker"
 CAPACITY_FIELD = "raykv_cache_blocks"  # the paired worker's capacity in blocks (routing stats)
 _MAX_TRACKED = 10_000
+_MAX_KEYS = 200_000  # block keys of in-flight requests kept for the hot-prefix rule (then swept)
 _INFLIGHT_TTL_S = 600.0
 _DONE_TTL_S = 30.0  # completed requests are remembered this long (replicas report every ~1 s)
 
@@ -224,6 +225,7 @@ class _Sent:
     at: float
     tokens: int
     done: float = 0.0  # when it completed (0: in flight)
+    keys: Sequence[bytes] = ()  # its prompt's block keys (for the hot-prefix rule)
 
 
 class CacheRanker:
@@ -261,6 +263,8 @@ class CacheRanker:
         )
         self._sent: collections.OrderedDict[str, _Sent] = collections.OrderedDict()
         self._done: collections.deque[_Sent] = collections.deque(maxlen=_MAX_TRACKED)
+        self._brought: dict[bytes, str] = {}  # block key -> the last routed request holding it
+        self._sweep_at = _MAX_KEYS
         self.counters: collections.Counter[str] = collections.Counter()
         self.metrics = metrics
 
@@ -325,7 +329,7 @@ class CacheRanker:
         policy = self.policy(view.tokens_per_block)
         moved = policy.placement.moved
         tpb = view.tokens_per_block
-        ranks, worker, cached = self._by_cost(policy, replicas, len(request.tokens), matches, tpb)
+        ranks, worker, cached = self._by_cost(policy, replicas, keys, matches, len(request.tokens), tpb)
         placed = policy.placement.moved > moved
         if placed:
             self.counters["cold_placed"] += 1
@@ -342,8 +346,9 @@ class CacheRanker:
         self,
         policy: RoutingPolicy,
         replicas: Sequence[Any],
-        num_tokens: int,
+        keys: Sequence[bytes],
         matches: Mapping[WorkerId, RouteMatch],
+        num_tokens: int,
         tpb: int,
     ) -> tuple[list[list[Any]], WorkerId | None, int]:
         ids = {WorkerId(f"replica-{i}"): r for i, r in enumerate(replicas)}
@@ -357,7 +362,7 @@ class CacheRanker:
                 policy.observe_capacity(cid, blocks)
         dw = self._decode_weight
         loads = [self._load(cid, r).tokens(dw) for cid, r in ids.items()]
-        decision = policy.decide(num_tokens, list(ids), loads, per_replica, self.rng)
+        decision = policy.decide(num_tokens, list(ids), loads, per_replica, self.rng, self._hot(keys, ids))
         costs = dict(decision.costs)
         order = sorted(costs, key=lambda c: (c != decision.worker, costs[c]))
         ranks = [[ids[c]] for c in order]
@@ -365,6 +370,20 @@ class CacheRanker:
         if rest:
             ranks.append(rest)
         return ranks, worker_of(ids[decision.worker]), decision.cached_blocks * tpb
+
+    def _hot(self, keys: Sequence[bytes], ids: Mapping[WorkerId, Any]) -> HotPrefix:
+        """The policy's hot-prefix test for one decision over ``keys``: is the request routed last
+        with the prefix's last block (``keys[blocks - 1]``) still in flight on replica
+        ``ids[cid]``? (A burst on that prefix: the policy re-decides at ``hot_price``, as the
+        replay's router does on its simulated queues.)"""
+        brought, sent = self._brought, self._sent
+
+        def hot(cid: WorkerId, blocks: int) -> bool:
+            rid = brought.get(keys[blocks - 1]) if 0 < blocks <= len(keys) else None
+            s = sent.get(rid) if rid is not None else None
+            return s is not None and not s.done and s.replica == ids[cid].replica_id
+
+        return hot
 
     def _load(self, cid: WorkerId, replica: Any) -> WorkerLoad:
         stats = replica.routing_stats if isinstance(replica.routing_stats, Mapping) else {}
@@ -396,16 +415,34 @@ class CacheRanker:
                 view.index.predict(worker, keys)
             except Exception as exc:
                 log.debug("raykv predict failed: %s", exc)
-        self._remember(self._sent, request_id, _Sent(replica_id, time.time(), tokens))
+        self._remember(self._sent, request_id, _Sent(replica_id, time.time(), tokens, keys=keys))
+        if keys:
+            self._bring(request_id, keys)
+
+    def _bring(self, request_id: str, keys: Sequence[bytes]) -> None:
+        """``request_id`` is now the last routed request holding ``keys``. Past ``_MAX_KEYS``
+        keys, those of requests no longer tracked as in flight are swept (a completion that never
+        came, a replica that died)."""
+        brought = self._brought
+        brought.update(dict.fromkeys(keys, request_id))
+        if len(brought) > self._sweep_at:
+            sent = self._sent
+            self._brought = {k: r for k, r in brought.items() if r in sent}
+            self._sweep_at = max(_MAX_KEYS, 2 * len(self._brought))
 
     def completed(self, request_id: str) -> None:
         """A request finished: its tokens leave its replica's load at once, also from the
-        replica's last report if that report was taken while it ran."""
+        replica's last report if that report was taken while it ran; the prefix it brought is no
+        longer hot."""
         sent = self._sent.pop(request_id, None)
         now = time.time()
         if sent is not None:
             sent.done = now
             self._done.append(sent)
+            brought = self._brought
+            for key in sent.keys:
+                if brought.get(key) == request_id:
+                    del brought[key]
         while self._done and now - self._done[0].done > _DONE_TTL_S:
             self._done.popleft()
 

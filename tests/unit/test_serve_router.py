@@ -427,3 +427,41 @@ def test_cold_placements_are_exported() -> None:
         run(r.rank(reps, req(toks(200 + i, 40))))
     placed = r.policy(TPB).placement.moved
     assert placed > 0 and rec.get("raykv_router_cold_placed", deployment="app") == placed
+
+
+def test_a_prefix_in_flight_on_its_holder_is_hot_as_in_the_replay() -> None:
+    """The deployed ranker applies the policy's hot-prefix rule on its own records: while the
+    request that brought a prefix to its holder is still in flight there, a request on that
+    prefix is re-decided at ``hot_price`` (a burst spreads to a second copy); once it completed,
+    the same request stays with the holder. The holder's queue (150 tokens) is set between the
+    two prices: a second copy of the 40 cached tokens costs 44 + 40 x price."""
+    index = FakeIndex()
+    prefix = toks(7, 40)  # 10 blocks, held by w-a
+    index.hold(A, prefix)
+    r = ranker(index, recent_weight=0.0)
+    reps = replicas(0, 0, 0)
+    assert first(run(r.rank(reps, req([*prefix, 1, 2, 3, 4]), "lead"))) == ["r0"]
+    r.routed("lead", "r0", A)
+    reps[0].queued = 150
+    branch = run(r.rank(reps, req([*prefix, 5, 6, 7, 8]), "branch"))
+    assert first(branch) != ["r0"]  # hot: 44 + 40 x 2.25 = 134 < 150 + 4 + 4
+    r.completed("lead")
+    assert first(run(r.rank(reps, req([*prefix, 9, 10, 11, 12])))) == ["r0"]  # 44 + 40 x ~4 > 154
+    assert not r._brought  # the completed request's keys are forgotten
+
+
+def test_keys_of_requests_no_longer_in_flight_are_swept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hot-prefix records stay bounded: past ``_MAX_KEYS`` keys, those of requests the
+    ranker no longer tracks (their replica died, or their completion never came) are dropped."""
+    import actors.serve as serve
+
+    monkeypatch.setattr(serve, "_MAX_KEYS", 20)
+    r = ranker(FakeIndex(), recent_weight=0.0)
+    reps = replicas(0, 0, 0)
+    for i, replica in enumerate(["r0"] * 3 + ["r1"] * 5):
+        run(r.rank(reps, req(toks(300 + i, 40)), f"q{i}"))  # 10 blocks each, nothing cached
+        r.routed(f"q{i}", replica, A if replica == "r0" else B)
+        if i == 2:
+            assert len(r._brought) == 30  # all three in flight: kept past the limit
+            r.forget_replica("r0")  # ... until their replica died
+    assert len(r._brought) == 50 and set(r._brought.values()) == {f"q{i}" for i in range(3, 8)}
