@@ -58,6 +58,7 @@ TOKEN_FIELDS = ("tokens", "prompt_token_ids", "token_ids")
 PROMPT_FIELD = "prompt"  # an OpenAI completion request's prompt, when given as token ids
 WORKER_FIELD = "raykv_worker"
 CAPACITY_FIELD = "raykv_cache_blocks"  # the paired worker's capacity in blocks (routing stats)
+PULLS_FIELD = "raykv_pulls"  # True: the replica's engine pulls blocks other workers hold
 _MAX_TRACKED = 10_000
 _MAX_KEYS = 200_000  # block keys of in-flight requests kept for the hot-prefix rule (then swept)
 _INFLIGHT_TTL_S = 600.0
@@ -162,6 +163,15 @@ def capacity_of(replica: Any) -> int | None:
     return None
 
 
+def pulls_of(replica: Any) -> bool:
+    """Whether a replica announced that its engine pulls the blocks another worker holds (the
+    raykv vLLM connector loading KV: a remote hit is fetched, not recomputed)."""
+    for source in (getattr(replica, "replica_metadata", None), getattr(replica, "routing_stats", None)):
+        if isinstance(source, Mapping) and PULLS_FIELD in source:
+            return source[PULLS_FIELD] is True
+    return False
+
+
 # ---- the index, seen from a router ----------------------------------------------------------------
 @dataclass(frozen=True)
 class IndexView:
@@ -231,9 +241,12 @@ class _Sent:
 class CacheRanker:
     """Ranks replicas for a request: cache-aware cost model, or power of two choices.
 
-    Decisions are made by one :class:`~raykv.routing.adaptive.RoutingPolicy` (per block size)
-    over :data:`~raykv.routing.policy.DEFAULT_ROUTING`; ``routing`` overrides its fields (for
-    deployment facts such as ``allow_pulls``; tokens_per_block comes from the deployment).
+    Decisions are made by one :class:`~raykv.routing.adaptive.RoutingPolicy` (per block size
+    and pull mode) over :data:`~raykv.routing.policy.DEFAULT_ROUTING`; ``routing`` overrides its
+    fields. Deployment facts come from the deployment: tokens_per_block from the index, and
+    ``allow_pulls`` from the replicas (when every candidate announces ``raykv_pulls``, its
+    engine fetches a remote hit instead of recomputing it, so the policy prices such blocks as
+    pulls, as the replay's ``raykv_pull`` does; a ``routing`` override of ``allow_pulls`` wins).
     Replicas are any objects with ``replica_id``, ``routing_stats`` and ``replica_metadata``.
     Each decision counts in ``counters`` and, given ``metrics``, in its Prometheus series.
     """
@@ -253,7 +266,7 @@ class CacheRanker:
             raise ConfigError("routing", f"unknown RoutingConfig fields {unknown}; fields: {sorted(known)}")
         self._overrides = dict(routing or {})
         self._decode_weight = self.config(1).decode_weight  # validates the overrides now
-        self._policies: dict[int, RoutingPolicy] = {}
+        self._policies: dict[tuple[int, bool], RoutingPolicy] = {}
         self._session_keys: dict[int, SessionKeys] = {}
         self.link = IndexLink(connect, retry_after_s)
         self.time_budget_s = time_budget_s
@@ -274,9 +287,11 @@ class CacheRanker:
         if self.metrics is not None:
             self.metrics.count(outcome)
 
-    def config(self, tokens_per_block: int) -> RoutingConfig:
-        """The shipped default with this router's overrides, for ``tokens_per_block``."""
-        return replace(DEFAULT_ROUTING, **{**self._overrides, "tokens_per_block": tokens_per_block})
+    def config(self, tokens_per_block: int, pulls: bool = False) -> RoutingConfig:
+        """The shipped default with this router's overrides, for ``tokens_per_block``; with
+        ``pulls`` (the replicas' engines pull remote hits) ``allow_pulls`` unless overridden."""
+        facts = {"allow_pulls": pulls, **self._overrides, "tokens_per_block": tokens_per_block}
+        return replace(DEFAULT_ROUTING, **facts)
 
     def keys(self, request: RoutedRequest, tokens_per_block: int) -> list[bytes]:
         """The request's block keys, reusing its session's previous keys (ValueError for bad
@@ -290,11 +305,14 @@ class CacheRanker:
             sessions = self._session_keys[tokens_per_block] = SessionKeys(tokens_per_block)
         return sessions
 
-    def policy(self, tokens_per_block: int) -> RoutingPolicy:
-        """The policy (and its learned prices) for deployments of ``tokens_per_block``."""
-        policy = self._policies.get(tokens_per_block)
+    def policy(self, tokens_per_block: int, pulls: bool = False) -> RoutingPolicy:
+        """The policy (and its learned prices) for deployments of ``tokens_per_block`` whose
+        replicas pull remote hits (``pulls``) or not."""
+        policy = self._policies.get((tokens_per_block, pulls))
         if policy is None:
-            policy = self._policies[tokens_per_block] = RoutingPolicy(self.config(tokens_per_block))
+            policy = self._policies[tokens_per_block, pulls] = RoutingPolicy(
+                self.config(tokens_per_block, pulls)
+            )
         return policy
 
     async def rank(
@@ -326,7 +344,7 @@ class CacheRanker:
             self._count("index_timeouts" if isinstance(exc, asyncio.TimeoutError) else "index_errors")
             self.link.failed()
             return self.fallback(replicas)
-        policy = self.policy(view.tokens_per_block)
+        policy = self.policy(view.tokens_per_block, all(pulls_of(r) for r in replicas))
         moved = policy.placement.moved
         tpb = view.tokens_per_block
         ranks, worker, cached = self._by_cost(policy, replicas, keys, matches, len(request.tokens), tpb)

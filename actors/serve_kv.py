@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from actors.liveness import Pinger
-from actors.serve import CAPACITY_FIELD, WORKER_FIELD, IndexLink, RoutedRequest, connect_index
+from actors.serve import CAPACITY_FIELD, PULLS_FIELD, WORKER_FIELD, IndexLink, RoutedRequest, connect_index
 from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope, block_keys
 from raykv.core.records import ExportedBlock
@@ -88,17 +88,24 @@ class ReplicaCache:
         self.timeout_s = timeout_s
         self.queued_prefill_tokens = 0
         self.running_decodes = 0
+        self.pulls = False
+        """Does this replica's engine pull the blocks another worker holds (the raykv vLLM
+        connector with loads on)? Announced to routers, which then price such blocks as pulls."""
         self.counters: collections.Counter[str] = collections.Counter()
 
     def metadata(self) -> dict[str, Any]:
-        """For ``record_replica_metadata``: the paired worker and its capacity in blocks."""
-        return {WORKER_FIELD: str(self.worker_id), CAPACITY_FIELD: self.cluster.config.capacity_blocks}
-
-    def routing_stats(self) -> dict[str, Any]:
-        """For ``record_routing_stats``."""
+        """For ``record_replica_metadata``: the paired worker, its capacity in blocks and whether
+        the replica pulls remote hits."""
         return {
             WORKER_FIELD: str(self.worker_id),
             CAPACITY_FIELD: self.cluster.config.capacity_blocks,
+            PULLS_FIELD: self.pulls,
+        }
+
+    def routing_stats(self) -> dict[str, Any]:
+        """For ``record_routing_stats``: :meth:`metadata` and the load numbers."""
+        return {
+            **self.metadata(),
             "queued_prefill_tokens": self.queued_prefill_tokens,
             "running_decodes": self.running_decodes,
             "ts": time.time(),

@@ -12,7 +12,9 @@ routed by raykv's CacheAwareRouter.
   worker and the cluster address to the engine's connector;
 - server class is :class:`RaykvLLMServer`, which announces the worker to routers
   (``record_replica_metadata`` / ``record_routing_stats``, field ``raykv_worker``) with the
-  prompt tokens it has in flight;
+  prompt tokens it has in flight, and, for a role whose connector loads KV (``kv_both``,
+  ``kv_consumer``), ``raykv_pulls``: the engine fetches a hit another worker holds, so the
+  router prices those blocks as pulls rather than recomputes;
 - deployment routes with :class:`actors.serve.CacheAwareRouter` (``request_router_config``), which
   runs where the deployment's handle is called (the OpenAI ingress) and reads the token ids of a
   ``/v1/completions`` request (``prompt`` as a list of ids). Requests without token ids (chat,
@@ -42,7 +44,7 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
     DefaultPDProtocolMixin,
 )
 
-from actors.serve import WORKER_FIELD, prompt_ids, router_config
+from actors.serve import PULLS_FIELD, WORKER_FIELD, prompt_ids, router_config
 from actors.serve_kv import ReplicaCache
 from raykv.core.errors import ConfigError
 
@@ -51,6 +53,7 @@ log = logging.getLogger(__name__)
 CONNECTOR = "RaykvConnector"
 CONNECTOR_MODULE = "raykv.integrations.vllm"
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
+LOADING_ROLES = ("kv_both", "kv_consumer")  # roles whose connector loads (and pulls remote hits)
 POOL_KEY = "raykv_pool"  # kv_connector_extra_config key: the workers this deployment pairs with
 _REPLICA_CACHE: ReplicaCache | None = None
 """This replica's pairing and load numbers (a Serve replica is one process). Ray serializes the
@@ -125,18 +128,22 @@ class RaykvConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):  # ty
     into the connector's ``kv_connector_extra_config`` (``worker``, ``ray_address``). Raises
     what :func:`actors.cluster.connect` raises when the raykv deployment is not up (the replica
     then fails to start, and Serve retries it). :meth:`replica_metadata` announces the worker
-    to routers (``raykv_worker``). P/D requests follow Ray's default protocol: the decode
+    to routers (``raykv_worker``) and whether its connector loads, pulling remote hits
+    (``raykv_pulls``). P/D requests follow Ray's default protocol: the decode
     request carries the prefill response's ``kv_transfer_params``, in which RaykvConnector put
     the prefill worker and block count.
     """
 
     worker: str | None = None
+    pulls: bool = False
 
     def setup(self) -> None:
         global _REPLICA_CACHE
         extra = self.kv_transfer_config.setdefault("kv_connector_extra_config", {})
         namespace = str(extra.get("namespace", "raykv"))
         cache = ReplicaCache(namespace, pool=extra.pop(POOL_KEY, None))
+        # a consumer's connector loads KV, fetching what another worker holds (vLLM's is_kv_consumer)
+        cache.pulls = self.pulls = self.kv_transfer_config.get("kv_role") in LOADING_ROLES
         _REPLICA_CACHE = cache  # the replica's process state; the backend itself stays picklable
         self.worker = str(cache.worker_id)
         extra["worker"] = self.worker
@@ -144,7 +151,7 @@ class RaykvConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):  # ty
         log.info("raykv: replica paired with %s", self.worker)
 
     def replica_metadata(self) -> dict[str, Any]:
-        return {WORKER_FIELD: self.worker} if self.worker is not None else {}
+        return {WORKER_FIELD: self.worker, PULLS_FIELD: self.pulls} if self.worker is not None else {}
 
 
 class RaykvLLMServer(LLMServer):  # type: ignore[misc]

@@ -17,6 +17,7 @@ from import_support import toks
 
 from actors.serve import (
     CAPACITY_FIELD,
+    PULLS_FIELD,
     CacheRanker,
     IndexView,
     RoutedRequest,
@@ -465,3 +466,25 @@ def test_keys_of_requests_no_longer_in_flight_are_swept(monkeypatch: pytest.Monk
             assert len(r._brought) == 30  # all three in flight: kept past the limit
             r.forget_replica("r0")  # ... until their replica died
     assert len(r._brought) == 50 and set(r._brought.values()) == {f"q{i}" for i in range(3, 8)}
+
+
+def test_replicas_whose_engines_pull_remote_hits_are_routed_with_pull_prices() -> None:
+    """When every candidate announces ``raykv_pulls`` (the vLLM connector fetches a hit another
+    worker holds), a block held elsewhere costs its pull (0.5 x 40 tokens here, before any pull
+    is observed), not a recompute plus the duplicate price: a request leaves its busy holder.
+    One replica without the announcement, or an ``allow_pulls`` override, keeps recompute
+    pricing, and the request stays."""
+    index = FakeIndex()
+    prefix = toks(9, 40)
+    index.hold(A, prefix)
+    reps = replicas(150, 0, 0)
+    for rep in reps:
+        rep.replica_metadata = {PULLS_FIELD: True}
+    r = ranker(index)
+    assert first(run(r.rank(reps, req([*prefix, 1, 2, 3, 4])))) != ["r0"]  # 24 < 154
+    assert r.policy(TPB, True).cfg.allow_pulls and r.policy(TPB, True).decisions == 1
+    assert first(run(ranker(index, allow_pulls=False).rank(reps, req([*prefix, 1, 2, 3, 4])))) == ["r0"]
+    reps[2].replica_metadata = {PULLS_FIELD: False}
+    mixed = ranker(index)
+    assert first(run(mixed.rank(reps, req([*prefix, 1, 2, 3, 4])))) == ["r0"]  # 44 + 40 x 4 > 154
+    assert not mixed.policy(TPB).cfg.allow_pulls and mixed.policy(TPB).decisions == 1
