@@ -461,6 +461,7 @@ class CacheRanker:
             for key in sent.keys:
                 if brought.get(key) == request_id:
                     del brought[key]
+            sent.keys = ()  # kept in _done for the load reports only
         while self._done and now - self._done[0].done > _DONE_TTL_S:
             self._done.popleft()
 
