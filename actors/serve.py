@@ -60,7 +60,6 @@ WORKER_FIELD = "raykv_worker"
 CAPACITY_FIELD = "raykv_cache_blocks"  # the paired worker's capacity in blocks (routing stats)
 PULLS_FIELD = "raykv_pulls"  # True: the replica's engine pulls blocks other workers hold
 _MAX_TRACKED = 10_000
-_MAX_KEYS = 200_000  # block keys of in-flight requests kept for the hot-prefix rule (then swept)
 _INFLIGHT_TTL_S = 600.0
 _DONE_TTL_S = 30.0  # completed requests are remembered this long (replicas report every ~1 s)
 
@@ -251,6 +250,10 @@ class CacheRanker:
     Each decision counts in ``counters`` and, given ``metrics``, in its Prometheus series.
     """
 
+    MAX_KEYS = 200_000
+    """Block keys kept for the hot-prefix rule before those of requests no longer in flight are
+    swept."""
+
     def __init__(
         self,
         connect: Callable[[], Awaitable[IndexView]],
@@ -277,7 +280,7 @@ class CacheRanker:
         self._sent: collections.OrderedDict[str, _Sent] = collections.OrderedDict()
         self._done: collections.deque[_Sent] = collections.deque(maxlen=_MAX_TRACKED)
         self._brought: dict[bytes, str] = {}  # block key -> the last routed request holding it
-        self._sweep_at = _MAX_KEYS
+        self._sweep_at = self.MAX_KEYS
         self.counters: collections.Counter[str] = collections.Counter()
         self.metrics = metrics
 
@@ -438,7 +441,7 @@ class CacheRanker:
             self._bring(request_id, keys)
 
     def _bring(self, request_id: str, keys: Sequence[bytes]) -> None:
-        """``request_id`` is now the last routed request holding ``keys``. Past ``_MAX_KEYS``
+        """``request_id`` is now the last routed request holding ``keys``. Past :attr:`MAX_KEYS`
         keys, those of requests no longer tracked as in flight are swept (a completion that never
         came, a replica that died)."""
         brought = self._brought
@@ -446,7 +449,7 @@ class CacheRanker:
         if len(brought) > self._sweep_at:
             sent = self._sent
             self._brought = {k: r for k, r in brought.items() if r in sent}
-            self._sweep_at = max(_MAX_KEYS, 2 * len(self._brought))
+            self._sweep_at = max(self.MAX_KEYS, 2 * len(self._brought))
 
     def completed(self, request_id: str) -> None:
         """A request finished: its tokens leave its replica's load at once, also from the

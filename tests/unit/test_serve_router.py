@@ -452,11 +452,9 @@ def test_a_prefix_in_flight_on_its_holder_is_hot_as_in_the_replay() -> None:
 
 
 def test_keys_of_requests_no_longer_in_flight_are_swept(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The hot-prefix records stay bounded: past ``_MAX_KEYS`` keys, those of requests the
+    """The hot-prefix records stay bounded: past ``MAX_KEYS`` keys, those of requests the
     ranker no longer tracks (their replica died, or their completion never came) are dropped."""
-    import actors.serve as serve
-
-    monkeypatch.setattr(serve, "_MAX_KEYS", 20)
+    monkeypatch.setattr(CacheRanker, "MAX_KEYS", 20)
     r = ranker(FakeIndex(), recent_weight=0.0)
     reps = replicas(0, 0, 0)
     for i, replica in enumerate(["r0"] * 3 + ["r1"] * 5):
