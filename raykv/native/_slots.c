@@ -10,9 +10,10 @@
  * pack(src, dst, out[, cap]) -> runs: writes src into out[0:n] and dst into out[n:2n] as int32
  *     and returns the number of runs (0 for n == 0), or `cap` when there are at least that many
  *     (cap >= 0: the count stops there, so a scattered batch is not scanned for runs past it).
- *     src and dst: C-contiguous 1-D int64 buffers of equal length n; out: a writable C-contiguous int32 buffer of at least 2n items. Nothing is
- *     written unless all three are valid (TypeError for a wrong item type or shape, ValueError
- *     for differing lengths, a short out, or a slot outside 0..2**31-1).
+ *     src and dst: C-contiguous 1-D int64 buffers of equal length n; out: a writable
+ *     C-contiguous int32 buffer of at least 2n items. Nothing is written unless all three are
+ *     valid (TypeError for a wrong item type or shape, ValueError for differing lengths, a short
+ *     out, or a slot outside 0..2**31-1).
  * run_starts(src, dst, out) -> count: the indices where a run starts (always 0 first when n > 0)
  *     written into out[0:count] (out: writable int64 buffer of at least n items).
  * pack_ids(first, second, out, first_limit, second_limit) -> n: the block copy kernel's table from
