@@ -274,7 +274,8 @@ class CacheRanker:
         self.link = IndexLink(connect, retry_after_s)
         self.time_budget_s = time_budget_s
         self.rng = random.Random(seed)
-        self._pending: collections.OrderedDict[str, tuple[WorkerId | None, list[bytes], int]] = (
+        # request id -> (chosen worker, block keys, tokens to prefill, tracked for the hot rule?)
+        self._pending: collections.OrderedDict[str, tuple[WorkerId | None, list[bytes], int, bool]] = (
             collections.OrderedDict()
         )
         self._sent: collections.OrderedDict[str, _Sent] = collections.OrderedDict()
@@ -355,7 +356,8 @@ class CacheRanker:
         if placed:
             self.counters["cold_placed"] += 1
         if request_id is not None:
-            self._remember(self._pending, request_id, (worker, keys, len(request.tokens) - cached))
+            hot = not policy.cfg.allow_pulls  # with pulls the policy never asks whether a prefix is hot
+            self._remember(self._pending, request_id, (worker, keys, len(request.tokens) - cached, hot))
         self._count("cache_routed")
         seconds = time.monotonic() - start
         self.counters["decision_us_total"] += int(seconds * 1e6)
@@ -428,7 +430,7 @@ class CacheRanker:
 
     def routed(self, request_id: str, replica_id: Any, worker: WorkerId | None = None) -> None:
         """A request went to ``replica_id``: credit its worker in the index, count its load."""
-        worker_, keys, tokens = self._pending.pop(request_id, (None, [], 0))
+        worker_, keys, tokens, hot = self._pending.pop(request_id, (None, [], 0, False))
         worker = worker or worker_
         view = self.link.view
         if keys and worker is not None and view is not None:
@@ -436,9 +438,10 @@ class CacheRanker:
                 view.index.predict(worker, keys)
             except Exception as exc:
                 log.debug("raykv predict failed: %s", exc)
-        self._remember(self._sent, request_id, _Sent(replica_id, time.time(), tokens, keys=keys))
-        if keys:
-            self._bring(request_id, keys)
+        tracked = keys if hot else ()
+        self._remember(self._sent, request_id, _Sent(replica_id, time.time(), tokens, keys=tracked))
+        if tracked:
+            self._bring(request_id, tracked)
 
     def _bring(self, request_id: str, keys: Sequence[bytes]) -> None:
         """``request_id`` is now the last routed request holding ``keys``. Past :attr:`MAX_KEYS`

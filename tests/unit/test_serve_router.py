@@ -479,10 +479,12 @@ def test_replicas_whose_engines_pull_remote_hits_are_routed_with_pull_prices() -
     for rep in reps:
         rep.replica_metadata = {PULLS_FIELD: True}
     r = ranker(index)
-    assert first(run(r.rank(reps, req([*prefix, 1, 2, 3, 4])))) != ["r0"]  # 24 < 154
+    assert first(run(r.rank(reps, req([*prefix, 1, 2, 3, 4]), "p"))) != ["r0"]  # 24 < 154
     assert r.policy(TPB, True).cfg.allow_pulls and r.policy(TPB, True).decisions == 1
     assert first(run(ranker(index, allow_pulls=False).rank(reps, req([*prefix, 1, 2, 3, 4])))) == ["r0"]
     reps[2].replica_metadata = {PULLS_FIELD: False}
     mixed = ranker(index)
     assert first(run(mixed.rank(reps, req([*prefix, 1, 2, 3, 4])))) == ["r0"]  # 44 + 40 x 4 > 154
     assert not mixed.policy(TPB).cfg.allow_pulls and mixed.policy(TPB).decisions == 1
+    r.routed("p", "r1", B)  # last: the index credit makes w-b a holder too
+    assert not r._brought  # no hot-prefix records: with pulls the policy never asks
