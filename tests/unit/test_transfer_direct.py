@@ -21,6 +21,7 @@ from raykv.transfer import AuthToken, PageClient, PageServer, TransferConfig, ge
 from raykv.transfer.device import (  # noqa: E402
     MAX_PIECES,
     SPLIT_BYTES,
+    DirectPages,
     direct_counts,
     import_direct,
     page_digests,
@@ -60,6 +61,19 @@ def pair() -> Iterator[tuple[CacheManager, CacheManager, PageServer, PageClient]
     assert server.open_leases == 0 and not src.store.leases
     src.shutdown()
     dst.shutdown()
+
+
+def _pull(
+    pair: tuple[CacheManager, CacheManager, PageServer, PageClient],
+    oracle: ContentOracle,
+    seed: int,
+    blocks: int,
+) -> tuple[list[bytes], DirectPages]:
+    """Commit ``blocks`` blocks on the pair's source and pull them direct onto the CPU: (keys, pages)."""
+    src, _, server, client = pair
+    keys = _commit(src, oracle, seed, blocks)
+    pages = get_runtime().run(pull_direct(client, server.address, keys, "cpu"), 30)  # type: ignore[arg-type]
+    return keys, pages
 
 
 def _no_leases(server: PageServer, src: CacheManager) -> None:
@@ -167,10 +181,9 @@ def test_direct_pull_with_a_wrong_token_is_refused(
 def test_a_key_repeated_in_one_pull_is_imported_once_and_leaks_no_page(
     pair: tuple[CacheManager, CacheManager, PageServer, PageClient],
 ) -> None:
-    src, dst, server, client = pair
+    src, dst, server, _ = pair
     oracle = ContentOracle(BIG)
-    keys = _commit(src, oracle, 3, 3)
-    pulled = get_runtime().run(pull_direct(client, server.address, keys, "cpu"), 30)  # type: ignore[arg-type]
+    keys, pulled = _pull(pair, oracle, 3, 3)
     rows = [0, 0, 1, 2, 1]  # pull_direct refuses repeated keys; import_direct is public too
     pages = dataclasses.replace(
         pulled,
@@ -192,10 +205,9 @@ def test_a_key_repeated_in_one_pull_is_imported_once_and_leaks_no_page(
 def test_a_partial_block_in_a_direct_import_is_refused_and_imports_nothing(
     pair: tuple[CacheManager, CacheManager, PageServer, PageClient],
 ) -> None:
-    src, dst, server, client = pair
+    src, dst, server, _ = pair
     oracle = ContentOracle(BIG)
-    keys = _commit(src, oracle, 5, 3)
-    pulled = get_runtime().run(pull_direct(client, server.address, keys, "cpu"), 30)  # type: ignore[arg-type]
+    keys, pulled = _pull(pair, oracle, 5, 3)
     short = dataclasses.replace(pulled, num_tokens=(*pulled.num_tokens[:2], BIG.tokens_per_block - 1))
     free = dst.pools[0].num_free
     with pytest.raises(TransferError) as info:
