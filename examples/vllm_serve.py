@@ -37,6 +37,10 @@ NAMESPACE = "raykv-vllm-serve"
 MODEL_ID = "tiny-llama"
 PREFIX_BLOCKS = 3
 ROUTER: dict[str, Any] = {"time_budget_s": 2.0}
+THINK_S = 1.0
+"""The client's pause between requests. Serve tells the router a request finished from a
+done-callback that can run after the client has read the response; a repeat sent at once could
+find its holder still counted busy with the request before it (and rightly go elsewhere)."""
 
 
 def llm_config(model_dir: str, namespace: str = NAMESPACE, replicas: int = 2) -> Any:
@@ -106,7 +110,7 @@ def holder(deployment: Any, tokens: list[int], blocks: int, timeout: float = 60.
 
 
 def verify(port: int, deployment: Any) -> dict[int, list[str]]:
-    """Send the workload one request at a time and assert the example's claims; per system
+    """Send the workload one request at a time (THINK_S apart) and assert the example's claims; per system
     prompt, the workers that held each of its requests' blocks afterwards."""
     workers: dict[int, list[str]] = {}
     for prefix, tokens in workload():
@@ -119,6 +123,7 @@ def verify(port: int, deployment: Any) -> dict[int, list[str]]:
             assert stats.get("hit_blocks", 0) >= PREFIX_BLOCKS, stats
         assert holder(deployment, tokens, len(tokens) // testing.BLOCK_SIZE) is not None
         workers.setdefault(prefix, []).append(served_by)
+        time.sleep(THINK_S)
     return workers
 
 
