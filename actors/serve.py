@@ -59,6 +59,10 @@ PROMPT_FIELD = "prompt"  # an OpenAI completion request's prompt, when given as 
 WORKER_FIELD = "raykv_worker"
 CAPACITY_FIELD = "raykv_cache_blocks"  # the paired worker's capacity in blocks (routing stats)
 PULLS_FIELD = "raykv_pulls"  # True: the replica's engine pulls blocks other workers hold
+TIMING_FIELD = "raykv_timing"
+"""Routing stats: the replica's totals since it started, ``[pulled tokens, pull us, prefilled
+tokens, prefill us]`` (its engine's per-request ``pulled_tokens``/``fetch_us`` and
+``prefilled_tokens``/``prefill_us`` added up); routers price a pull against a prefill from them."""
 _MAX_TRACKED = 10_000
 _INFLIGHT_TTL_S = 600.0
 _DONE_TTL_S = 30.0  # completed requests are remembered this long (replicas report every ~1 s)
@@ -169,6 +173,15 @@ def pulls_of(replica: Any) -> bool:
         if isinstance(source, Mapping) and PULLS_FIELD in source:
             return source[PULLS_FIELD] is True
     return False
+
+
+def timing_of(replica: Any) -> tuple[int, int, int, int] | None:
+    """A replica's reported :data:`TIMING_FIELD` totals (None: not reported or malformed)."""
+    stats = getattr(replica, "routing_stats", None)
+    got = stats.get(TIMING_FIELD) if isinstance(stats, Mapping) else None
+    if isinstance(got, (list, tuple)) and len(got) == 4 and all(type(x) is int and x >= 0 for x in got):
+        return (got[0], got[1], got[2], got[3])
+    return None
 
 
 # ---- the index, seen from a router ----------------------------------------------------------------
@@ -282,6 +295,7 @@ class CacheRanker:
         self._done: collections.deque[_Sent] = collections.deque(maxlen=_MAX_TRACKED)
         self._brought: dict[bytes, str] = {}  # block key -> the last routed request holding it
         self._sweep_at = self.MAX_KEYS
+        self._timing: dict[Any, tuple[int, int, int, int]] = {}  # replica id -> its last timing totals
         self.counters: collections.Counter[str] = collections.Counter()
         self.metrics = metrics
 
@@ -383,6 +397,7 @@ class CacheRanker:
             blocks = capacity_of(r)  # the capacity the replica reports, for the placement rule
             if blocks is not None and policy.placement.capacity.get(cid) != blocks:
                 policy.observe_capacity(cid, blocks)
+            self._observe_timing(policy, r)
         dw = self._decode_weight
         loads = [self._load(cid, r).tokens(dw) for cid, r in ids.items()]
         decision = policy.decide(num_tokens, list(ids), loads, per_replica, self.rng, self._hot(keys, ids))
@@ -393,6 +408,25 @@ class CacheRanker:
         if rest:
             ranks.append(rest)
         return ranks, worker_of(ids[decision.worker]), decision.cached_blocks * tpb
+
+    def _observe_timing(self, policy: RoutingPolicy, replica: Any) -> None:
+        """Feed ``policy`` what ``replica``'s pulls and prefills took since its last report
+        (:data:`TIMING_FIELD`; totals that went down mean a restarted replica: counted from 0)."""
+        now = timing_of(replica)
+        if now is None:
+            return
+        rid = replica.replica_id
+        last = self._timing.get(rid)
+        if last == now:
+            return
+        self._timing[rid] = now
+        if last is None or any(n < b for n, b in zip(now, last)):
+            last = (0, 0, 0, 0)
+        pulled, pull_us, prefilled, prefill_us = (n - b for n, b in zip(now, last))
+        if pulled and pull_us:
+            policy.observe_pull(pulled, pull_us / 1e6)
+        if prefilled and prefill_us:
+            policy.observe_prefill(prefilled, prefill_us / 1e6)
 
     def _hot(self, keys: Sequence[bytes], ids: Mapping[WorkerId, Any]) -> HotPrefix:
         """The policy's hot-prefix test for one decision over ``keys``: is the request routed last
@@ -472,6 +506,7 @@ class CacheRanker:
             self._done.popleft()
 
     def forget_replica(self, replica_id: Any) -> None:
+        self._timing.pop(replica_id, None)
         for rid in [k for k, s in self._sent.items() if s.replica == replica_id]:
             del self._sent[rid]
         self._done = collections.deque((s for s in self._done if s.replica != replica_id), _MAX_TRACKED)

@@ -24,7 +24,15 @@ from dataclasses import replace
 from typing import Any
 
 from actors.liveness import Pinger
-from actors.serve import CAPACITY_FIELD, PULLS_FIELD, WORKER_FIELD, IndexLink, RoutedRequest, connect_index
+from actors.serve import (
+    CAPACITY_FIELD,
+    PULLS_FIELD,
+    TIMING_FIELD,
+    WORKER_FIELD,
+    IndexLink,
+    RoutedRequest,
+    connect_index,
+)
 from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope, block_keys
 from raykv.core.records import ExportedBlock
@@ -61,6 +69,36 @@ def pool_names(workers: Sequence[str], pool: Sequence[str | int]) -> list[str]:
     return names
 
 
+class EngineTiming:
+    """What a replica's engine reported its pulls and prefills took, added up since the replica
+    started (routing stats :data:`~actors.serve.TIMING_FIELD`)."""
+
+    def __init__(self) -> None:
+        self.pulled_tokens = self.pull_us = self.prefilled_tokens = self.prefill_us = 0
+
+    def observe(self, results: Mapping[str, Any]) -> None:
+        """Add one request's connector results (``kv_transfer_params["raykv"]``): its pull
+        (``pulled_tokens`` in ``fetch_us``) and its prefill (``prefilled_tokens`` in
+        ``prefill_us``). A pair with a missing, malformed or zero figure adds nothing."""
+
+        def count(name: str) -> int:
+            value = results.get(name)
+            return value if type(value) is int and value > 0 else 0
+
+        pulled, pull_us = count("pulled_tokens"), count("fetch_us")
+        if pulled and pull_us:
+            self.pulled_tokens += pulled
+            self.pull_us += pull_us
+        prefilled, prefill_us = count("prefilled_tokens"), count("prefill_us")
+        if prefilled and prefill_us:
+            self.prefilled_tokens += prefilled
+            self.prefill_us += prefill_us
+
+    def totals(self) -> list[int]:
+        """``[pulled tokens, pull us, prefilled tokens, prefill us]``."""
+        return [self.pulled_tokens, self.pull_us, self.prefilled_tokens, self.prefill_us]
+
+
 class ReplicaCache:
     """A Serve replica's side of raykv: its paired CacheWorker, page moves and load numbers.
 
@@ -92,6 +130,7 @@ class ReplicaCache:
         """Does this replica's engine pull the blocks another worker holds (the raykv vLLM
         connector with loads on)? Announced to routers, which then price such blocks as pulls."""
         self.counters: collections.Counter[str] = collections.Counter()
+        self.timing = EngineTiming()
 
     def metadata(self) -> dict[str, Any]:
         """For ``record_replica_metadata``: the paired worker, its capacity in blocks and whether
@@ -108,6 +147,7 @@ class ReplicaCache:
             **self.metadata(),
             "queued_prefill_tokens": self.queued_prefill_tokens,
             "running_decodes": self.running_decodes,
+            TIMING_FIELD: self.timing.totals(),
             "ts": time.time(),
         }
 

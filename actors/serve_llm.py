@@ -47,6 +47,7 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
 from actors.serve import PULLS_FIELD, WORKER_FIELD, prompt_ids, router_config
 from actors.serve_kv import ReplicaCache
 from raykv.core.errors import ConfigError
+from raykv.integrations.vllm.scheduler import PARAMS_KEY
 
 log = logging.getLogger(__name__)
 
@@ -192,4 +193,8 @@ class RaykvLLMServer(LLMServer):  # type: ignore[misc]
         context = cache.prefilling(tokens) if tokens else contextlib.nullcontext()
         with context, cache.decoding():
             async for item in stream:
+                params = getattr(item, "kv_transfer_params", None)
+                results = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+                if isinstance(results, dict):  # a whole response (streamed chunks carry none)
+                    cache.timing.observe(results)
                 yield item

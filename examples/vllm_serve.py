@@ -117,6 +117,7 @@ def verify(port: int, deployment: Any) -> dict[int, list[str]]:
         out = complete(port, tokens)
         stats = raykv_stats(out)
         served_by = str(stats.get("worker"))
+        assert stats.get("prefilled_tokens", 0) > 0 and stats.get("prefill_us", 0) > 0, stats  # timed
         if prefix in workers:
             first = workers[prefix][0]
             assert served_by == first, f"prefix {prefix} left {first}: router {router_counters()}"

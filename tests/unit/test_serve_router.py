@@ -18,6 +18,7 @@ from import_support import toks
 from actors.serve import (
     CAPACITY_FIELD,
     PULLS_FIELD,
+    TIMING_FIELD,
     CacheRanker,
     IndexView,
     RoutedRequest,
@@ -43,6 +44,7 @@ class FakeReplica:
     ts: float = 0.0
     replica_metadata: dict[str, Any] = field(default_factory=dict)
     capacity: int | None = None
+    timing: list[int] | None = None
 
     @property
     def routing_stats(self) -> dict[str, Any]:
@@ -52,6 +54,8 @@ class FakeReplica:
             stats[CAPACITY_FIELD] = self.capacity
         if self.worker:
             stats["raykv_worker"] = self.worker
+        if self.timing is not None:
+            stats[TIMING_FIELD] = self.timing
         return stats
 
 
@@ -466,18 +470,25 @@ def test_keys_of_requests_no_longer_in_flight_are_swept(monkeypatch: pytest.Monk
     assert len(r._brought) == 50 and set(r._brought.values()) == {f"q{i}" for i in range(3, 8)}
 
 
+def pulling(holder_load: int) -> tuple[FakeIndex, list[int], list[FakeReplica]]:
+    """An index where w-a holds a 40-token prefix, and three replicas that announce pulls, the
+    holder's with ``holder_load`` queued tokens."""
+    index = FakeIndex()
+    prefix = toks(9, 40)
+    index.hold(A, prefix)
+    reps = replicas(holder_load, 0, 0)
+    for rep in reps:
+        rep.replica_metadata = {PULLS_FIELD: True}
+    return index, prefix, reps
+
+
 def test_replicas_whose_engines_pull_remote_hits_are_routed_with_pull_prices() -> None:
     """When every candidate announces ``raykv_pulls`` (the vLLM connector fetches a hit another
     worker holds), a block held elsewhere costs its pull (0.5 x 40 tokens here, before any pull
     is observed), not a recompute plus the duplicate price: a request leaves its busy holder.
     One replica without the announcement, or an ``allow_pulls`` override, keeps recompute
     pricing, and the request stays."""
-    index = FakeIndex()
-    prefix = toks(9, 40)
-    index.hold(A, prefix)
-    reps = replicas(150, 0, 0)
-    for rep in reps:
-        rep.replica_metadata = {PULLS_FIELD: True}
+    index, prefix, reps = pulling(150)
     r = ranker(index)
     assert first(run(r.rank(reps, req([*prefix, 1, 2, 3, 4]), "p"))) != ["r0"]  # 24 < 154
     assert r.policy(TPB, True).cfg.allow_pulls and r.policy(TPB, True).decisions == 1
@@ -488,3 +499,31 @@ def test_replicas_whose_engines_pull_remote_hits_are_routed_with_pull_prices() -
     assert not mixed.policy(TPB).cfg.allow_pulls and mixed.policy(TPB).decisions == 1
     r.routed("p", "r1", B)  # last: the index credit makes w-b a holder too
     assert not r._brought  # no hot-prefix records: with pulls the policy never asks
+
+
+def test_the_pull_price_is_learned_from_the_pulls_and_prefills_replicas_report() -> None:
+    """Replicas report their engines' pull and prefill totals (``raykv_timing``); the router
+    feeds the policy what changed since each replica's last report, so its pull price is the
+    deployment's own: 100 us per pulled token against 1000 per prefilled one is 0.1, and a
+    40-token pull then beats a 15-token queue. Unchanged totals add nothing; totals that went
+    down (a restarted replica) count from zero."""
+    index, prefix, reps = pulling(15)
+    r = ranker(index)
+    assert first(run(r.rank(reps, req([*prefix, 1, 2, 3, 4])))) == ["r0"]  # 0.5 x 40 + 4 > 4 + 15
+    policy = r.policy(TPB, True)
+    assert policy.pull_price == pytest.approx(0.5)
+    reps[1].timing = [400, 40_000, 1000, 1_000_000]
+    assert first(run(r.rank(reps, req([*prefix, 5, 6, 7, 8])))) != ["r0"]  # 0.1 x 40 + 4 < 4 + 15
+    assert policy.pull_price == pytest.approx(0.1)
+    run(r.rank(reps, req([*prefix, 5, 6, 7, 8])))  # the same totals again: no new observation
+    assert policy.pull_price == pytest.approx(0.1)
+    reps[1].timing = [400 + 100, 40_000 + 30_000, 1000, 1_000_000]  # one slow pull: 300 us/token
+    run(r.rank(reps, req([*prefix, 5, 6, 7, 8])))
+    assert policy.pull_price == pytest.approx((100 + 0.02 * 200) / 1000)
+    reps[1].timing = [10, 1_000_000, 10, 1_000_000]  # restarted: its totals are new observations
+    run(r.rank(reps, req([*prefix, 5, 6, 7, 8])))
+    pull_s, prefill_s = 104e-6 + 0.02 * (0.1 - 104e-6), 1e-3 + 0.02 * (0.1 - 1e-3)
+    assert policy.pull_price == pytest.approx(pull_s / prefill_s)
+    reps[2].timing = [1, 2]  # malformed: ignored
+    run(r.rank(reps, req([*prefix, 5, 6, 7, 8])))
+    assert policy.pull_price == pytest.approx(pull_s / prefill_s)

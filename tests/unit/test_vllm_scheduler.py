@@ -222,3 +222,72 @@ def test_worker_side_reports_async_loads_received_with_their_lost_blocks() -> No
     report = worker.take_report()
     assert report is not None and report.per_request["r1"]["load_errors"] == 2
     assert "r2" not in report.per_request
+
+
+def _step(req_id: str, before: int, scheduled: int, new: bool) -> Any:
+    """A scheduler output running ``scheduled`` tokens of one request from ``before``."""
+    if new:
+        reqs = [SimpleNamespace(req_id=req_id, num_computed_tokens=before)]
+        cached = SimpleNamespace(req_ids=[], num_computed_tokens=[])
+    else:
+        reqs, cached = [], SimpleNamespace(req_ids=[req_id], num_computed_tokens=[before])
+    return SimpleNamespace(
+        scheduled_new_reqs=reqs,
+        num_scheduled_tokens={req_id: scheduled},
+        scheduled_cached_reqs=cached,
+        total_num_scheduled_tokens=scheduled,
+    )
+
+
+def test_prefill_is_timed_from_its_first_step_to_the_step_after_its_last() -> None:
+    """A prompt of 25 tokens with 4 blocks loaded: the engine computes the other 9 in two chunked
+    steps; the prefill's time runs from planning the first to planning the step after the
+    second (decode steps do not extend it)."""
+    side, _ = _side(Match(4), store_generated=False)
+    request = _request()
+    side.lookup(request, 0)
+    side.after_alloc(request, BLOCKS, 4 * TPB)
+    blocks = lambda rid: list(BLOCKS)  # noqa: E731
+    start = time.monotonic()
+    side.build(_step("r1", 4 * TPB, 5, new=True), blocks)
+    time.sleep(0.02)
+    side.build(_step("r1", 4 * TPB + 5, 4, new=False), blocks)  # computes the prompt's last token
+    time.sleep(0.03)
+    side.build(_step("r1", len(PROMPT), 1, new=False), blocks)  # a decode step: the prefill ended
+    elapsed_us = (time.monotonic() - start) * 1e6
+    time.sleep(0.02)
+    side.build(_step("r1", len(PROMPT) + 1, 1, new=False), blocks)
+    params = side.finished(request)
+    assert params is not None
+    counts = params["raykv"]
+    assert counts["prefilled_tokens"] == len(PROMPT) - 4 * TPB == 9
+    assert 50_000 <= counts["prefill_us"] <= elapsed_us
+    assert "pulled_tokens" not in counts  # a synchronous load from the paired worker pulls nothing
+
+
+def test_a_request_ending_in_its_prefill_step_is_timed_at_its_finish() -> None:
+    side, _ = _side(Match(0))
+    request = _request()
+    side.lookup(request, 0)
+    side.build(_step("r1", 0, len(PROMPT), new=True), lambda rid: list(BLOCKS))
+    time.sleep(0.01)
+    params = side.finished(request)  # max_tokens=1: finished before another step was planned
+    assert params is not None
+    assert params["raykv"]["prefilled_tokens"] == len(PROMPT)
+    assert params["raykv"]["prefill_us"] >= 10_000
+
+
+def test_an_async_load_counts_the_tokens_its_fetch_pulled() -> None:
+    """The paired worker held 1 of the 6 blocks at lookup and all 6 after the fetch: 5 pulled."""
+    side, link = _side(Match(1, "w1", 6))
+    request = _request()
+    side.lookup(request, 0)
+    side.after_alloc(request, BLOCKS, 6 * TPB)
+    link.fetches[0].result = 6
+    _build(side)
+    side.build(_step("r1", 6 * TPB, 1, new=True), lambda rid: list(BLOCKS))
+    params = side.finished(request)
+    assert params is not None
+    counts = params["raykv"]
+    assert counts["pulled_tokens"] == 5 * TPB and counts["fetch_us"] >= 0
+    assert counts["prefilled_tokens"] == 1 and counts["prefill_us"] > 0

@@ -20,6 +20,7 @@ pytest.importorskip("ray.serve.llm")
 from ray_helpers import load_example
 
 from actors.cluster import RayKVCluster
+from raykv.integrations.vllm.testing import BLOCK_SIZE
 
 
 @pytest.fixture(scope="module")
@@ -52,4 +53,5 @@ def test_serve_llm_routes_repeats_to_their_holder_then_pd_matches_it(
     serve.run(example.build_pd_app(model_dir, deployment.namespace), name="pd", route_prefix="/")
     stats = example.verify_pd(http_port, deployment, reference)  # worker 1 loaded, same output
     assert stats["hit_blocks"] == stats["loaded_blocks_ok"]
+    assert stats["pulled_tokens"] == stats["hit_blocks"] * BLOCK_SIZE and stats["fetch_us"] > 0  # a pull
     serve.delete("pd")

@@ -67,7 +67,10 @@ time in the worker process: pull plus copy into the engine's blocks), ``path_<pa
 pages came: ``gpu_peer``, ``gpu_read``, ``shm_read``, ``shm``, ``ucx``), ``dma_direct_blocks``
 (blocks a CUDA engine copied straight from a page-locked mapping of the host tier),
 ``async_loads`` and ``fetch_us`` (an asynchronous load, the wall time from its lookup until its
-load was planned), ``offered_blocks``, ``staged_blocks``, ``worker`` and
+load was planned), ``pulled_tokens`` (the tokens of the blocks that fetch brought to the paired
+worker), ``prefilled_tokens`` and ``prefill_us`` (the prompt tokens the engine computed, and the
+wall time from planning the step that computed the first of them to planning the step after the
+last), ``offered_blocks``, ``staged_blocks``, ``worker`` and
 ``blocks`` (prompt blocks the deployment holds or was offered; a PD proxy hands these to the
 decode engine's request as ``kv_transfer_params``). The worker side's
 figures of a step reach the scheduler after the requests finishing in that step are freed, so a

@@ -28,9 +28,13 @@ offered (``stored``). Each step it plans:
 A lookup never counts the prompt's last token (vLLM must compute at least one token for its
 logits), so at most ``(len(prompt) - 1) // block_size`` blocks are loaded.
 
-Per-request results (``hit_blocks``, ``loaded_blocks``, ``load_errors``, ``stored_blocks``, and for
-asynchronous loads ``async_loads`` and ``fetch_us``, the fetch's wall time from lookup to plan) come
-back in the request output's ``kv_transfer_params["raykv"]``.
+Per-request results (``hit_blocks``, ``loaded_blocks``, ``load_errors``, ``stored_blocks``; for
+asynchronous loads ``async_loads``, ``fetch_us``, the fetch's wall time from lookup to plan, and
+``pulled_tokens``, the tokens of the blocks it brought to the paired worker; ``prefilled_tokens``
+and ``prefill_us``, the prompt tokens the engine computed and the wall time from the step that
+scheduled the first of them to the step after the last) come back in the request output's
+``kv_transfer_params["raykv"]``. A Serve replica adds up the pull and prefill times and reports
+them to routers, which price a pulled token against a recomputed one from them.
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ class _Request:
     fetch_since: float = 0.0
     target: tuple[int, tuple[int, ...]] | None = None
     fetched: bool = False
+    prefill_from: int = -1  # prompt tokens computed before the engine's first step on it (-1: none yet)
+    prefill_since: float = 0.0  # when that step was planned
 
 
 def request_scope(request: Any) -> ReuseScope:
@@ -119,6 +125,7 @@ class SchedulerSide:
         self._requests: dict[str, _Request] = {}
         self._fetching: dict[str, _Request] = {}  # allocated, waiting for their fetch
         self._releases: list[LoadOp] = []  # of requests that finished while waiting
+        self._prefilled: dict[str, _Request] = {}  # prompt computed by the last step: timed next step
         self.counters: collections.Counter[str] = collections.Counter()
 
     # ---- lookups ---------------------------------------------------------------------------------
@@ -213,12 +220,14 @@ class SchedulerSide:
         meta = RaykvMetadata(link=self._engine_link)
         if self.link is None:
             return meta
+        self._end_prefills()
         idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         self._async_loads(meta, 0.01 if idle else 0.0)
-        for req_id, computed in _scheduled(scheduler_output):
+        for req_id, before, computed in _scheduled(scheduler_output):
             state = self._requests.get(req_id)
             if state is None:
                 continue
+            self._time_prefill(req_id, state, before, computed)
             if state.load is not None:
                 meta.loads.append(state.load)
                 state.counts["loaded_blocks"] += len(state.load.keys)
@@ -227,6 +236,25 @@ class SchedulerSide:
             if op is not None:
                 meta.stores.append(op)
         return meta
+
+    def _time_prefill(self, req_id: str, state: _Request, before: int, computed: int) -> None:
+        """Start timing the request's prefill at its first scheduled step; once this step
+        computes the prompt's last token, the next step's plan (or its finish) stops it."""
+        if state.prefill_from < 0:
+            state.prefill_from, state.prefill_since = before, time.monotonic()
+        if before < len(state.prompt) <= computed:
+            self._prefilled[req_id] = state
+
+    def _end_prefills(self) -> None:
+        """Record the prefill time and tokens of the requests whose prompt the last step
+        finished computing."""
+        now = time.monotonic()
+        for state in self._prefilled.values():
+            tokens = len(state.prompt) - state.prefill_from
+            if tokens > 0 and not state.counts["prefill_us"]:
+                state.counts["prefilled_tokens"] = tokens
+                state.counts["prefill_us"] = max(1, int((now - state.prefill_since) * 1e6))
+        self._prefilled.clear()
 
     def _async_loads(self, meta: RaykvMetadata, wait_s: float) -> None:
         """Add the releases and the loads of every fetch that is done or out of time. ``wait_s``:
@@ -254,7 +282,9 @@ class SchedulerSide:
         first, blocks = state.target
         ok = max(0, min(held, state.hit, first + len(blocks)) - first)
         op = LoadOp(req_id, first, tuple(state.keys[first : first + ok]), blocks[:ok], True, blocks[ok:])
+        pulled = max(0, min(held, state.hit) - max(state.stored, state.fetch_held))
         state.stored = max(state.stored, min(held, state.hit))
+        state.counts["pulled_tokens"] += pulled * self.tpb
         state.counts["async_loads"] += 1
         state.counts["loaded_blocks"] += len(blocks)
         state.counts["fetch_us"] += int((time.monotonic() - state.fetch_since) * 1e6)
@@ -303,6 +333,8 @@ class SchedulerSide:
         from that worker). A pending fetch is dropped; if vLLM already allocated blocks for it
         (the request waits in WAITING_FOR_REMOTE_KVS, and vLLM frees them only once the worker
         side reports it finished receiving), the next step carries a release op."""
+        if request.request_id in self._prefilled:  # finished in the step that ended its prefill
+            self._end_prefills()
         state = self._requests.pop(request.request_id, None)
         if state is None or self.link is None:
             return None
@@ -325,14 +357,15 @@ class SchedulerSide:
             self.link.close()
 
 
-def _scheduled(scheduler_output: Any) -> list[tuple[str, int]]:
-    """(request id, tokens computed once this step ran) of every scheduled request."""
+def _scheduled(scheduler_output: Any) -> list[tuple[str, int, int]]:
+    """(request id, tokens computed before this step, once it ran) of every scheduled request."""
     counts = scheduler_output.num_scheduled_tokens
     out = [
-        (r.req_id, r.num_computed_tokens + counts.get(r.req_id, 0))
+        (r.req_id, r.num_computed_tokens, r.num_computed_tokens + counts.get(r.req_id, 0))
         for r in scheduler_output.scheduled_new_reqs
     ]
     cached = scheduler_output.scheduled_cached_reqs
     for i, req_id in enumerate(cached.req_ids):
-        out.append((req_id, cached.num_computed_tokens[i] + counts.get(req_id, 0)))
+        before = cached.num_computed_tokens[i]
+        out.append((req_id, before, before + counts.get(req_id, 0)))
     return out
