@@ -19,7 +19,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -152,12 +152,23 @@ class ReplicaCache:
         }
 
     @contextlib.contextmanager
-    def prefilling(self, tokens: int) -> Iterator[None]:
+    def prefilling(self, tokens: int) -> Iterator[Callable[[int], None]]:
+        """Count ``tokens`` prompt tokens as queued while the block runs. Yields ``lower(n)``,
+        which takes up to ``n`` of them off the count (tokens found cached once the request
+        started: the engine loads them, it does not prefill them); a no-op once the block ended."""
+        left = [tokens]
         self.queued_prefill_tokens += tokens
+
+        def lower(n: int) -> None:
+            n = max(0, min(n, left[0]))
+            left[0] -= n
+            self.queued_prefill_tokens -= n
+
         try:
-            yield
+            yield lower
         finally:
-            self.queued_prefill_tokens -= tokens
+            self.queued_prefill_tokens -= left[0]
+            left[0] = 0
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:

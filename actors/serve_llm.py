@@ -12,7 +12,8 @@ routed by raykv's CacheAwareRouter.
   worker and the cluster address to the engine's connector;
 - server class is :class:`RaykvLLMServer`, which announces the worker to routers
   (``record_replica_metadata`` / ``record_routing_stats``, field ``raykv_worker``) with the
-  prompt tokens it has in flight, and, for a role whose connector loads KV (``kv_both``,
+  prompt tokens it has in flight that its worker does not hold, its engine's pull and prefill
+  times (``raykv_timing``), and, for a role whose connector loads KV (``kv_both``,
   ``kv_consumer``), ``raykv_pulls``: the engine fetches a hit another worker holds, so the
   router prices those blocks as pulls rather than recomputes;
 - deployment routes with :class:`actors.serve.CacheAwareRouter` (``request_router_config``), which
@@ -31,7 +32,7 @@ worker.
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import copy
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -44,9 +45,10 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
     DefaultPDProtocolMixin,
 )
 
-from actors.serve import PULLS_FIELD, WORKER_FIELD, prompt_ids, router_config
+from actors.serve import PULLS_FIELD, WORKER_FIELD, parse_request, router_config
 from actors.serve_kv import ReplicaCache
 from raykv.core.errors import ConfigError
+from raykv.core.keys import ReuseScope
 from raykv.integrations.vllm.scheduler import PARAMS_KEY
 
 log = logging.getLogger(__name__)
@@ -175,26 +177,49 @@ class RaykvLLMServer(LLMServer):  # type: ignore[misc]
         return stats
 
     async def completions(self, request: Any, raw_request_info: Any = None) -> Any:
-        """vLLM's completions, with the request's prompt tokens counted as queued while it
-        runs (the router's load signal)."""
+        """vLLM's completions, with the request counted in the replica's load while it runs
+        (:meth:`_counting`: the router's load signal)."""
         stream = await super().completions(request, raw_request_info)
-        return self._counting(stream, len(prompt_ids(getattr(request, "prompt", None)) or ()))
+        routed = parse_request((request,), {})  # as the router reads it: token ids and scope
+        if routed is None:
+            return self._counting(stream, ())
+        return self._counting(stream, routed.tokens, routed.scope)
 
     async def chat(self, request: Any, raw_request_info: Any = None) -> Any:
         stream = await super().chat(request, raw_request_info)
-        return self._counting(stream, 0)
+        return self._counting(stream, ())
 
-    async def _counting(self, stream: AsyncIterator[Any], tokens: int) -> AsyncIterator[Any]:
+    async def _counting(
+        self, stream: AsyncIterator[Any], prompt: Sequence[int], scope: ReuseScope | None = None
+    ) -> AsyncIterator[Any]:
+        """``stream`` as it is, while the replica counts the request in its load: its prompt's
+        tokens as queued prefill, less the leading blocks of ``scope`` its paired worker turns
+        out to hold (probed beside the request, which does not wait for it: the engine loads those
+        blocks, so the report stays in the units the router counts, tokens to compute), and one
+        running decode; the connector results of a whole response go to the replica's timing."""
         cache = self._cache()
         if cache is None:
             async for item in stream:
                 yield item
             return
-        context = cache.prefilling(tokens) if tokens else contextlib.nullcontext()
-        with context, cache.decoding():
-            async for item in stream:
-                params = getattr(item, "kv_transfer_params", None)
-                results = params.get(PARAMS_KEY) if isinstance(params, dict) else None
-                if isinstance(results, dict):  # a whole response (streamed chunks carry none)
-                    cache.timing.observe(results)
-                yield item
+        with cache.prefilling(len(prompt)) as lower, cache.decoding():
+            probe = asyncio.ensure_future(cache.held(prompt, scope)) if prompt else None
+            if probe is not None:
+                usable = len(prompt) - 1  # the engine computes the last token in any case
+                tpb = cache.tokens_per_block
+
+                def found(task: asyncio.Future[int]) -> None:
+                    if not task.cancelled() and task.exception() is None:
+                        lower(min(usable, task.result() * tpb))
+
+                probe.add_done_callback(found)
+            try:
+                async for item in stream:
+                    params = getattr(item, "kv_transfer_params", None)
+                    results = params.get(PARAMS_KEY) if isinstance(params, dict) else None
+                    if isinstance(results, dict):  # a whole response (streamed chunks carry none)
+                        cache.timing.observe(results)
+                    yield item
+            finally:
+                if probe is not None:
+                    probe.cancel()

@@ -26,15 +26,28 @@ def test_engine_timing_adds_up_pairs_of_positive_whole_figures() -> None:
 
 
 class _Cache:
-    """The replica state _counting touches (ReplicaCache's, without its deployment)."""
-
-    def __init__(self) -> None:
-        self.timing = EngineTiming()
-        self.queued_prefill_tokens = self.running_decodes = 0
-        self.seen: list[tuple[int, int]] = []
+    """The replica state _counting touches (ReplicaCache's, without its deployment); its paired
+    worker holds ``held`` leading blocks, and the probe answers once ``release`` is set."""
 
     prefilling = ReplicaCache.prefilling  # the replica's own load counting
     decoding = ReplicaCache.decoding
+    tokens_per_block = 16
+
+    def __init__(self, held: int = 0) -> None:
+        self.timing = EngineTiming()
+        self.queued_prefill_tokens = self.running_decodes = 0
+        self._held = held
+        self.probed: list[tuple[int, Any]] = []
+        self.release: asyncio.Event | None = None
+
+    async def held(self, tokens: Any, scope: Any = None) -> int:
+        self.probed.append((len(tokens), scope))
+        if self.release is not None:
+            await self.release.wait()
+        return self._held
+
+    def counts(self) -> tuple[int, int]:
+        return self.queued_prefill_tokens, self.running_decodes
 
 
 class _Server(RaykvLLMServer):  # type: ignore[misc]
@@ -47,21 +60,74 @@ class _Server(RaykvLLMServer):  # type: ignore[misc]
         return self.cache
 
 
+def _counted(cache: _Cache, stream: AsyncIterator[Any], prompt: list[int]) -> list[Any]:
+    """What ``_counting`` passes on from ``stream``; then the probe may answer (``release``)."""
+
+    async def drain() -> list[Any]:
+        out = [item async for item in _Server(cache)._counting(stream, prompt, None)]
+        if cache.release is not None:
+            cache.release.set()
+        await asyncio.sleep(0.01)
+        return out
+
+    return asyncio.run(drain())
+
+
 def test_a_replica_adds_up_the_timing_its_responses_carry() -> None:
     cache = _Cache()
-    server = _Server(cache)
     whole = SimpleNamespace(kv_transfer_params={"raykv": {"prefilled_tokens": 40, "prefill_us": 8000}})
     items: list[Any] = ["data: {}\n\n", SimpleNamespace(kv_transfer_params=None), whole]
+    seen = []
 
     async def stream() -> AsyncIterator[Any]:
         for item in items:
-            cache.seen.append((cache.queued_prefill_tokens, cache.running_decodes))
+            await asyncio.sleep(0.001)  # the probe (its worker holds nothing) has answered
+            seen.append(cache.counts())
             yield item
 
-    async def drain() -> list[Any]:
-        return [item async for item in server._counting(stream(), 48)]
-
-    assert asyncio.run(drain()) == items  # passed through unchanged
-    assert cache.seen == [(48, 1)] * 3  # counted in flight while it ran
+    assert _counted(cache, stream(), list(range(48))) == items  # passed through unchanged
+    assert seen == [(48, 1)] * 3  # counted in flight while it ran
     assert cache.timing.totals() == [0, 0, 40, 8000]
-    assert (cache.queued_prefill_tokens, cache.running_decodes) == (0, 0)
+    assert cache.counts() == (0, 0)
+
+
+async def _until(cond: Any) -> None:
+    for _ in range(2000):
+        if cond():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("condition not met in 2 s")
+
+
+async def _two_steps(cache: _Cache, prompt: int, seen: list[tuple[int, int]]) -> AsyncIterator[Any]:
+    """Two items: the counts before the probe answers, then once it has."""
+    assert cache.release is not None
+    seen.append(cache.counts())
+    yield "first"
+    cache.release.set()
+    await _until(lambda: cache.counts()[0] != prompt)
+    seen.append(cache.counts())
+    yield "second"
+
+
+@pytest.mark.parametrize(("prompt", "after"), [(50, 18), (32, 1)])
+def test_the_blocks_the_paired_worker_holds_leave_the_queued_count(prompt: int, after: int) -> None:
+    """A 50-token prompt whose first 2 blocks (32 tokens) the paired worker holds counts 50
+    queued tokens until the probe answers, then 18 (the engine loads the rest); a prompt it holds
+    whole keeps its last token queued."""
+    cache, seen = _Cache(held=2), []
+    cache.release = asyncio.Event()
+    assert _counted(cache, _two_steps(cache, prompt, seen), list(range(prompt))) == ["first", "second"]
+    assert seen == [(prompt, 1), (after, 1)] and cache.probed == [(prompt, None)]
+    assert cache.counts() == (0, 0)
+
+
+def test_a_probe_answering_after_the_request_changes_nothing() -> None:
+    cache = _Cache(held=2)
+    cache.release = asyncio.Event()
+
+    async def one() -> AsyncIterator[Any]:
+        yield "only"
+
+    assert _counted(cache, one(), list(range(50))) == ["only"]  # released after the request
+    assert cache.counts() == (0, 0)
