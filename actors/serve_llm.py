@@ -195,8 +195,9 @@ class RaykvLLMServer(LLMServer):  # type: ignore[misc]
         """``stream`` as it is, while the replica counts the request in its load: its prompt's
         tokens as queued prefill, less the leading blocks of ``scope`` its paired worker turns
         out to hold (probed beside the request, which does not wait for it: the engine loads those
-        blocks, so the report stays in the units the router counts, tokens to compute), and one
-        running decode; the connector results of a whole response go to the replica's timing."""
+        blocks, so the report stays in the units the router counts, tokens to compute) until its
+        first streamed chunk (a whole response ends the request), and one running decode; the
+        connector results of a whole response go to the replica's timing."""
         cache = self._cache()
         if cache is None:
             async for item in stream:
@@ -215,6 +216,8 @@ class RaykvLLMServer(LLMServer):  # type: ignore[misc]
                 probe.add_done_callback(found)
             try:
                 async for item in stream:
+                    if isinstance(item, str):  # a streamed chunk: the prompt was computed
+                        lower(len(prompt))
                     params = getattr(item, "kv_transfer_params", None)
                     results = params.get(PARAMS_KEY) if isinstance(params, dict) else None
                     if isinstance(results, dict):  # a whole response (streamed chunks carry none)

@@ -86,7 +86,7 @@ def test_a_replica_adds_up_the_timing_its_responses_carry() -> None:
             yield item
 
     assert _counted(cache, stream(), list(range(48))) == items  # passed through unchanged
-    assert seen == [(48, 1)] * 3  # counted in flight while it ran
+    assert seen == [(48, 1), (0, 1), (0, 1)]  # queued until its first streamed chunk, then decoding
     assert cache.timing.totals() == [0, 0, 40, 8000]
     assert cache.counts() == (0, 0)
 
@@ -100,14 +100,14 @@ async def _until(cond: Any) -> None:
 
 
 async def _two_steps(cache: _Cache, prompt: int, seen: list[tuple[int, int]]) -> AsyncIterator[Any]:
-    """Two items: the counts before the probe answers, then once it has."""
+    """Two items (not streamed chunks): the counts before the probe answers, then once it has."""
     assert cache.release is not None
     seen.append(cache.counts())
-    yield "first"
+    yield 1
     cache.release.set()
     await _until(lambda: cache.counts()[0] != prompt)
     seen.append(cache.counts())
-    yield "second"
+    yield 2
 
 
 @pytest.mark.parametrize(("prompt", "after"), [(50, 18), (32, 1)])
@@ -117,7 +117,7 @@ def test_the_blocks_the_paired_worker_holds_leave_the_queued_count(prompt: int, 
     whole keeps its last token queued."""
     cache, seen = _Cache(held=2), []
     cache.release = asyncio.Event()
-    assert _counted(cache, _two_steps(cache, prompt, seen), list(range(prompt))) == ["first", "second"]
+    assert _counted(cache, _two_steps(cache, prompt, seen), list(range(prompt))) == [1, 2]
     assert seen == [(prompt, 1), (after, 1)] and cache.probed == [(prompt, None)]
     assert cache.counts() == (0, 0)
 
