@@ -65,7 +65,15 @@ from raykv.core.errors import InvalidArgumentError
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
 from raykv.routing.placement import ColdPlacement
-from raykv.routing.policy import DEFAULT_ROUTING, Charges, Decision, Prices, RoutingConfig, decide_at
+from raykv.routing.policy import (
+    DEFAULT_ROUTING,
+    Charges,
+    Decision,
+    Prices,
+    RoutingConfig,
+    best_held,
+    decide_at,
+)
 
 HotPrefix = Callable[[WorkerId, int], bool]
 """``hot(worker, blocks)``: is ``worker``'s cached prefix of ``blocks`` blocks in use by a request
@@ -263,10 +271,7 @@ class RoutingPolicy:
         holder = None
         for worker in excess:
             if worker in matches:  # a worker past its share holds some of the prefix
-                top = 0
-                for w, m in matches.items():
-                    if m[1] > top:
-                        holder, top = w, m[1]
+                holder = best_held(matches)[0]
                 break
         if holder not in excess:
             holder = None

@@ -267,6 +267,16 @@ _COMPILED = native.load("_cost")
 _WEIGHTS: dict[int, tuple[RoutingConfig, tuple[float | int | bool, ...]]] = {}
 
 
+def best_held(matches: Mapping[WorkerId, RouteMatch]) -> tuple[WorkerId | None, int]:
+    """The holder of the longest cached prefix in ``matches`` (the first of equals) and its
+    block count; (None, 0) when no worker holds any."""
+    best_holder, best_blocks = None, 0
+    for holder, held in matches.items():
+        if held[1] > best_blocks:
+            best_holder, best_blocks = holder, held[1]
+    return best_holder, best_blocks
+
+
 def decide_at_py(
     num_tokens: int,
     workers: Sequence[WorkerId],
@@ -280,10 +290,7 @@ def decide_at_py(
     """:func:`decide_at` in Python (the definition; the compiled loop must equal it)."""
     floor = min(loads)
     limit = max(floor, cfg.imbalance_factor * floor + prices.slack)  # the floor always stays
-    best_holder, best_blocks = None, 0
-    for holder, held in matches.items():
-        if held[1] > best_blocks:
-            best_holder, best_blocks = holder, held[1]
+    best_holder, best_blocks = best_held(matches)
     wg, wh, wd, wp = cfg.w_gpu, cfg.w_host, cfg.w_disk, cfg.w_predicted
     tpb, pc = cfg.tokens_per_block, cfg.prefill_cost
     # a block another worker holds costs this much more than a cached one: its pull, or its
