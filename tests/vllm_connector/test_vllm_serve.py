@@ -48,6 +48,7 @@ def test_serve_llm_routes_repeats_to_their_holder_then_pd_matches_it(
     assert sorted(len(ws) for ws in workers.values()) == [3, 3]
     assert all(len(set(ws)) == 1 for ws in workers.values())
     reference = example.complete(http_port, example.pd_prompt(), cache_salt="reference")
+    assert _streamed(http_port, example.pd_prompt(), "reference") == example.output(reference)[0]
     serve.delete("routed")
 
     serve.run(example.build_pd_app(model_dir, deployment.namespace), name="pd", route_prefix="/")
@@ -55,3 +56,33 @@ def test_serve_llm_routes_repeats_to_their_holder_then_pd_matches_it(
     assert stats["hit_blocks"] == stats["loaded_blocks_ok"]
     assert stats["pulled_tokens"] == stats["hit_blocks"] * BLOCK_SIZE and stats["fetch_us"] > 0  # a pull
     serve.delete("pd")
+
+
+def _streamed(port: int, tokens: list[int], cache_salt: str) -> list[int]:
+    """The token ids of a streamed greedy ``/v1/completions`` response (server-sent events,
+    through RaykvLLMServer's load counting), checked to end with ``[DONE]``."""
+    import json
+    import urllib.request
+
+    body = {
+        "model": "tiny-llama",
+        "prompt": tokens,
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "stream": True,
+        "return_token_ids": True,
+        "cache_salt": cache_salt,
+    }
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as response:
+        events = [line[6:] for line in response.read().decode().splitlines() if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", events[-3:]
+    ids: list[int] = []
+    for event in events[:-1]:
+        for choice in json.loads(event)["choices"]:
+            ids.extend(choice.get("token_ids") or [])
+    return ids
