@@ -141,12 +141,19 @@ def test_peer_hit_loads_asynchronously_once_the_fetch_is_done() -> None:
     assert counts["blocks"] == 6 and counts["fetch_us"] >= 0
 
 
-def test_blocks_the_fetch_did_not_bring_are_lost() -> None:
-    side, link = _side(Match(1, "w1", 6))
+def _fetched(held: int, result: int) -> tuple[SchedulerSide, FakeLink, Any]:
+    """A request whose lookup found 6 blocks on w1 (``held`` on the paired worker), allocated,
+    whose fetch then left the paired worker holding ``result``."""
+    side, link = _side(Match(held, "w1", 6))
     request = _request()
     side.lookup(request, 0)
     side.after_alloc(request, BLOCKS, 6 * TPB)
-    link.fetches[0].result = 3  # the peer had only 3, or the pull failed after the first 3
+    link.fetches[0].result = result
+    return side, link, request
+
+
+def test_blocks_the_fetch_did_not_bring_are_lost() -> None:
+    side, _, _ = _fetched(1, 3)  # the peer had only 3, or the pull failed after the first 3
     (load,) = _build(side).loads
     assert load.block_ids == tuple(BLOCKS[:3]) and len(load.keys) == 3
     assert load.lost_block_ids == tuple(BLOCKS[3:6])
@@ -199,11 +206,7 @@ def test_fetch_done_before_admission_turns_synchronous() -> None:
 
 def test_no_second_fetch_after_a_failed_one() -> None:
     """After a failed async load vLLM recomputes from 0 and asks again: the paired worker only."""
-    side, link = _side(Match(0, "w1", 6))
-    request = _request()
-    side.lookup(request, 0)
-    side.after_alloc(request, BLOCKS, 6 * TPB)
-    link.fetches[0].result = 0
+    side, link, request = _fetched(0, 0)
     (load,) = _build(side).loads
     assert load.lost_block_ids == tuple(BLOCKS[:6])
     assert side.lookup(request, 0) == (0, False)
@@ -279,11 +282,7 @@ def test_a_request_ending_in_its_prefill_step_is_timed_at_its_finish() -> None:
 
 def test_an_async_load_counts_the_tokens_its_fetch_pulled() -> None:
     """The paired worker held 1 of the 6 blocks at lookup and all 6 after the fetch: 5 pulled."""
-    side, link = _side(Match(1, "w1", 6))
-    request = _request()
-    side.lookup(request, 0)
-    side.after_alloc(request, BLOCKS, 6 * TPB)
-    link.fetches[0].result = 6
+    side, _, request = _fetched(1, 6)
     _build(side)
     side.build(_step("r1", 6 * TPB, 1, new=True), lambda rid: list(BLOCKS))
     params = side.finished(request)
