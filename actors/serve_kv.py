@@ -17,6 +17,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -67,6 +68,22 @@ def pool_names(workers: Sequence[str], pool: Sequence[str | int]) -> list[str]:
         else:
             raise ConfigError("pool", f"{item!r} is none of {list(workers)}")
     return names
+
+
+class WarnEvery:
+    """At most one warning per ``seconds`` for a failure that can repeat on every request."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at = -math.inf  # when the last warning went out
+
+    def due(self) -> bool:
+        """Whether to warn now (and if so, the next one waits ``seconds``)."""
+        now = time.monotonic()
+        if now - self.at < self.seconds:
+            return False
+        self.at = now
+        return True
 
 
 class EngineTiming:
@@ -131,6 +148,7 @@ class ReplicaCache:
         connector with loads on)? Announced to routers, which then price such blocks as pulls."""
         self.counters: collections.Counter[str] = collections.Counter()
         self.timing = EngineTiming()
+        self.probe_warnings = WarnEvery(60.0)  # every request probes: a dead worker warns once a minute
 
     def metadata(self) -> dict[str, Any]:
         """For ``record_replica_metadata``: the paired worker, its capacity in blocks and whether
@@ -191,13 +209,22 @@ class ReplicaCache:
         return leading_blocks(blocks, keys)
 
     async def held(self, tokens: Sequence[int], scope: ReuseScope | None = None) -> int:
-        """How many leading full blocks of ``tokens`` the paired worker holds (0 on failure)."""
+        """How many leading full blocks of ``tokens`` the paired worker holds (0 on failure,
+        counted as ``probe_errors`` and logged at most once a minute: every request probes)."""
         scope = scope or ReuseScope()
         try:
             probe = self.worker.probe.remote(list(tokens), scope.lora_id, scope.salt)
             return int((await asyncio.wait_for(probe, self.timeout_s)).num_blocks)
         except Exception as exc:
-            log.warning("raykv probe of %s failed: %s", self.worker_id, exc)
+            self.counters["probe_errors"] += 1
+            if self.probe_warnings.due():
+                failed = self.counters["probe_errors"]
+                log.warning(
+                    "raykv probe of %s failed (%d in all, one warning a minute): %s",
+                    self.worker_id,
+                    failed,
+                    exc,
+                )
             return 0
 
     async def store(self, blocks: Sequence[ExportedBlock]) -> int:

@@ -131,3 +131,34 @@ def test_a_probe_answering_after_the_request_changes_nothing() -> None:
 
     assert _counted(cache, one(), list(range(50))) == ["only"]  # released after the request
     assert cache.counts() == (0, 0)
+
+
+class _DeadWorker:
+    """A paired worker whose every probe fails."""
+
+    class probe:  # an actor method's shape: probe.remote(...)
+        @staticmethod
+        def remote(*_: Any) -> Any:
+            raise RuntimeError("actor died")
+
+
+def test_failed_probes_count_and_warn_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    """Every request probes its paired worker: with the worker gone, each probe answers 0 held
+    blocks and counts an error, and the log gets one warning a minute, not one per request."""
+    import collections
+
+    from actors.serve_kv import WarnEvery
+
+    cache = ReplicaCache.__new__(ReplicaCache)  # the replica's state without a deployment
+    cache.worker, cache.worker_id, cache.timeout_s = _DeadWorker(), "raykv-worker-0", 1.0
+    cache.counters, cache.probe_warnings = collections.Counter(), WarnEvery(60.0)
+    with caplog.at_level("WARNING", logger="actors.serve_kv"):
+        assert [asyncio.run(cache.held([1, 2, 3])) for _ in range(5)] == [0] * 5
+    assert cache.counters["probe_errors"] == 5
+    assert [r.getMessage() for r in caplog.records] == [
+        "raykv probe of raykv-worker-0 failed (1 in all, one warning a minute): actor died"
+    ]
+    cache.probe_warnings.at -= 60.0  # a minute later
+    with caplog.at_level("WARNING", logger="actors.serve_kv"):
+        asyncio.run(cache.held([1]))
+    assert "(6 in all" in caplog.records[-1].getMessage()
