@@ -44,6 +44,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from actors.cluster import REGISTRY
 from actors.index import IndexClient
 from actors.metrics import RouterMetrics
+from actors.serve_fields import capacity_of, pulls_of, timing_of, worker_of
 from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope, lora_id_from_name
 from raykv.core.types import WorkerId
@@ -56,13 +57,6 @@ log = logging.getLogger(__name__)
 
 TOKEN_FIELDS = ("tokens", "prompt_token_ids", "token_ids")
 PROMPT_FIELD = "prompt"  # an OpenAI completion request's prompt, when given as token ids
-WORKER_FIELD = "raykv_worker"
-CAPACITY_FIELD = "raykv_cache_blocks"  # the paired worker's capacity in blocks (routing stats)
-PULLS_FIELD = "raykv_pulls"  # True: the replica's engine pulls blocks other workers hold
-TIMING_FIELD = "raykv_timing"
-"""Routing stats: the replica's totals since it started, ``[pulled tokens, pull us, prefilled
-tokens, prefill us]`` (its engine's per-request ``pulled_tokens``/``fetch_us`` and
-``prefilled_tokens``/``prefill_us`` added up); routers price a pull against a prefill from them."""
 _MAX_TRACKED = 10_000
 _INFLIGHT_TTL_S = 600.0
 _DONE_TTL_S = 30.0  # completed requests are remembered this long (replicas report every ~1 s)
@@ -145,42 +139,6 @@ def prompt_ids(prompt: Any) -> list[int] | None:
         prompt = prompt[0]
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return prompt
-    return None
-
-
-def worker_of(replica: Any) -> WorkerId | None:
-    """The raykv worker a replica announced (replica metadata first, then routing stats)."""
-    for source in (getattr(replica, "replica_metadata", None), getattr(replica, "routing_stats", None)):
-        name = source.get(WORKER_FIELD) if isinstance(source, Mapping) else None
-        if name:
-            return WorkerId(str(name))
-    return None
-
-
-def capacity_of(replica: Any) -> int | None:
-    """The capacity in blocks of a replica's raykv worker, as it reported it (None: not told)."""
-    for source in (getattr(replica, "replica_metadata", None), getattr(replica, "routing_stats", None)):
-        blocks = source.get(CAPACITY_FIELD) if isinstance(source, Mapping) else None
-        if isinstance(blocks, int) and blocks >= 0:
-            return blocks
-    return None
-
-
-def pulls_of(replica: Any) -> bool:
-    """Whether a replica announced that its engine pulls the blocks another worker holds (the
-    raykv vLLM connector loading KV: a remote hit is fetched, not recomputed)."""
-    for source in (getattr(replica, "replica_metadata", None), getattr(replica, "routing_stats", None)):
-        if isinstance(source, Mapping) and PULLS_FIELD in source:
-            return source[PULLS_FIELD] is True
-    return False
-
-
-def timing_of(replica: Any) -> tuple[int, int, int, int] | None:
-    """A replica's reported :data:`TIMING_FIELD` totals (None: not reported or malformed)."""
-    stats = getattr(replica, "routing_stats", None)
-    got = stats.get(TIMING_FIELD) if isinstance(stats, Mapping) else None
-    if isinstance(got, (list, tuple)) and len(got) == 4 and all(type(x) is int and x >= 0 for x in got):
-        return (got[0], got[1], got[2], got[3])
     return None
 
 
@@ -411,7 +369,8 @@ class CacheRanker:
 
     def _observe_timing(self, policy: RoutingPolicy, replica: Any) -> None:
         """Feed ``policy`` what ``replica``'s pulls and prefills took since its last report
-        (:data:`TIMING_FIELD`; totals that went down mean a restarted replica: counted from 0)."""
+        (:data:`~actors.serve_fields.TIMING_FIELD`; totals that went down mean a restarted
+        replica: counted from 0)."""
         now = timing_of(replica)
         if now is None:
             return

@@ -25,15 +25,8 @@ from dataclasses import replace
 from typing import Any
 
 from actors.liveness import Pinger
-from actors.serve import (
-    CAPACITY_FIELD,
-    PULLS_FIELD,
-    TIMING_FIELD,
-    WORKER_FIELD,
-    IndexLink,
-    RoutedRequest,
-    connect_index,
-)
+from actors.serve import IndexLink, RoutedRequest, connect_index
+from actors.serve_fields import CAPACITY_FIELD, PULLS_FIELD, TIMING_FIELD, WORKER_FIELD
 from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope, block_keys
 from raykv.core.records import ExportedBlock

@@ -45,7 +45,8 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
     DefaultPDProtocolMixin,
 )
 
-from actors.serve import PULLS_FIELD, WORKER_FIELD, parse_request, router_config
+from actors.serve import parse_request, router_config
+from actors.serve_fields import PULLS_FIELD, WORKER_FIELD
 from actors.serve_kv import ReplicaCache
 from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope

@@ -110,8 +110,8 @@ def holder(deployment: Any, tokens: list[int], blocks: int, timeout: float = 60.
 
 
 def verify(port: int, deployment: Any) -> dict[int, list[str]]:
-    """Send the workload one request at a time (THINK_S apart) and assert the example's claims; per system
-    prompt, the workers that held each of its requests' blocks afterwards."""
+    """Send the workload one request at a time (THINK_S apart) and assert the example's claims;
+    per system prompt, the workers that held each of its requests' blocks afterwards."""
     workers: dict[int, list[str]] = {}
     for prefix, tokens in workload():
         out = complete(port, tokens)

@@ -15,17 +15,8 @@ pytest.importorskip("ray.serve")
 
 from import_support import toks
 
-from actors.serve import (
-    CAPACITY_FIELD,
-    PULLS_FIELD,
-    TIMING_FIELD,
-    CacheRanker,
-    IndexView,
-    RoutedRequest,
-    parse_request,
-    scope_of,
-    worker_of,
-)
+from actors.serve import CacheRanker, IndexView, RoutedRequest, parse_request, scope_of
+from actors.serve_fields import CAPACITY_FIELD, PULLS_FIELD, TIMING_FIELD, worker_of
 from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope, block_keys, lora_id_from_name
 from raykv.core.types import WorkerId
