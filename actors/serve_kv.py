@@ -17,7 +17,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import math
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -31,6 +30,7 @@ from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope, block_keys
 from raykv.core.records import ExportedBlock
 from raykv.core.types import WorkerId
+from raykv.core.warn_every import WarnEvery
 from raykv.index.prefix_index import RouteMatch
 from raykv.integrations.hf import leading_blocks
 from raykv.routing.pd import PDConfig, PDDecision, choose_pair
@@ -61,22 +61,6 @@ def pool_names(workers: Sequence[str], pool: Sequence[str | int]) -> list[str]:
         else:
             raise ConfigError("pool", f"{item!r} is none of {list(workers)}")
     return names
-
-
-class WarnEvery:
-    """At most one warning per ``seconds`` for a failure that can repeat on every request."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.at = -math.inf  # when the last warning went out
-
-    def due(self) -> bool:
-        """Whether to warn now (and if so, the next one waits ``seconds``)."""
-        now = time.monotonic()
-        if now - self.at < self.seconds:
-            return False
-        self.at = now
-        return True
 
 
 class EngineTiming:

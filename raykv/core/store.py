@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
@@ -37,6 +36,7 @@ from raykv.core.radix import Block, BlockRadixTree
 from raykv.core.stats import Counters, StatsDelta
 from raykv.core.tiers import PagePool, make_pool, shm_directory
 from raykv.core.types import BlockKey, PageId, Priority, TierKind, TierLevel
+from raykv.core.warn_every import WarnEvery
 
 log = logging.getLogger(__name__)
 WARN_INTERVAL_S = 10.0
@@ -91,7 +91,7 @@ class PageStore:
         self.leases: dict[int, list[Page]] = {}
         self.corrupt: set[int] = set()
         self._orphans: dict[int, Page] = {}  # dropped from the tree while leased: freed at release
-        self._warned_at = -WARN_INTERVAL_S
+        self._warnings = WarnEvery(WARN_INTERVAL_S)
         self._unwarned = 0
         self._lock = threading.RLock()
         self._locked = StoreLock(self)
@@ -360,8 +360,7 @@ class PageStore:
                 self.free_page(page)
 
     def _warn(self, page: Page, tier: TierKind) -> None:
-        now = time.monotonic()
-        if now - self._warned_at < WARN_INTERVAL_S:
+        if not self._warnings.due():
             self._unwarned += 1
             return
         block = page.block
@@ -373,7 +372,7 @@ class PageStore:
             self._unwarned,
             self.counters.integrity_drops,
         )
-        self._warned_at, self._unwarned = now, 0
+        self._unwarned = 0
 
     # ---- leases --------------------------------------------------------------------------------
     def hold_pages(self, pages: list[Page]) -> int:

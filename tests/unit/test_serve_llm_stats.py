@@ -147,7 +147,7 @@ def test_failed_probes_count_and_warn_once_a_minute(caplog: pytest.LogCaptureFix
     blocks and counts an error, and the log gets one warning a minute, not one per request."""
     import collections
 
-    from actors.serve_kv import WarnEvery
+    from raykv.core.warn_every import WarnEvery
 
     cache = ReplicaCache.__new__(ReplicaCache)  # the replica's state without a deployment
     cache.worker, cache.worker_id, cache.timeout_s = _DeadWorker(), "raykv-worker-0", 1.0
