@@ -19,6 +19,7 @@ import contextlib
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -63,36 +64,6 @@ def pool_names(workers: Sequence[str], pool: Sequence[str | int]) -> list[str]:
     return names
 
 
-class EngineTiming:
-    """What a replica's engine reported its pulls and prefills took, added up since the replica
-    started (routing stats :data:`~actors.serve.TIMING_FIELD`)."""
-
-    def __init__(self) -> None:
-        self.pulled_tokens = self.pull_us = self.prefilled_tokens = self.prefill_us = 0
-
-    def observe(self, results: Mapping[str, Any]) -> None:
-        """Add one request's connector results (``kv_transfer_params["raykv"]``): its pull
-        (``pulled_tokens`` in ``fetch_us``) and its prefill (``prefilled_tokens`` in
-        ``prefill_us``). A pair with a missing, malformed or zero figure adds nothing."""
-
-        def count(name: str) -> int:
-            value = results.get(name)
-            return value if type(value) is int and value > 0 else 0
-
-        pulled, pull_us = count("pulled_tokens"), count("fetch_us")
-        if pulled and pull_us:
-            self.pulled_tokens += pulled
-            self.pull_us += pull_us
-        prefilled, prefill_us = count("prefilled_tokens"), count("prefill_us")
-        if prefilled and prefill_us:
-            self.prefilled_tokens += prefilled
-            self.prefill_us += prefill_us
-
-    def totals(self) -> list[int]:
-        """``[pulled tokens, pull us, prefilled tokens, prefill us]``."""
-        return [self.pulled_tokens, self.pull_us, self.prefilled_tokens, self.prefill_us]
-
-
 class ReplicaCache:
     """A Serve replica's side of raykv: its paired CacheWorker, page moves and load numbers.
 
@@ -124,7 +95,12 @@ class ReplicaCache:
         """Does this replica's engine pull the blocks another worker holds (the raykv vLLM
         connector with loads on)? Announced to routers, which then price such blocks as pulls."""
         self.counters: collections.Counter[str] = collections.Counter()
-        self.timing = EngineTiming()
+        self.engine = f"replica-{uuid.uuid4().hex[:12]}"
+        """The name this replica's engine reports its timing totals under (its connector's
+        ``kv_connector_extra_config["engine"]``)."""
+        self.timing = [0, 0, 0, 0]
+        """The engine's last timing totals read from the worker (:meth:`refresh_timing`)."""
+        self.timing_warnings = WarnEvery(60.0)
         self.probe_warnings = WarnEvery(60.0)  # every request probes: a dead worker warns once a minute
 
     def metadata(self) -> dict[str, Any]:
@@ -142,7 +118,7 @@ class ReplicaCache:
             **self.metadata(),
             "queued_prefill_tokens": self.queued_prefill_tokens,
             "running_decodes": self.running_decodes,
-            TIMING_FIELD: self.timing.totals(),
+            TIMING_FIELD: list(self.timing),
             "ts": time.time(),
         }
 
@@ -203,6 +179,20 @@ class ReplicaCache:
                     exc,
                 )
             return 0
+
+    async def refresh_timing(self) -> list[int]:
+        """Read the timing totals this replica's engine last handed its paired worker
+        (``CacheWorker.engine_timing``: ``[pulled tokens, pull us, prefilled tokens, prefill
+        us]``, every finished request, streamed or not) into :attr:`timing` and return them. On
+        failure the last totals stay, counted as ``timing_errors`` (one warning a minute)."""
+        try:
+            got = await asyncio.wait_for(self.worker.engine_timing.remote(self.engine), self.timeout_s)
+            self.timing = [int(t) for t in got]
+        except Exception as exc:
+            self.counters["timing_errors"] += 1
+            if self.timing_warnings.due():
+                log.warning("raykv timing read from %s failed: %s", self.worker_id, exc)
+        return self.timing
 
     async def store(self, blocks: Sequence[ExportedBlock]) -> int:
         """Import ``blocks`` into the paired worker; returns how many were new (0 on failure)."""

@@ -13,9 +13,10 @@ routed by raykv's CacheAwareRouter.
 - server class is :class:`RaykvLLMServer`, which announces the worker to routers
   (``record_replica_metadata`` / ``record_routing_stats``, field ``raykv_worker``) with the
   prompt tokens it has in flight that its worker does not hold, its engine's pull and prefill
-  times (``raykv_timing``), and, for a role whose connector loads KV (``kv_both``,
-  ``kv_consumer``), ``raykv_pulls``: the engine fetches a hit another worker holds, so the
-  router prices those blocks as pulls rather than recomputes;
+  times (``raykv_timing``: totals the engine's connector hands the worker, streamed responses
+  included, read back from the worker each time Serve asks for the stats), and, for a role
+  whose connector loads KV (``kv_both``, ``kv_consumer``), ``raykv_pulls``: the engine fetches
+  a hit another worker holds, so the router prices those blocks as pulls rather than recomputes;
 - deployment routes with :class:`actors.serve.CacheAwareRouter` (``request_router_config``), which
   runs where the deployment's handle is called (the OpenAI ingress) and reads the token ids of a
   ``/v1/completions`` request (``prompt`` as a list of ids). Requests without token ids (chat,
@@ -50,7 +51,6 @@ from actors.serve_fields import PULLS_FIELD, WORKER_FIELD
 from actors.serve_kv import ReplicaCache
 from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope
-from raykv.integrations.vllm.scheduler import PARAMS_KEY
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,7 @@ class RaykvConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):  # ty
         _REPLICA_CACHE = cache  # the replica's process state; the backend itself stays picklable
         self.worker = str(cache.worker_id)
         extra["worker"] = self.worker
+        extra["engine"] = cache.engine  # the engine's timing totals go to the worker under this name
         extra["ray_address"] = str(ray.get_runtime_context().gcs_address)
         log.info("raykv: replica paired with %s", self.worker)
 
@@ -174,6 +175,7 @@ class RaykvLLMServer(LLMServer):  # type: ignore[misc]
         stats = dict(await super().record_routing_stats() or {})
         cache = self._cache()
         if cache is not None:
+            await cache.refresh_timing()
             stats.update(cache.routing_stats())
         return stats
 
@@ -197,8 +199,7 @@ class RaykvLLMServer(LLMServer):  # type: ignore[misc]
         tokens as queued prefill, less the leading blocks of ``scope`` its paired worker turns
         out to hold (probed beside the request, which does not wait for it: the engine loads those
         blocks, so the report stays in the units the router counts, tokens to compute) until its
-        first streamed chunk (a whole response ends the request), and one running decode; the
-        connector results of a whole response go to the replica's timing."""
+        first streamed chunk (a whole response ends the request), and one running decode."""
         cache = self._cache()
         if cache is None:
             async for item in stream:
@@ -219,10 +220,6 @@ class RaykvLLMServer(LLMServer):  # type: ignore[misc]
                 async for item in stream:
                     if isinstance(item, str):  # a streamed chunk: the prompt was computed
                         lower(len(prompt))
-                    params = getattr(item, "kv_transfer_params", None)
-                    results = params.get(PARAMS_KEY) if isinstance(params, dict) else None
-                    if isinstance(results, dict):  # a whole response (streamed chunks carry none)
-                        cache.timing.observe(results)
                     yield item
             finally:
                 if probe is not None:

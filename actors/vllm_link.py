@@ -23,6 +23,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -68,8 +69,10 @@ class RayDeploymentLink:
     """A :class:`raykv.integrations.vllm.link.DeploymentLink` over Ray actor calls.
 
     ``extra``: ``namespace`` (default "raykv"), ``ray_address``, ``worker`` (default 0),
-    ``use_index`` (default True), ``timeout_s`` (default 10). Raises StateError (no deployment)
-    or a Ray error when nothing is reachable, ConfigError for a bad ``worker``.
+    ``use_index`` (default True), ``timeout_s`` (default 10), ``engine`` (the name this engine's
+    timing totals go to the worker under; a Serve replica sets it, default host and pid).
+    Raises StateError (no deployment) or a Ray error when nothing is reachable, ConfigError for
+    a bad ``worker``.
     """
 
     def __init__(self, extra: Mapping[str, Any]) -> None:
@@ -80,6 +83,7 @@ class RayDeploymentLink:
         self.layout: KVLayout = self.cluster.config.layout
         self.timeout_s = float(extra.get("timeout_s", 10.0))
         self.use_index = bool(extra.get("use_index", True))
+        self.engine = str(extra.get("engine") or f"{socket.gethostname()}:{os.getpid()}")
         self.address: Any = ray.get(self.handle.page_server_address.remote(), timeout=self.timeout_s)
         if self.address is None:
             raise StateError(f"{self.worker} runs no page server")
@@ -213,6 +217,18 @@ class RayDeploymentLink:
                 self._queue.task_done()
             with self._lock:
                 self._done.update(counts)
+
+    def report_timing(self, totals: Sequence[int]) -> None:
+        try:
+            ref = self.handle.note_engine_timing.remote(self.engine, list(totals))
+            ref.future().add_done_callback(self._timing_done)
+        except Exception as exc:
+            self._count("timing_errors")
+            log.warning("raykv timing report to %s failed: %s", self.worker, exc)
+
+    def _timing_done(self, future: concurrent.futures.Future[Any]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            self._count("timing_errors")
 
     def poll(self) -> dict[str, int]:
         with self._lock:

@@ -31,6 +31,8 @@ from raykv.core.types import WorkerId
 from raykv.index.prefix_index import EventBatch
 from raykv.transfer import PeerAddress, PullOutcome, TransferConfig
 
+MAX_ENGINES = 64  # engines whose timing totals a worker keeps (a replica restart is a new engine)
+
 log = logging.getLogger(__name__)
 
 
@@ -77,6 +79,7 @@ class CacheWorker:
         self._metrics: WorkerMetrics | None = None
         self._metrics_lock = threading.Lock()  # one export at a time: each sends a delta
         self.metrics_exports = 0
+        self._engine_timing: dict[str, list[int]] = {}  # by engine, in reporting order
         # Page transfers (actors/transfer.py): a page server starts when a token is given.
         self.transfer = WorkerTransfer(self.worker_id, self.manager, attach_to[0] if attach_to else None)
         if token is not None:
@@ -297,6 +300,29 @@ class CacheWorker:
     def transfer_stats(self) -> dict[str, Any]:
         """Page-server and client counters per path (shm/ucx), and the server's open leases."""
         return self.transfer.stats()
+
+    # ---- engine timing (reported by the vLLM connector of the engine paired with this worker) ----
+    def note_engine_timing(self, engine: str, totals: Sequence[int]) -> None:
+        """Keep ``engine``'s timing totals ``[pulled tokens, pull us, prefilled tokens, prefill
+        us]`` (added up since that engine started; a later report replaces them). The oldest
+        engine is forgotten past ``MAX_ENGINES``. InvalidArgumentError for anything but four
+        ints >= 0 and a non-empty name; nothing changes then."""
+        if not (isinstance(engine, str) and engine):
+            raise InvalidArgumentError("engine", "must be a non-empty string")
+        if len(totals) != 4 or any(type(t) is not int or t < 0 for t in totals):
+            raise InvalidArgumentError("totals", f"need four ints >= 0, got {list(totals)!r}")
+        timings = self._engine_timing
+        timings.pop(engine, None)  # re-inserted last: the dict stays in reporting order
+        timings[engine] = list(totals)
+        while len(timings) > MAX_ENGINES:
+            del timings[next(iter(timings))]
+
+    def engine_timing(self, engine: str | None = None) -> list[int]:
+        """The totals ``engine`` last reported (zeros when none); ``None``: summed over every
+        engine that reported. A copy: it does not change with later reports."""
+        if engine is not None:
+            return list(self._engine_timing.get(engine, (0, 0, 0, 0)))
+        return [sum(col) for col in zip((0, 0, 0, 0), *self._engine_timing.values())]
 
     # ---- health and stats ----------------------------------------------------------------------
     def health(self) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """A Serve LLM replica's routing stats: the prompt tokens it has in flight and the pull and
-prefill times its engine reported in the responses (``kv_transfer_params["raykv"]``)."""
+prefill times its engine's connector handed the paired worker (``CacheWorker.engine_timing``)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,17 +12,9 @@ import pytest
 
 pytest.importorskip("ray.llm")
 
-from actors.serve_kv import EngineTiming, ReplicaCache
+from actors.serve_kv import ReplicaCache
 from actors.serve_llm import RaykvLLMServer
-
-
-def test_engine_timing_adds_up_pairs_of_positive_whole_figures() -> None:
-    timing = EngineTiming()
-    timing.observe({"pulled_tokens": 64, "fetch_us": 3000, "prefilled_tokens": 40, "prefill_us": 8000})
-    timing.observe({"prefilled_tokens": 10, "prefill_us": 1000, "fetch_us": 500})  # no pull
-    timing.observe({"pulled_tokens": 16, "fetch_us": -1, "prefilled_tokens": 2.5, "prefill_us": 9})
-    timing.observe({"pulled_tokens": True, "fetch_us": 7})  # a bool is no count
-    assert timing.totals() == [64, 3000, 50, 9000]
+from actors.worker import CacheWorker
 
 
 class _Cache:
@@ -34,7 +26,6 @@ class _Cache:
     tokens_per_block = 16
 
     def __init__(self, held: int = 0) -> None:
-        self.timing = EngineTiming()
         self.queued_prefill_tokens = self.running_decodes = 0
         self._held = held
         self.probed: list[tuple[int, Any]] = []
@@ -73,7 +64,7 @@ def _counted(cache: _Cache, stream: AsyncIterator[Any], prompt: list[int]) -> li
     return asyncio.run(drain())
 
 
-def test_a_replica_adds_up_the_timing_its_responses_carry() -> None:
+def test_a_replica_counts_a_request_queued_until_its_first_chunk_then_decoding() -> None:
     cache = _Cache()
     whole = SimpleNamespace(kv_transfer_params={"raykv": {"prefilled_tokens": 40, "prefill_us": 8000}})
     items: list[Any] = ["data: {}\n\n", SimpleNamespace(kv_transfer_params=None), whole]
@@ -87,7 +78,6 @@ def test_a_replica_adds_up_the_timing_its_responses_carry() -> None:
 
     assert _counted(cache, stream(), list(range(48))) == items  # passed through unchanged
     assert seen == [(48, 1), (0, 1), (0, 1)]  # queued until its first streamed chunk, then decoding
-    assert cache.timing.totals() == [0, 0, 40, 8000]
     assert cache.counts() == (0, 0)
 
 
@@ -162,3 +152,80 @@ def test_failed_probes_count_and_warn_once_a_minute(caplog: pytest.LogCaptureFix
     with caplog.at_level("WARNING", logger="actors.serve_kv"):
         asyncio.run(cache.held([1]))
     assert "(6 in all" in caplog.records[-1].getMessage()
+
+
+class _TimingWorker:
+    """A paired worker (the real CacheWorker's timing methods, called as an actor's are), or one
+    whose every call fails when ``dead``."""
+
+    def __init__(self, state: CacheWorker, dead: bool = False) -> None:
+        self.state = state
+        self.dead = dead
+        outer = self
+
+        class engine_timing:  # an actor method's shape: engine_timing.remote(...)
+            @staticmethod
+            def remote(engine: str) -> Any:
+                if outer.dead:
+                    raise RuntimeError("actor died")
+                return _done(outer.state.engine_timing(engine))
+
+        self.engine_timing = engine_timing
+
+
+def _done(value: Any) -> Any:
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
+
+
+@pytest.fixture
+def worker() -> Iterator[CacheWorker]:
+    from actors.replay import replay_config
+
+    state = CacheWorker("raykv-worker-0", 0, replay_config(4))
+    yield state
+    state.shutdown()
+
+
+def test_a_replica_reads_its_engines_timing_from_the_worker_and_keeps_it_on_failure(
+    worker: CacheWorker,
+) -> None:
+    """The totals the replica reports are those its own engine (by name) last handed the paired
+    worker, streamed requests included; a failed read keeps the last ones and counts an error."""
+    import collections
+
+    from raykv.core.warn_every import WarnEvery
+
+    worker.note_engine_timing("replica-a", [64, 3000, 40, 8000])
+    worker.note_engine_timing("replica-b", [1, 1, 1, 1])  # another engine
+    handle = _TimingWorker(worker)
+    cache = ReplicaCache.__new__(ReplicaCache)  # the replica's state without a deployment
+    cache.worker, cache.worker_id, cache.timeout_s, cache.engine = handle, "raykv-worker-0", 1.0, "replica-a"
+    cache.timing, cache.counters, cache.timing_warnings = [0, 0, 0, 0], collections.Counter(), WarnEvery(60.0)
+    assert asyncio.run(cache.refresh_timing()) == [64, 3000, 40, 8000]
+    worker.note_engine_timing("replica-a", [64, 3000, 90, 9000])
+    assert asyncio.run(cache.refresh_timing()) == [64, 3000, 90, 9000] == cache.timing
+    handle.dead = True
+    assert asyncio.run(cache.refresh_timing()) == [64, 3000, 90, 9000]
+    assert cache.counters["timing_errors"] == 1
+
+
+def test_a_worker_keeps_each_engines_last_totals_and_rejects_bad_ones(worker: CacheWorker) -> None:
+    from actors.worker import MAX_ENGINES
+    from raykv.core.errors import InvalidArgumentError
+
+    worker.note_engine_timing("e1", [10, 20, 30, 40])
+    worker.note_engine_timing("e2", [1, 2, 3, 4])
+    worker.note_engine_timing("e1", [11, 21, 31, 41])  # replaces, not adds
+    assert worker.engine_timing("e1") == [11, 21, 31, 41]
+    assert worker.engine_timing() == [12, 23, 34, 45]  # every engine's
+    assert worker.engine_timing("nobody") == [0, 0, 0, 0]
+    bad = [("e1", [1, 2, 3]), ("e1", [1, 2, 3, -4]), ("e1", [1, 2, 3, 4.5]), ("", [1, 2, 3, 4])]
+    for engine, totals in bad:
+        with pytest.raises(InvalidArgumentError):
+            worker.note_engine_timing(engine, totals)
+    assert worker.engine_timing() == [12, 23, 34, 45]  # unchanged
+    for i in range(MAX_ENGINES + 5):
+        worker.note_engine_timing(f"x{i}", [1, 0, 0, 0])
+    assert worker.engine_timing() == [MAX_ENGINES, 0, 0, 0]  # the oldest were forgotten

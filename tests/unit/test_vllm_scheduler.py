@@ -18,7 +18,7 @@ from typing import Any
 from raykv import KVLayout, ReuseScope
 from raykv.integrations.vllm.link import Match
 from raykv.integrations.vllm.plan import LoadOp, RaykvMetadata
-from raykv.integrations.vllm.scheduler import SchedulerSide
+from raykv.integrations.vllm.scheduler import TIMING_EVERY_S, SchedulerSide
 from raykv.integrations.vllm.worker import WorkerSide
 
 TPB = 4
@@ -45,6 +45,7 @@ class FakeLink:
         self.match = match
         self.fetches: list[FakeFetch] = []
         self.lookups = 0
+        self.timings: list[list[int]] = []
 
     def engine_link(self, staging_bytes: int, listen_host: str) -> Any:
         return None
@@ -69,6 +70,9 @@ class FakeLink:
 
     def store(self, staging: Any, keys: Sequence[bytes]) -> None:
         pass
+
+    def report_timing(self, totals: Sequence[int]) -> None:
+        self.timings.append(list(totals))
 
     def poll(self) -> dict[str, int]:
         return {}
@@ -290,3 +294,60 @@ def test_an_async_load_counts_the_tokens_its_fetch_pulled() -> None:
     counts = params["raykv"]
     assert counts["pulled_tokens"] == 5 * TPB and counts["fetch_us"] >= 0
     assert counts["prefilled_tokens"] == 1 and counts["prefill_us"] > 0
+
+
+def test_finished_requests_add_up_to_timing_totals_reported_at_most_twice_a_second() -> None:
+    """Every finished request's pull and prefill join the engine's totals (streamed responses
+    carry no results, so routers learn from these); the link gets them at once, then no more
+    often than every ``TIMING_EVERY_S``: what is due goes once that much time passed."""
+    side, link, first = _fetched(1, 6)
+    _build(side)
+    side.build(_step("r1", 6 * TPB, 1, new=True), lambda rid: list(BLOCKS))
+    params = side.finished(first)
+    assert params is not None
+    counts = params["raykv"]
+    expected = [5 * TPB, counts["fetch_us"], 1, counts["prefill_us"]]
+    assert side.timing == expected and link.timings == [expected]
+    link.match = Match(0)
+    second = _request("r2")
+    side.lookup(second, 0)
+    side.build(_step("r2", 0, len(PROMPT), new=True), lambda rid: list(BLOCKS))
+    time.sleep(0.001)
+    done = side.finished(second)
+    assert done is not None
+    prefill_us = counts["prefill_us"] + done["raykv"]["prefill_us"]
+    expected = [5 * TPB, counts["fetch_us"], 1 + len(PROMPT), prefill_us]
+    assert side.timing == expected
+    assert len(link.timings) == 1  # due, not yet reported
+    for _ in range(300):  # an idle engine plans no step: a timer reports it
+        if len(link.timings) == 2:
+            break
+        time.sleep(0.01)
+    assert link.timings[-1] == expected
+    side.close()
+    assert len(link.timings) == 2  # nothing was due any more
+
+
+def test_closing_reports_what_is_due_at_once() -> None:
+    side, link = _side(Match(0))
+    for rid in ("r1", "r2"):
+        request = _request(rid)
+        side.lookup(request, 0)
+        side.build(_step(rid, 0, len(PROMPT), new=True), lambda r: list(BLOCKS))
+        time.sleep(0.001)
+        side.finished(request)
+    assert len(link.timings) == 1
+    side.close()
+    assert len(link.timings) == 2 and link.timings[-1][2] == 2 * len(PROMPT)
+    time.sleep(TIMING_EVERY_S + 0.1)
+    assert len(link.timings) == 2  # the timer was cancelled
+
+
+def test_a_request_with_no_figures_reports_nothing() -> None:
+    side, link = _side(Match(0))
+    request = _request()
+    side.lookup(request, 0)
+    assert side.finished(request) is not None  # never scheduled: no prefill, no pull
+    assert side.timing == [0, 0, 0, 0] and link.timings == []
+    side.close()
+    assert link.timings == []

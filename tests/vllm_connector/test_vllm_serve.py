@@ -10,7 +10,7 @@ and logprobs as the routed app did for the same prompt.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -48,7 +48,9 @@ def test_serve_llm_routes_repeats_to_their_holder_then_pd_matches_it(
     assert sorted(len(ws) for ws in workers.values()) == [3, 3]
     assert all(len(set(ws)) == 1 for ws in workers.values())
     reference = example.complete(http_port, example.pd_prompt(), cache_salt="reference")
+    before = _prefilled(deployment, settle_s=1.0)  # the reference's report has landed
     assert _streamed(http_port, example.pd_prompt(), "reference") == example.output(reference)[0]
+    _until(lambda: _prefilled(deployment) > before)  # a streamed response's prefill reaches the worker
     serve.delete("routed")
 
     serve.run(example.build_pd_app(model_dir, deployment.namespace), name="pd", route_prefix="/")
@@ -56,6 +58,27 @@ def test_serve_llm_routes_repeats_to_their_holder_then_pd_matches_it(
     assert stats["hit_blocks"] == stats["loaded_blocks_ok"]
     assert stats["pulled_tokens"] == stats["hit_blocks"] * BLOCK_SIZE and stats["fetch_us"] > 0  # a pull
     serve.delete("pd")
+
+
+def _prefilled(deployment: RayKVCluster, settle_s: float = 0.0) -> int:
+    """Prompt tokens the engines prefilled, by the timing totals they handed their workers
+    (``CacheWorker.engine_timing``), after waiting ``settle_s``."""
+    import time
+
+    import ray
+
+    time.sleep(settle_s)
+    totals = ray.get([h.engine_timing.remote() for h in deployment.workers.values()], timeout=60)
+    return sum(int(t[2]) for t in totals)
+
+
+def _until(cond: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.2)
 
 
 def _streamed(port: int, tokens: list[int], cache_salt: str) -> list[int]:

@@ -88,6 +88,12 @@ class DeploymentLink(Protocol):
         """Have the paired CacheWorker pull ``keys`` from the engine's staging page server
         (asynchronously; failures are counted, never raised)."""
 
+    def report_timing(self, totals: Sequence[int]) -> None:
+        """Hand the engine's timing totals ``[pulled tokens, pull us, prefilled tokens, prefill
+        us]`` (added up since the engine started) to the paired CacheWorker, where the engine's
+        Serve replica reads them for its routers. Asynchronous; never raises (a failure is
+        counted as ``timing_errors``)."""
+
     def poll(self) -> dict[str, int]:
         """Counters of finished stores and fetches since the last poll (``stored_blocks``,
         ``store_errors``, ``fetch_errors``...)."""
