@@ -289,19 +289,29 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _per_token(worker: dict[str, Any]) -> str:
+    """The microseconds per token of the pulls and prefills its engines reported (``-`` for
+    none; a worker of an older version reports no totals)."""
+    totals = worker.get("engine_timing") or (0, 0, 0, 0)
+    pulled, pull_us, prefilled, prefill_us = totals
+    pull = f"{pull_us / pulled:.1f}" if pulled else "-"
+    prefill = f"{prefill_us / prefilled:.1f}" if prefilled else "-"
+    return f"{pull}, {prefill}"
+
+
 def format_status(report: dict[str, Any]) -> str:
     """The two tables of :func:`collect_status`'s report ("-" where a worker did not answer)."""
     wrows = []
     for w in report["workers"]:
         if "tiers" not in w:
-            wrows.append([w["worker"], w["health"], *["-"] * 7])
+            wrows.append([w["worker"], w["health"], *["-"] * 8])
             continue
         node = f"{w['node_ip']} {str(w['node_id'])[:8]}" if w.get("node_id") else "-"
         tiers = ", ".join(f"{k} {_size(u)}/{_size(c)}" for k, u, c in w["tiers"])
         moved = f"{_size(w['pulled_bytes'])} in, {_size(w['served_bytes'])} out"
         wrows.append(
             [w["worker"], w["health"], node, tiers, f"{w['hit_ratio']:.3f}", str(w["blocks"]),
-             str(w["pinned_pages"]), str(w["events_published"]), moved]
+             str(w["pinned_pages"]), str(w["events_published"]), moved, _per_token(w)]
         )  # fmt: skip
     wheader = [
         "worker",
@@ -313,6 +323,7 @@ def format_status(report: dict[str, Any]) -> str:
         "pins",
         "events",
         "transfer",
+        "engine us/token pull, prefill",
     ]
     srows = [
         [s["shard"], s["health"], str(s.get("node_id", "-"))[:8]]

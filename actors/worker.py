@@ -342,7 +342,8 @@ class CacheWorker:
         """What ``raykv status`` shows of this worker: its Ray node (id and IP; None outside
         Ray), per tier ``(kind, bytes in use, capacity bytes)``, the block hit ratio, committed
         blocks, pinned pages, open requests, events published to the index and the last event
-        id, and the page bytes it pulled and its page server sent (over every path)."""
+        id, the page bytes it pulled and its page server sent (over every path), and its engines'
+        timing totals (:meth:`engine_timing`, summed)."""
         stats = self.manager.stats()
         transfer = self.transfer.stats()
         node_id = node_ip = None
@@ -371,6 +372,7 @@ class CacheWorker:
             "last_event_id": self.manager.events.last_event_id,
             "pulled_bytes": sum(transfer.get("client", {}).get("bytes", {}).values()),
             "served_bytes": sum(transfer.get("server", {}).get("bytes", {}).values()),
+            "engine_timing": self.engine_timing(),
         }
 
     def shutdown(self) -> None:

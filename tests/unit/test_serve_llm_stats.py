@@ -229,3 +229,17 @@ def test_a_worker_keeps_each_engines_last_totals_and_rejects_bad_ones(worker: Ca
     for i in range(MAX_ENGINES + 5):
         worker.note_engine_timing(f"x{i}", [1, 0, 0, 0])
     assert worker.engine_timing() == [MAX_ENGINES, 0, 0, 0]  # the oldest were forgotten
+
+
+def test_status_shows_the_engines_microseconds_per_token(worker: CacheWorker) -> None:
+    from actors.ops import format_status
+
+    row = {**worker.status(), "health": "ok"}
+    assert row["engine_timing"] == [0, 0, 0, 0]
+    worker.note_engine_timing("e1", [512, 2_700, 1000, 41_000])
+    worker.note_engine_timing("e2", [0, 0, 1000, 43_000])
+    fresh = {**worker.status(), "health": "ok"}
+    text = format_status({"namespace": "ns", "workers": [row, fresh], "shards": []})
+    header, before, after = text.splitlines()[1:4]
+    assert header.endswith("engine us/token pull, prefill")
+    assert before.endswith("-, -") and after.endswith("5.3, 42.0")

@@ -56,6 +56,9 @@ deployment link factory, default ``actors.vllm_link:RayDeploymentLink``), ``use_
 longer prefix from another worker, default True), ``staging_bytes`` (default 256 MiB),
 ``listen_host`` (staging page server, default 127.0.0.1), ``store_generated`` (store blocks of
 generated tokens too, default True; see :mod:`~raykv.integrations.vllm.scheduler`),
+``engine`` (the name under which the engine's timing totals, pulled and prefilled tokens and
+their microseconds over every finished request, go to the paired CacheWorker at most every 0.5 s,
+``CacheWorker.engine_timing``; a Serve replica sets it; default host and pid),
 ``timeout_s`` (per deployment call, default 10; an asynchronous load's fetch, which may first wait
 that long for a producer's blocks, is given up after ``2 * timeout_s``, and the blocks it did not
 bring are recomputed). Tests inject faults through their own link
