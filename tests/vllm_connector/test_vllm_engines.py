@@ -145,3 +145,27 @@ def test_request_aborted_while_its_async_load_waits_frees_its_blocks(
         time.sleep(0.05)
     other = prompt(92, 150)
     _same(generate(llm, other), generate(baseline, other))
+
+
+@pytest.mark.timeout(300)
+def test_a_tensor_parallel_engine_does_not_start(
+    model_dir: str,
+    deployment: RayKVCluster,
+    ray_address: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Each rank of a TP=2 engine holds half the KV heads of a block, which whole-block pages
+    cannot describe: the connector stops the engine at start (its ConfigError is the root
+    cause vLLM reports) instead of letting a rank load the other's heads."""
+    from vllm import LLM
+
+    from raykv.integrations.vllm import testing
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank (one NUMA node here)
+    kwargs = testing.engine_kwargs(model_dir, tensor_parallel_size=2)
+    kwargs["kv_transfer_config"] = testing.connector_config(deployment.namespace, ray_address, worker=0)
+    with pytest.raises(Exception, match="initialization failed"):
+        LLM(**kwargs)
+    err = capfd.readouterr().err  # the engine's processes log the root cause
+    assert "tensor_parallel_size: is 2; RaykvConnector needs each engine worker" in err

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from raykv import ConfigError, InvalidArgumentError, KVLayout  # noqa: E402
 from raykv.integrations.vllm.copier import BlockCopier  # noqa: E402
 from raykv.integrations.vllm.kv_blocks import check_page_layout, resolve_layout  # noqa: E402
-from raykv.integrations.vllm.layout import layer_index, native_layout  # noqa: E402
+from raykv.integrations.vllm.layout import check_parallel, layer_index, native_layout  # noqa: E402
 from raykv.integrations.vllm.testing import (  # noqa: E402
     KV_CACHE_ORDERS,
     backend_kv,
@@ -194,3 +194,35 @@ def test_vllm_kv_caches_matches_vllm(order: str, kernel: int | None) -> None:
             view.storage_offset(),
         )
     assert math.prod(theirs[0].shape) * 2 * len(LAYERS) == size
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "prefill_context_parallel_size",
+        "decode_context_parallel_size",
+    ],
+)
+def test_an_engine_splitting_blocks_over_ranks_is_refused(name: str) -> None:
+    """A rank of a tensor-parallel engine holds some KV heads only: with whole-block pages it
+    would load another rank's heads, so the connector refuses to start (ConfigError naming the
+    setting); data parallelism, a config without the field, and size 1 pass."""
+    from types import SimpleNamespace
+
+    sizes = dict.fromkeys(
+        (
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "prefill_context_parallel_size",
+            "decode_context_parallel_size",
+        ),
+        1,
+    )
+    check_parallel(SimpleNamespace(parallel_config=SimpleNamespace(**sizes, data_parallel_size=4)))
+    check_parallel(SimpleNamespace())
+    split = SimpleNamespace(parallel_config=SimpleNamespace(**{**sizes, name: 2}))
+    with pytest.raises(ConfigError) as err:
+        check_parallel(split)
+    assert err.value.field == name and str(err.value).startswith(f"{name}: is 2;")

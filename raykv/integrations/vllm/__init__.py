@@ -17,7 +17,9 @@ Use::
 
 The deployment's layout must be the engine's (:func:`~raykv.integrations.vllm.layout.engine_layout`;
 for a transformers config ``raykv.integrations.hf.kv_layout(config, block_size, dtype)`` gives the
-same), else ConfigError at engine start.
+same), else ConfigError at engine start. A page holds every layer and KV head of a block: an
+engine with tensor, pipeline or context parallelism above 1 (each rank holding part of a block)
+does not start either (:func:`~raykv.integrations.vllm.layout.check_parallel`).
 
 Process topology (one engine, one CacheWorker on the same node):
 

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from raykv.integrations.vllm.kv_blocks import check_page_layout, resolve_layout
-from raykv.integrations.vllm.layout import engine_layout
+from raykv.integrations.vllm.layout import check_parallel, engine_layout
 from raykv.integrations.vllm.link import open_link
 from raykv.integrations.vllm.plan import RaykvMetadata, WorkerReport
 from raykv.integrations.vllm.scheduler import SchedulerSide
@@ -55,6 +55,7 @@ class _ConnectorImpl:
     def _setup(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         from raykv import ConfigError
 
+        check_parallel(vllm_config)  # before anything opens: a split engine fails to start
         transfer = vllm_config.kv_transfer_config
         extra = dict(transfer.kv_connector_extra_config or {})
         page_layout = str(extra.get("page_layout", "token_major"))
