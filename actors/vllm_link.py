@@ -35,10 +35,10 @@ import ray
 from actors.cluster import RayKVCluster, connect
 from raykv.core.config import KVLayout
 from raykv.core.errors import ConfigError, StateError
-from raykv.core.keys import ReuseScope
+from raykv.core.keys import ReuseScope, block_keys
 from raykv.core.types import WorkerId
 from raykv.integrations.vllm.link import Match
-from raykv.integrations.vllm.plan import EngineLink
+from raykv.integrations.vllm.plan import EngineLink, rank_scope
 from raykv.transfer import PeerAddress
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,8 @@ class RayDeploymentLink:
 
     ``extra``: ``namespace`` (default "raykv"), ``ray_address``, ``worker`` (default 0),
     ``use_index`` (default True), ``timeout_s`` (default 10), ``engine`` (the name this engine's
-    timing totals go to the worker under; a Serve replica sets it, default host and pid).
+    timing totals go to the worker under; a Serve replica sets it, default host and pid),
+    ``tensor_parallel_size`` (set by the connector: a fetch then pulls every rank's pages).
     Raises StateError (no deployment) or a Ray error when nothing is reachable, ConfigError for
     a bad ``worker``.
     """
@@ -81,9 +82,11 @@ class RayDeploymentLink:
         self.worker = _worker_name(self.cluster, extra.get("worker", 0))
         self.handle = self.cluster.workers[self.worker]
         self.layout: KVLayout = self.cluster.config.layout
+        self.tpb = self.layout.tokens_per_block
         self.timeout_s = float(extra.get("timeout_s", 10.0))
         self.use_index = bool(extra.get("use_index", True))
         self.engine = str(extra.get("engine") or f"{socket.gethostname()}:{os.getpid()}")
+        self.ranks = int(extra.get("tensor_parallel_size", 1))
         self.address: Any = ray.get(self.handle.page_server_address.remote(), timeout=self.timeout_s)
         if self.address is None:
             raise StateError(f"{self.worker} runs no page server")
@@ -151,14 +154,18 @@ class RayDeploymentLink:
         pull them, and return how many leading blocks of ``keys`` it holds afterwards."""
         assert match.peer is not None
         peer = WorkerId(match.peer)
+        scopes = [rank_scope(scope, r, self.ranks) for r in range(self.ranks)]
         try:
             have = self._await_peer(peer, tokens, scope, match.blocks) if match.wait else match.blocks
             if have > match.held and peer != self.worker:
                 self._pull_from(peer, keys[match.held : have])
+                for other in scopes[1:]:  # a tensor-parallel engine's other ranks' pages
+                    chain = block_keys(tokens[: have * self.tpb], self.tpb, other)
+                    self._pull_from(peer, [bytes(k) for k in chain[match.held : have]])
         except Exception as exc:
             self._count("fetch_errors")
             log.warning("raykv fetch from %s into %s failed: %s", peer, self.worker, exc)
-        return min(len(keys), self._held(self.handle, tokens, scope))
+        return min(len(keys), *(self._held(self.handle, tokens, s) for s in scopes))
 
     def _await_peer(self, peer: WorkerId, tokens: list[int], scope: ReuseScope, want: int) -> int:
         """How many of the leading ``want`` blocks ``peer`` holds, once it holds them all or

@@ -15,11 +15,14 @@ from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from raykv import KVLayout, ReuseScope
+import pytest
+
+from raykv import InvalidArgumentError, KVLayout, ReuseScope
 from raykv.integrations.vllm.link import Match
-from raykv.integrations.vllm.plan import LoadOp, RaykvMetadata
+from raykv.integrations.vllm.plan import LoadOp, RaykvMetadata, WorkerReport, rank_scope
 from raykv.integrations.vllm.scheduler import TIMING_EVERY_S, SchedulerSide
 from raykv.integrations.vllm.worker import WorkerSide
+from raykv.transfer import PeerAddress
 
 TPB = 4
 LAYOUT = KVLayout.uniform(num_layers=1, num_kv_heads=1, head_dim=4, tokens_per_block=TPB, dtype="float32")
@@ -351,3 +354,47 @@ def test_a_request_with_no_figures_reports_nothing() -> None:
     assert side.timing == [0, 0, 0, 0] and link.timings == []
     side.close()
     assert link.timings == []
+
+
+def test_rank_scopes_are_deterministic_distinct_and_rank_zero_is_the_requests_own() -> None:
+    salted = ReuseScope(lora_id=3, salt=2**63 + 5)
+    for scope in (ReuseScope(), salted):
+        assert rank_scope(scope, 0, 4) == scope and rank_scope(scope, 0, 1) == scope
+        others = [rank_scope(scope, r, 4) for r in range(1, 4)]
+        assert len({scope, *others}) == 4  # each rank its own keys
+        assert others == [rank_scope(scope, r, 4) for r in range(1, 4)]  # in every process
+        assert all(o.lora_id == scope.lora_id for o in others)
+    assert rank_scope(salted, 1, 2) != rank_scope(ReuseScope(lora_id=3), 1, 2)  # salts stay apart
+    assert rank_scope(ReuseScope(), 1, 2) != rank_scope(ReuseScope(), 1, 4)
+    for rank, ranks in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(InvalidArgumentError):
+            rank_scope(ReuseScope(), rank, ranks)
+
+
+def test_reports_of_several_ranks_keep_each_ranks_staging_server() -> None:
+    a, b = PeerAddress("127.0.0.1", 1), PeerAddress("127.0.0.1", 2)
+    one = WorkerReport([(a, (b"x" * 32,))])
+    one.count("r1", "staged_blocks", 1)
+    two = WorkerReport([(b, (b"y" * 32,))])
+    two.counters["staged_blocks"] += 1  # a rank above 0 counts overall only
+    both = one.aggregate(two)
+    assert both.staged == [(a, (b"x" * 32,)), (b, (b"y" * 32,))]
+    assert both.counters["staged_blocks"] == 2 and both.per_request["r1"]["staged_blocks"] == 1
+    side, link = _side(Match(0))
+    stores: list[tuple[Any, tuple[bytes, ...]]] = []
+    link.store = lambda staging, keys: stores.append((staging, tuple(keys)))  # type: ignore[method-assign]
+    side.on_report(both)
+    assert stores == both.staged  # the worker pulls each chain from its rank's server
+
+
+def test_a_tensor_parallel_engines_loads_carry_the_tokens_its_ranks_key_from() -> None:
+    """Ranks above 0 key their pages from the prompt: loads of a TP engine carry it (and the
+    scope); an engine of one rank sends keys only."""
+    for ranks, expected in ((1, ()), (2, PROMPT[: 4 * TPB])):
+        side, _ = _side(Match(4), tensor_parallel_size=ranks)
+        request = _request()
+        side.lookup(request, 0)
+        side.after_alloc(request, BLOCKS, 4 * TPB)
+        (load,) = side.build(_step("r1", 4 * TPB, TPB, new=True), lambda rid: list(BLOCKS)).loads
+        assert load.tokens == tuple(expected) and len(load.keys) == 4
+        assert load.scope == (ReuseScope() if ranks > 1 else None)

@@ -20,7 +20,8 @@ pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vll
 import ray
 
 from actors.cluster import RayKVCluster
-from raykv import TierKind
+from raykv import ReuseScope, TierKind, block_keys
+from raykv.integrations.vllm.plan import rank_scope
 from raykv.integrations.vllm.testing import generate
 from raykv.routing.pd import PDConfig, choose_pair
 from raykv.routing.policy import RoutingConfig, WorkerLoad
@@ -147,25 +148,61 @@ def test_request_aborted_while_its_async_load_waits_frees_its_blocks(
     _same(generate(llm, other), generate(baseline, other))
 
 
-@pytest.mark.timeout(300)
-def test_a_tensor_parallel_engine_does_not_start(
-    model_dir: str,
-    deployment: RayKVCluster,
-    ray_address: str,
-    monkeypatch: pytest.MonkeyPatch,
-    capfd: pytest.CaptureFixture[str],
+@pytest.mark.timeout(600)
+def test_a_tensor_parallel_engine_loads_each_ranks_own_heads(
+    model_dir: str, ray_address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each rank of a TP=2 engine holds half the KV heads of a block, which whole-block pages
-    cannot describe: the connector stops the engine at start (its ConfigError is the root
-    cause vLLM reports) instead of letting a rank load the other's heads."""
+    """A TP=2 engine: each rank holds one of the model's two KV heads and keeps pages of its own
+    (rank 1's keys in a derived scope), in a deployment laid out for one rank's heads. A repeat
+    of a prompt loads its blocks on both ranks from the paired worker and generates exactly
+    what the first run computed (before ranks had pages of their own, rank 1 loaded rank 0's
+    heads and the repeat generated other tokens); once only the other worker holds them, the
+    paired worker fetches both ranks' pages from it (an asynchronous load), same output."""
+    import uuid
+
     from vllm import LLM
 
+    import raykv
+    from actors.testing import TestingCacheWorker
     from raykv.integrations.vllm import testing
 
+    config = testing.deployment_config(testing.tiny_layout(num_key_value_heads=1), host_pages=64)
+    namespace = f"raykv-tp-{uuid.uuid4().hex[:8]}"
+    one_rank = raykv.start(num_workers=2, config=config, namespace=namespace, worker_class=TestingCacheWorker)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank (one NUMA node here)
     kwargs = testing.engine_kwargs(model_dir, tensor_parallel_size=2)
-    kwargs["kv_transfer_config"] = testing.connector_config(deployment.namespace, ray_address, worker=0)
-    with pytest.raises(Exception, match="initialization failed"):
-        LLM(**kwargs)
-    err = capfd.readouterr().err  # the engine's processes log the root cause
-    assert "tensor_parallel_size: is 2; RaykvConnector needs each engine worker" in err
+    kwargs["kv_transfer_config"] = testing.connector_config(namespace, ray_address, worker=1)
+    llm = LLM(**kwargs)
+    try:
+        tokens = prompt(41, 3 * TPB + 5)
+        first = generate(llm, tokens)
+        assert first.raykv.get("staged_blocks") == 3  # rank 0's figures: its 3 blocks
+        scopes = [rank_scope(ReuseScope(), rank, 2) for rank in (0, 1)]
+        for scope in scopes:  # each rank's pages reach the paired worker
+            _until_held(one_rank, 1, tokens, scope, 3)
+        again = generate(llm, tokens)
+        assert again.raykv["loaded_blocks_ok"] == 3 and again.raykv.get("load_errors", 0) == 0
+        _same(again, first)
+
+        paired, other = worker(one_rank, 1), worker(one_rank, 0)
+        for scope in scopes:  # only worker 0 holds them now
+            keys = [bytes(k) for k in block_keys(tokens[: 3 * TPB], TPB, scope)]
+            assert len(ray.get(other.pull.remote(one_rank.worker_ids[1], keys), timeout=30).imported) == 3
+        ray.get(paired.clear.remote(), timeout=30)
+        one_rank.flush()  # the index knows worker 0 holds them, worker 1 not
+        fetched = generate(llm, tokens)
+        assert fetched.raykv["async_loads"] == 1 and fetched.raykv["loaded_blocks_ok"] == 3
+        _same(fetched, first)
+    finally:
+        testing.shutdown_engine(llm)
+        one_rank.shutdown()
+
+
+def _until_held(
+    deployment: RayKVCluster, index: int, tokens: list[int], scope: ReuseScope, blocks: int
+) -> None:
+    deadline = time.monotonic() + 30
+    handle = worker(deployment, index)
+    while ray.get(handle.probe.remote(tokens, scope.lora_id, scope.salt), timeout=30).num_blocks < blocks:
+        assert time.monotonic() < deadline, f"worker never held {blocks} blocks in {scope}"
+        time.sleep(0.05)

@@ -197,31 +197,23 @@ def test_vllm_kv_caches_matches_vllm(order: str, kernel: int | None) -> None:
 
 
 @pytest.mark.parametrize(
-    "name",
-    [
-        "tensor_parallel_size",
-        "pipeline_parallel_size",
-        "prefill_context_parallel_size",
-        "decode_context_parallel_size",
-    ],
+    "name", ["pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size"]
 )
-def test_an_engine_splitting_blocks_over_ranks_is_refused(name: str) -> None:
-    """A rank of a tensor-parallel engine holds some KV heads only: with whole-block pages it
-    would load another rank's heads, so the connector refuses to start (ConfigError naming the
-    setting); data parallelism, a config without the field, and size 1 pass."""
+def test_an_engine_splitting_layers_or_tokens_over_ranks_is_refused(name: str) -> None:
+    """Pipeline or context parallelism leaves a rank part of a block's layers or tokens, which
+    a page does not describe: the connector refuses to start (ConfigError naming the setting).
+    Tensor parallelism (its size returned) and data parallelism pass, and so does a config
+    without the field."""
     from types import SimpleNamespace
 
-    sizes = dict.fromkeys(
-        (
-            "tensor_parallel_size",
-            "pipeline_parallel_size",
-            "prefill_context_parallel_size",
-            "decode_context_parallel_size",
-        ),
-        1,
+    names = ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size")
+    sizes = dict.fromkeys((*names, "decode_context_parallel_size"), 1)
+    assert (
+        check_parallel(SimpleNamespace(parallel_config=SimpleNamespace(**sizes, data_parallel_size=4))) == 1
     )
-    check_parallel(SimpleNamespace(parallel_config=SimpleNamespace(**sizes, data_parallel_size=4)))
-    check_parallel(SimpleNamespace())
+    tensor = SimpleNamespace(parallel_config=SimpleNamespace(**{**sizes, "tensor_parallel_size": 4}))
+    assert check_parallel(tensor) == 4
+    assert check_parallel(SimpleNamespace()) == 1
     split = SimpleNamespace(parallel_config=SimpleNamespace(**{**sizes, name: 2}))
     with pytest.raises(ConfigError) as err:
         check_parallel(split)

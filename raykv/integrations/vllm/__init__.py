@@ -17,9 +17,13 @@ Use::
 
 The deployment's layout must be the engine's (:func:`~raykv.integrations.vllm.layout.engine_layout`;
 for a transformers config ``raykv.integrations.hf.kv_layout(config, block_size, dtype)`` gives the
-same), else ConfigError at engine start. A page holds every layer and KV head of a block: an
-engine with tensor, pipeline or context parallelism above 1 (each rank holding part of a block)
-does not start either (:func:`~raykv.integrations.vllm.layout.check_parallel`).
+same), else ConfigError at engine start. Under tensor parallelism that is one rank's layout
+(``num_kv_heads / tensor_parallel_size`` heads): each rank stores and loads pages of its own
+heads, keyed in :func:`~raykv.integrations.vllm.plan.rank_scope` (rank 0's keys are the
+request's, so routers and the index see rank 0's), and a fetch from another worker pulls every
+rank's pages. An engine with pipeline or context parallelism above 1 (a rank holding part of a
+block's layers or tokens) does not start
+(:func:`~raykv.integrations.vllm.layout.check_parallel`).
 
 Process topology (one engine, one CacheWorker on the same node):
 

@@ -55,9 +55,10 @@ class _ConnectorImpl:
     def _setup(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         from raykv import ConfigError
 
-        check_parallel(vllm_config)  # before anything opens: a split engine fails to start
+        ranks = check_parallel(vllm_config)  # before anything opens: a split engine fails to start
         transfer = vllm_config.kv_transfer_config
         extra = dict(transfer.kv_connector_extra_config or {})
+        extra["tensor_parallel_size"] = ranks
         page_layout = str(extra.get("page_layout", "token_major"))
         layout, names = engine_layout(kv_cache_config, page_layout)
         self._kv_cache_layout = resolve_layout(extra.get("kv_cache_layout"), None)
@@ -74,7 +75,7 @@ class _ConnectorImpl:
             loads, stores = transfer.is_kv_consumer, transfer.is_kv_producer
             self._scheduler = SchedulerSide(layout, link, loads, stores, extra)
         else:
-            self._worker = WorkerSide(layout, names)
+            self._worker = WorkerSide(layout, names, tensor_parallel_rank() if ranks > 1 else 0, ranks)
 
     # ---- worker side -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -141,6 +142,14 @@ class _ConnectorImpl:
         if self._scheduler is None:
             return False, None
         return False, self._scheduler.finished(request)
+
+
+def tensor_parallel_rank() -> int:
+    """This worker process's tensor-parallel rank (vLLM's model-parallel groups exist by the
+    time the worker-side connector is built)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 def attention_backend(vllm_config: Any, names: Sequence[str]) -> str | None:

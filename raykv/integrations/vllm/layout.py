@@ -82,30 +82,27 @@ def engine_layout(kv_cache_config: Any, page_layout: str = "token_major") -> tup
     return build(len(names), *fields), names
 
 
-_SPLITS = (
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "prefill_context_parallel_size",
-    "decode_context_parallel_size",
-)
+_SPLITS = ("pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size")
 
 
-def check_parallel(vllm_config: Any) -> None:
-    """ConfigError when the engine splits a block's KV over several worker processes (tensor,
-    pipeline or context parallelism > 1): a raykv page holds every layer and KV head of a block,
-    and the connector neither assembles a page from the ranks' slices nor gives each rank its
-    own, so a rank would load another rank's heads. Data parallelism is fine (each rank is a
-    whole engine). A config without ``parallel_config`` passes."""
+def check_parallel(vllm_config: Any) -> int:
+    """The engine's tensor-parallel size (1 without ``parallel_config``). ConfigError when it
+    splits a block's layers or tokens over worker processes (pipeline or context parallelism
+    above 1): each rank then holds part of a block's layers or tokens, which raykv pages do not
+    describe. Tensor parallelism is fine: each rank holds all the layers and tokens of a block
+    for some KV heads and keeps pages of its own (:func:`~raykv.integrations.vllm.plan.rank_scope`);
+    so is data parallelism (each rank is a whole engine)."""
     parallel = getattr(vllm_config, "parallel_config", None)
     for name in _SPLITS:
         size = getattr(parallel, name, 1) if parallel is not None else 1
         if isinstance(size, int) and size > 1:
             raise ConfigError(
                 name,
-                f"is {size}; RaykvConnector needs each engine worker to hold whole blocks "
-                "(every layer and KV head); run one engine per GPU (data parallel replicas each "
-                "pair with their own CacheWorker) or a model that fits one GPU",
+                f"is {size}; RaykvConnector needs each engine worker to hold every layer and token "
+                "of a block (tensor and data parallelism are supported)",
             )
+    size = getattr(parallel, "tensor_parallel_size", 1) if parallel is not None else 1
+    return size if isinstance(size, int) and size > 1 else 1
 
 
 def layer_index(name: str) -> int:

@@ -13,17 +13,23 @@ worker -> EngineCore in the worker metadata), so they are plain picklable datacl
 - :class:`StoreOp`: after the forward pass, stage the KV of the request's blocks up to
   ``end_block`` (tokens ``tokens``) and report the keys of blocks ``first_block ..`` for the
   CacheWorker to pull.
-- :class:`WorkerReport`: the worker side's staged keys, its staging server's address and its
-  counters, folded over workers with :meth:`WorkerReport.aggregate`.
+- :class:`WorkerReport`: the worker side's staged keys, each with its staging server's address,
+  and its counters, folded over workers with :meth:`WorkerReport.aggregate`.
+
+Under tensor parallelism each rank holds some KV heads of every block, so each rank has its own
+pages: rank ``r`` of ``n`` keys its blocks in :func:`rank_scope` (rank 0 in the request's own
+scope, so the index and routers see rank 0's keys as those of any engine), stores them from its
+own staging server and loads its own; the deployment's layout is one rank's.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from raykv import ReuseScope
+from raykv import InvalidArgumentError, ReuseScope
 from raykv.transfer import PeerAddress
 
 
@@ -42,6 +48,19 @@ class EngineLink:
     listen_host: str = "127.0.0.1"
 
 
+def rank_scope(scope: ReuseScope, rank: int, ranks: int) -> ReuseScope:
+    """The scope rank ``rank`` of a ``ranks``-way tensor-parallel engine keys its pages in:
+    ``scope`` itself for rank 0 (and for an engine of one rank), else ``scope``'s LoRA with a
+    salt derived from ``scope``'s salt, ``rank`` and ``ranks`` (SHA-256; deterministic in every
+    process). InvalidArgumentError unless ``0 <= rank < ranks``."""
+    if not (isinstance(rank, int) and isinstance(ranks, int) and 0 <= rank < ranks):
+        raise InvalidArgumentError("rank", f"need 0 <= rank < ranks, got rank {rank!r} of {ranks!r}")
+    if rank == 0:
+        return scope
+    text = f"raykv-tensor-parallel/{ranks}/{rank}/{scope.salt}".encode()
+    return ReuseScope(scope.lora_id, int.from_bytes(hashlib.sha256(text).digest()[:8], "little"))
+
+
 @dataclass(frozen=True)
 class LoadOp:
     """Load the pages of ``keys`` (a prompt's blocks ``first_block ..``) into ``block_ids``.
@@ -52,6 +71,9 @@ class LoadOp:
     reports ``req_id`` as finished receiving (``get_finished``) in the step that carries the op,
     after loading, with the failed blocks in the same step's load errors. An async op with no
     keys and no lost blocks only releases a request that finished while its load was pending.
+    ``tokens`` and ``scope`` (sent to tensor-parallel engines only): the prompt through the last
+    block of the load and its scope, from which ranks above 0 key their own pages
+    (:func:`rank_scope`); ``keys`` are rank 0's.
     """
 
     req_id: str
@@ -60,6 +82,8 @@ class LoadOp:
     block_ids: tuple[int, ...]
     is_async: bool = False
     lost_block_ids: tuple[int, ...] = ()
+    tokens: tuple[int, ...] = ()
+    scope: ReuseScope | None = None
 
 
 @dataclass(frozen=True)
@@ -96,13 +120,13 @@ class RaykvMetadata:
 class WorkerReport:
     """One step's results from the worker side (vLLM's KVConnectorWorkerMetadata).
 
-    ``staged``: key chains staged this step, each ready for the CacheWorker to pull from
-    ``staging`` (the worker side's page server). ``counters``: loads, load errors, bytes...;
-    ``per_request``: the same per request id (they end up in the request's output).
+    ``staged``: key chains staged this step, each with the page server (the worker side's
+    staging server; one per tensor-parallel rank) the CacheWorker pulls it from. ``counters``:
+    loads, load errors, bytes...; ``per_request``: the same per request id (they end up in the
+    request's output; summed over ranks).
     """
 
-    staging: PeerAddress | None = None
-    staged: list[tuple[bytes, ...]] = field(default_factory=list)
+    staged: list[tuple[PeerAddress, tuple[bytes, ...]]] = field(default_factory=list)
     counters: collections.Counter[str] = field(default_factory=collections.Counter)
     per_request: dict[str, collections.Counter[str]] = field(default_factory=dict)
 
@@ -115,7 +139,7 @@ class WorkerReport:
         per_request = {k: collections.Counter(v) for k, v in self.per_request.items()}
         for req_id, counts in other.per_request.items():
             per_request.setdefault(req_id, collections.Counter()).update(counts)
-        return WorkerReport(self.staging or other.staging, staged, counters, per_request)
+        return WorkerReport(staged, counters, per_request)
 
     def count(self, req_id: str, name: str, amount: int = 1) -> None:
         """Add ``amount`` to counter ``name``, overall and for request ``req_id``."""

@@ -125,6 +125,7 @@ class SchedulerSide:
         self.link = link
         self.loads, self.stores = loads, stores
         self.store_generated = bool(extra.get("store_generated", True))
+        self.ranks = int(extra.get("tensor_parallel_size", 1))  # set by the connector
         self._engine_link: EngineLink | None = None
         self.fetch_limit_s = 2 * float(extra.get("timeout_s", 10.0))
         if link is not None:
@@ -225,7 +226,9 @@ class SchedulerSide:
             log.warning("raykv: %s: no blocks for the planned load; skipping it", request.request_id)
             return
         keys = tuple(state.keys[first : state.hit])
-        state.load = LoadOp(request.request_id, first, keys, tuple(block_ids[first : state.hit]))
+        state.load = self._load_op(
+            request.request_id, state, first, keys, tuple(block_ids[first : state.hit])
+        )
 
     # ---- steps -----------------------------------------------------------------------------------
     def build(self, scheduler_output: Any, block_ids_of: Callable[[str], list[int]]) -> RaykvMetadata:
@@ -296,7 +299,9 @@ class SchedulerSide:
         assert state.target is not None
         first, blocks = state.target
         ok = max(0, min(held, state.hit, first + len(blocks)) - first)
-        op = LoadOp(req_id, first, tuple(state.keys[first : first + ok]), blocks[:ok], True, blocks[ok:])
+        op = self._load_op(
+            req_id, state, first, tuple(state.keys[first : first + ok]), blocks[:ok], blocks[ok:]
+        )
         pulled = max(0, min(held, state.hit) - max(state.stored, state.fetch_held))
         state.stored = max(state.stored, min(held, state.hit))
         state.counts["pulled_tokens"] += pulled * self.tpb
@@ -306,6 +311,25 @@ class SchedulerSide:
         self.counters["async_loads"] += 1
         state.fetch = state.target = None
         return op
+
+    def _load_op(
+        self,
+        req_id: str,
+        state: _Request,
+        first: int,
+        keys: tuple[bytes, ...],
+        block_ids: tuple[int, ...],
+        lost: tuple[int, ...] | None = None,
+    ) -> LoadOp:
+        """A LoadOp (asynchronous when ``lost`` is given), with the tokens and scope from which
+        the ranks of a tensor-parallel engine key their own pages."""
+        tokens: tuple[int, ...] = ()
+        scope: ReuseScope | None = None
+        if self.ranks > 1:
+            tokens, scope = state.prompt[: (first + len(keys)) * self.tpb], state.scope
+        if lost is None:
+            return LoadOp(req_id, first, keys, block_ids, tokens=tokens, scope=scope)
+        return LoadOp(req_id, first, keys, block_ids, True, lost, tokens, scope)
 
     def _store_op(
         self, req_id: str, state: _Request, computed: int, block_ids_of: Callable[[str], list[int]]
@@ -333,9 +357,9 @@ class SchedulerSide:
                 state = self._requests.get(req_id)
                 if state is not None:
                     state.counts.update(counts)
-            if self.link is not None and report.staging is not None:
-                for keys in report.staged:
-                    self.link.store(report.staging, keys)
+            if self.link is not None:
+                for staging, keys in report.staged:
+                    self.link.store(staging, keys)
         if self.link is not None:
             self.counters.update(self.link.poll())
 

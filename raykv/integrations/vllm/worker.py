@@ -18,6 +18,11 @@ every step's metadata; on first sight the worker side opens:
   commit them; the scheduler side then asks the CacheWorker to pull those keys from this server
   (same node: one-sided reads of the staging tier). Staged blocks stay until the staging tier
   needs the room (LRU); a store the CacheWorker could not pull is a future miss, nothing else.
+
+Under tensor parallelism every rank runs one worker side for its own KV heads: it stages and loads
+pages keyed in :func:`~raykv.integrations.vllm.plan.rank_scope` (the load ops carry the prompt
+tokens ranks above 0 key theirs from), and only rank 0 reports per-request figures (every rank
+reports its load errors, which vLLM unions).
 """
 
 from __future__ import annotations
@@ -29,19 +34,33 @@ from typing import Any
 
 import numpy as np
 
-from raykv import CacheConfig, CacheManager, KVLayout, OutOfPagesError, TierConfig, TransferError
+from raykv import (
+    CacheConfig,
+    CacheManager,
+    KVLayout,
+    OutOfPagesError,
+    ReuseScope,
+    TierConfig,
+    TransferError,
+    block_keys,
+)
 from raykv.core.tiers.host import HostPool
 from raykv.integrations.vllm.copier import BlockCopier, is_pinned
-from raykv.integrations.vllm.plan import EngineLink, LoadOp, RaykvMetadata, StoreOp, WorkerReport
-from raykv.transfer import PageClient, PageServer, TransferConfig
+from raykv.integrations.vllm.plan import EngineLink, LoadOp, RaykvMetadata, StoreOp, WorkerReport, rank_scope
+from raykv.transfer import PageClient, PageServer, PeerAddress, TransferConfig
 
 log = logging.getLogger(__name__)
 
 
 class WorkerSide:
-    """Loads and stores for one vLLM worker. ``names``: its attention layers in layout order."""
+    """Loads and stores for one vLLM worker. ``names``: its attention layers in layout order.
+    ``rank`` of ``ranks``: its tensor-parallel rank; a rank above 0 keys its pages in
+    :func:`~raykv.integrations.vllm.plan.rank_scope` (its own KV heads) and reports only load
+    errors per request (a request's other figures are rank 0's)."""
 
-    def __init__(self, layout: KVLayout, names: Sequence[str]) -> None:
+    def __init__(self, layout: KVLayout, names: Sequence[str], rank: int = 0, ranks: int = 1) -> None:
+        rank_scope(ReuseScope(), rank, ranks)  # InvalidArgumentError for a bad rank
+        self.rank, self.ranks = rank, ranks
         self.layout = layout
         self.names = tuple(names)
         self.tpb = layout.tokens_per_block
@@ -55,6 +74,7 @@ class WorkerSide:
         self._failed: set[int] = set()
         self._received: set[str] = set()
         self._report = WorkerReport()
+        self._staging_at: PeerAddress | None = None  # the staging server's address, once started
 
     def register(self, kv_caches: Mapping[str, Any], kv_cache_layout: str | None = None) -> None:
         """Take the engine's per-layer KV tensors, stored as ``kv_cache_layout`` says (see
@@ -81,7 +101,7 @@ class WorkerSide:
                 pool.pin_for_cuda()
             self.client.pin_for_cuda()
         self.server = PageServer(self.staging, link.token, config)
-        self._report.staging = self.server.start()
+        self._staging_at = self.server.start()
 
     def _on_cuda(self) -> bool:
         """Whether the engine's KV tensors are on a CUDA device."""
@@ -113,8 +133,8 @@ class WorkerSide:
             if op.keys:
                 start = time.perf_counter()
                 loaded = self._load(op) if self.copier is not None and self.client is not None else 0
-                self._report.count(op.req_id, "load_us", int((time.perf_counter() - start) * 1e6))
-                self._report.count(op.req_id, "loaded_blocks_ok", loaded)
+                self._count(op.req_id, "load_us", int((time.perf_counter() - start) * 1e6))
+                self._count(op.req_id, "loaded_blocks_ok", loaded)
             failed = op.block_ids[loaded:] + op.lost_block_ids
             if failed:
                 self._failed.update(failed)
@@ -122,11 +142,32 @@ class WorkerSide:
             if op.is_async:
                 self._received.add(op.req_id)
 
+    def _count(self, req_id: str, name: str, amount: int = 1) -> None:
+        """Count ``name`` overall, and for ``req_id`` on rank 0 (its results are rank 0's)."""
+        if self.rank == 0:
+            self._report.count(req_id, name, amount)
+        else:
+            self._report.counters[name] += amount
+
+    def _keys(self, op: LoadOp) -> list[bytes]:
+        """The keys of this rank's pages for ``op``'s blocks: ``op.keys`` on rank 0, else the
+        same blocks keyed from ``op.tokens`` in this rank's scope (none when the op has no
+        tokens: its blocks then fail and are recomputed)."""
+        if self.rank == 0:
+            return list(op.keys)
+        end = op.first_block + len(op.keys)
+        if op.scope is None or len(op.tokens) < end * self.tpb:
+            return []
+        scope = rank_scope(op.scope, self.rank, self.ranks)
+        return [bytes(k) for k in block_keys(op.tokens[: end * self.tpb], self.tpb, scope)[op.first_block :]]
+
     def _load(self, op: LoadOp) -> int:
         """Load the leading pages of ``op`` that the CacheWorker still has; how many. A CUDA
         engine takes those on the CacheWorker's GPU tier first (device to device), then the rest
         from its host tiers."""
-        keys, ids = list(op.keys), list(op.block_ids)
+        keys, ids = self._keys(op), list(op.block_ids)
+        if not keys:
+            return 0
         done = self._load_gpu(op.req_id, keys, ids) if self._on_cuda() else 0
         if done == len(keys):
             return done
@@ -150,7 +191,7 @@ class WorkerSide:
             log.info("raykv: GPU-tier load of %d blocks failed (%s); trying the host paths", len(keys), exc)
             return 0
         if landing.path is not None:
-            self._report.count(req_id, f"path_{landing.path}", 1)
+            self._count(req_id, f"path_{landing.path}", 1)
         return landing.landed
 
     def _load_host(self, req_id: str, keys: list[bytes], ids: list[int]) -> int:
@@ -178,7 +219,7 @@ class WorkerSide:
             picked = data[: len(rows)] if rows == list(range(len(rows))) else data[rows]
             assert self.copier is not None
             self.copier.load(np.ascontiguousarray(picked), ids[: len(rows)])
-            self._report.count(req_id, f"path_{pulled.path}", 1)
+            self._count(req_id, f"path_{pulled.path}", 1)
         return len(rows)
 
     def _land(self, req_id: str, ids: list[int], pulled: Any, confirm: Any) -> int:
@@ -188,9 +229,9 @@ class WorkerSide:
         assert self.copier is not None
         self.copier.load(pulled.data, ids)
         confirm()
-        self._report.count(req_id, "path_shm_read", 1)
+        self._count(req_id, "path_shm_read", 1)
         if self._on_cuda() and is_pinned(pulled.data):  # the mapping is page-locked: no staging
-            self._report.count(req_id, "dma_direct_blocks", len(ids))
+            self._count(req_id, "dma_direct_blocks", len(ids))
         return len(ids)
 
     def take_failed(self) -> set[int]:
@@ -213,15 +254,15 @@ class WorkerSide:
             return
         for op in meta.stores:
             keys = self._stage(op)
-            if keys:
-                self._report.staged.append(keys)
-                self._report.count(op.req_id, "staged_blocks", len(keys))
+            if keys and self._staging_at is not None:
+                self._report.staged.append((self._staging_at, keys))
+                self._count(op.req_id, "staged_blocks", len(keys))
 
     def _stage(self, op: StoreOp) -> tuple[bytes, ...]:
         """Write blocks ``0 .. op.end_block - 1`` into staging pages and commit them; the keys of
         blocks ``op.first_block ..`` (empty when staging has no room)."""
         assert self.staging is not None and self.copier is not None
-        kv = self.staging.create(list(op.tokens), op.scope)
+        kv = self.staging.create(list(op.tokens), rank_scope(op.scope, self.rank, self.ranks))
         try:
             if not kv.resume():
                 self._report.counters["store_skipped"] += 1
@@ -245,7 +286,7 @@ class WorkerSide:
     def take_report(self) -> WorkerReport | None:
         """This step's report (None when there is nothing to say)."""
         report = self._report
-        self._report = WorkerReport(staging=report.staging)
+        self._report = WorkerReport()
         return report if report else None
 
     def close(self) -> None:
