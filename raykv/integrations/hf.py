@@ -50,12 +50,22 @@ if TYPE_CHECKING:
 _TORCH_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def kv_layout(model_config: Any, tokens_per_block: int = 16, dtype: str = "float32") -> KVLayout:
+def kv_layout(
+    model_config: Any, tokens_per_block: int = 16, dtype: str = "float32", tensor_parallel_size: int = 1
+) -> KVLayout:
     """The raykv page layout for a transformers decoder config: every layer has "k" and "v" of
-    shape ``(num_key_value_heads, head_dim)``. Raises ConfigError/InvalidArgumentError for a
-    config without the usual attention fields or an unsupported dtype."""
+    shape ``(num_key_value_heads, head_dim)``; with ``tensor_parallel_size`` n > 1, one rank's
+    share of the KV heads as vLLM splits them (``num_key_value_heads / n``, or 1 when the heads
+    are fewer than the ranks and replicated), the layout a deployment serving a tensor-parallel
+    vLLM engine needs (those pages are not readable by the HF adapter). Raises
+    ConfigError/InvalidArgumentError for a config without the usual attention fields, an
+    unsupported dtype, or heads and ranks neither of which divides the other."""
     if dtype not in _TORCH_DTYPES:
         raise InvalidArgumentError("dtype", f"must be one of {_TORCH_DTYPES}, got {dtype!r}")
+    if not (isinstance(tensor_parallel_size, int) and tensor_parallel_size >= 1):
+        raise InvalidArgumentError(
+            "tensor_parallel_size", f"must be an int >= 1, got {tensor_parallel_size!r}"
+        )
     cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     try:
         layers = int(cfg.num_hidden_layers)
@@ -64,7 +74,12 @@ def kv_layout(model_config: Any, tokens_per_block: int = 16, dtype: str = "float
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     except AttributeError as exc:
         raise InvalidArgumentError("model_config", f"not a decoder attention config: {exc}") from None
-    return KVLayout.uniform(layers, kv_heads, head_dim, tokens_per_block, dtype)
+    ranks = tensor_parallel_size
+    if kv_heads % ranks and ranks % kv_heads:
+        raise InvalidArgumentError(
+            "tensor_parallel_size", f"{kv_heads} KV heads cannot be split over {ranks} ranks"
+        )
+    return KVLayout.uniform(layers, max(1, kv_heads // ranks), head_dim, tokens_per_block, dtype)
 
 
 @dataclass(frozen=True)

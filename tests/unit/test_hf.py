@@ -74,6 +74,15 @@ def test_layout_follows_the_model_config(model, layout) -> None:
     assert layout.page_bytes == 2 * 2 * TPB * 2 * 16 * 4
     with pytest.raises(InvalidArgumentError):
         kv_layout(model.config, TPB, dtype="int8")
+    # one rank's heads under tensor parallelism: 2 heads over 2 ranks, replicated over 4
+    for ranks, heads in ((1, 2), (2, 1), (4, 1)):
+        assert kv_layout(model.config, TPB, tensor_parallel_size=ranks).buffer_region(0, "k").spec.shape == (
+            heads,
+            16,
+        )
+    for bad in (3, 0):
+        with pytest.raises(InvalidArgumentError):
+            kv_layout(model.config, TPB, tensor_parallel_size=bad)
     odd = KVLayout.uniform(num_layers=2, num_kv_heads=2, head_dim=16, tokens_per_block=TPB, dtype="int8")
     with pytest.raises(InvalidArgumentError):
         HFKVAdapter(odd)
