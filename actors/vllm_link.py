@@ -112,7 +112,7 @@ class RayDeploymentLink:
         self, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes], hint: Mapping[str, Any]
     ) -> Match:
         try:
-            held = self._held(self.handle, tokens, scope)
+            held = self._held_by_all(tokens, scope)
             if held >= len(keys):
                 return Match(held)
             named = hint.get("worker")
@@ -134,6 +134,16 @@ class RayDeploymentLink:
             log.warning("raykv lookup on %s failed: %s", self.worker, exc)
             return Match(0)
 
+    def _held_by_all(self, tokens: Sequence[int], scope: ReuseScope) -> int:
+        """Leading blocks of ``tokens`` the paired worker holds for every tensor-parallel rank
+        (one probe per rank, sent together)."""
+        if self.ranks == 1:
+            return self._held(self.handle, tokens, scope)
+        ids = list(tokens)
+        scopes = [rank_scope(scope, r, self.ranks) for r in range(self.ranks)]
+        probes = [self.handle.probe.remote(ids, s.lora_id, s.salt) for s in scopes]
+        return min(int(p.num_blocks) for p in ray.get(probes, timeout=self.timeout_s))
+
     def _held(self, handle: Any, tokens: Sequence[int], scope: ReuseScope) -> int:
         probe = handle.probe.remote(list(tokens), scope.lora_id, scope.salt)
         return int(ray.get(probe, timeout=self.timeout_s).num_blocks)
@@ -154,18 +164,18 @@ class RayDeploymentLink:
         pull them, and return how many leading blocks of ``keys`` it holds afterwards."""
         assert match.peer is not None
         peer = WorkerId(match.peer)
-        scopes = [rank_scope(scope, r, self.ranks) for r in range(self.ranks)]
+        others = [rank_scope(scope, r, self.ranks) for r in range(1, self.ranks)]
         try:
             have = self._await_peer(peer, tokens, scope, match.blocks) if match.wait else match.blocks
             if have > match.held and peer != self.worker:
                 self._pull_from(peer, keys[match.held : have])
-                for other in scopes[1:]:  # a tensor-parallel engine's other ranks' pages
+                for other in others:  # a tensor-parallel engine's other ranks' pages
                     chain = block_keys(tokens[: have * self.tpb], self.tpb, other)
                     self._pull_from(peer, [bytes(k) for k in chain[match.held : have]])
         except Exception as exc:
             self._count("fetch_errors")
             log.warning("raykv fetch from %s into %s failed: %s", peer, self.worker, exc)
-        return min(len(keys), *(self._held(self.handle, tokens, s) for s in scopes))
+        return min(len(keys), self._held_by_all(tokens, scope))
 
     def _await_peer(self, peer: WorkerId, tokens: list[int], scope: ReuseScope, want: int) -> int:
         """How many of the leading ``want`` blocks ``peer`` holds, once it holds them all or
