@@ -134,14 +134,15 @@ class RayDeploymentLink:
             log.warning("raykv lookup on %s failed: %s", self.worker, exc)
             return Match(0)
 
-    def _held_by_all(self, tokens: Sequence[int], scope: ReuseScope) -> int:
-        """Leading blocks of ``tokens`` the paired worker holds for every tensor-parallel rank
-        (one probe per rank, sent together)."""
+    def _held_by_all(self, tokens: Sequence[int], scope: ReuseScope, handle: Any = None) -> int:
+        """Leading blocks of ``tokens`` a worker (``handle``; default the paired one) holds for
+        every tensor-parallel rank (one probe per rank, sent together)."""
+        handle = self.handle if handle is None else handle
         if self.ranks == 1:
-            return self._held(self.handle, tokens, scope)
+            return self._held(handle, tokens, scope)
         ids = list(tokens)
         scopes = [rank_scope(scope, r, self.ranks) for r in range(self.ranks)]
-        probes = [self.handle.probe.remote(ids, s.lora_id, s.salt) for s in scopes]
+        probes = [handle.probe.remote(ids, s.lora_id, s.salt) for s in scopes]
         return min(int(p.num_blocks) for p in ray.get(probes, timeout=self.timeout_s))
 
     def _held(self, handle: Any, tokens: Sequence[int], scope: ReuseScope) -> int:
@@ -178,12 +179,12 @@ class RayDeploymentLink:
         return min(len(keys), self._held_by_all(tokens, scope))
 
     def _await_peer(self, peer: WorkerId, tokens: list[int], scope: ReuseScope, want: int) -> int:
-        """How many of the leading ``want`` blocks ``peer`` holds, once it holds them all or
-        ``timeout_s`` passed."""
+        """How many of the leading ``want`` blocks ``peer`` holds (for every tensor-parallel
+        rank), once it holds them all or ``timeout_s`` passed."""
         handle = self.cluster.workers[peer]
         deadline = time.monotonic() + self.timeout_s
         while True:
-            have = min(want, self._held(handle, tokens, scope))
+            have = min(want, self._held_by_all(tokens, scope, handle))
             if have >= want or time.monotonic() >= deadline:
                 if have < want:
                     self._count("fetch_wait_timeouts")
