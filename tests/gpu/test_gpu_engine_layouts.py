@@ -214,3 +214,22 @@ def test_block_kernel_matches_torch_copies(
     monkeypatch.undo()
     torch.cuda.synchronize()
     assert all(torch.equal(_bits(before[name]), _bits(dst[name])) for name in dst)  # nothing written
+
+
+@pytest.mark.parametrize(("kind", "order", "kernel"), GPU_ENGINES)
+def test_fp8_pages_of_uint8_kv_tensors_round_trip(kind: str, order: str, kernel: int | None) -> None:
+    """vLLM keeps an fp8 KV cache in uint8 tensors: pages of float8_e4m3fn save and load its
+    blocks byte for byte through the GPU copy path."""
+    layout = KVLayout.uniform(len(LAYERS), HEADS, HEAD, TOKENS, "float8_e4m3fn")
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    shape = (len(LAYERS), BLOCKS, TOKENS, HEADS, HEAD)
+    ref = tuple(
+        torch.randint(1, 256, shape, generator=gen, device="cuda", dtype=torch.uint8) for _ in range(2)
+    )
+    ids, into = [5, 3, 40, 41, 42, 7], [60, 1, 2, 3, 30, 31]
+    src, dst = _engine(kind, order, kernel, "uint8"), _engine(kind, order, kernel, "uint8")
+    fill_backend(kind, src, LAYERS, ref, HEAD, TOKENS)
+    rows = np.zeros((len(ids), layout.page_bytes), dtype=np.uint8)
+    BlockCopier(layout, LAYERS, src, kind).save(ids, rows)
+    BlockCopier(layout, LAYERS, dst, kind).load(rows, into)
+    _check_loaded(kind, dst, ref, ids, into)

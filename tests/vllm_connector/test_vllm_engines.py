@@ -206,3 +206,43 @@ def _until_held(
     while ray.get(handle.probe.remote(tokens, scope.lora_id, scope.salt), timeout=30).num_blocks < blocks:
         assert time.monotonic() < deadline, f"worker never held {blocks} blocks in {scope}"
         time.sleep(0.05)
+
+
+@pytest.mark.timeout(600)
+def test_an_fp8_kv_cache_round_trips_bit_exact(model_dir: str, ray_address: str) -> None:
+    """vLLM keeps an fp8 KV cache (``kv_cache_dtype="fp8"``) in uint8 tensors; the connector
+    pages it as float8_e4m3fn (one byte per value): a repeat loads its blocks and generates
+    exactly what the first run computed."""
+    import uuid
+
+    from vllm import LLM
+
+    import raykv
+    from actors.testing import TestingCacheWorker
+    from raykv import KVLayout
+    from raykv.integrations.vllm import testing
+
+    f = testing.MODEL_FIELDS
+    layout = KVLayout.uniform(
+        f["num_hidden_layers"], f["num_key_value_heads"], f["head_dim"], TPB, "float8_e4m3fn"
+    )
+    namespace = f"raykv-fp8-{uuid.uuid4().hex[:8]}"
+    fp8 = raykv.start(
+        num_workers=1,
+        config=testing.deployment_config(layout, host_pages=64),
+        namespace=namespace,
+        worker_class=TestingCacheWorker,
+    )
+    kwargs = testing.engine_kwargs(model_dir, kv_cache_dtype="fp8")
+    kwargs["kv_transfer_config"] = testing.connector_config(namespace, ray_address, worker=0)
+    llm = LLM(**kwargs)
+    try:
+        tokens = prompt(43, 3 * TPB + 5)
+        first = generate(llm, tokens)
+        _until_held(fp8, 0, tokens, ReuseScope(), 3)
+        again = generate(llm, tokens)
+        assert again.raykv["loaded_blocks_ok"] == 3 and again.raykv.get("load_errors", 0) == 0
+        _same(again, first)
+    finally:
+        testing.shutdown_engine(llm)
+        fp8.shutdown()

@@ -17,7 +17,12 @@ torch = pytest.importorskip("torch")
 from raykv import ConfigError, InvalidArgumentError, KVLayout  # noqa: E402
 from raykv.integrations.vllm.copier import BlockCopier  # noqa: E402
 from raykv.integrations.vllm.kv_blocks import check_page_layout, resolve_layout  # noqa: E402
-from raykv.integrations.vllm.layout import check_parallel, layer_index, native_layout  # noqa: E402
+from raykv.integrations.vllm.layout import (  # noqa: E402
+    check_parallel,
+    layer_index,
+    native_layout,
+    torch_dtype_name,
+)
 from raykv.integrations.vllm.testing import (  # noqa: E402
     KV_CACHE_ORDERS,
     backend_kv,
@@ -218,3 +223,37 @@ def test_an_engine_splitting_layers_or_tokens_over_ranks_is_refused(name: str) -
     with pytest.raises(ConfigError) as err:
         check_parallel(split)
     assert err.value.field == name and str(err.value).startswith(f"{name}: is 2;")
+
+
+def test_kv_cache_dtypes_name_their_pages() -> None:
+    """vLLM keeps fp8 KV caches in uint8 tensors: the cache dtype setting tells the format."""
+    assert torch_dtype_name(torch.bfloat16) == "bfloat16"
+    assert (
+        torch_dtype_name(torch.uint8, "fp8") == torch_dtype_name(torch.uint8, "fp8_e4m3") == "float8_e4m3fn"
+    )
+    assert torch_dtype_name(torch.uint8, "fp8_e5m2") == "float8_e5m2"
+    assert torch_dtype_name(torch.float8_e5m2) == "float8_e5m2"
+    for dtype, cache in ((torch.uint8, "auto"), (torch.int8, "fp8"), (torch.float64, "auto")):
+        with pytest.raises(ConfigError):
+            torch_dtype_name(dtype, cache)
+
+
+def test_fp8_pages_of_uint8_kv_tensors_round_trip_on_every_backend() -> None:
+    """An fp8 KV cache lives in uint8 tensors: pages of float8_e4m3fn (one byte per value) save
+    and load its blocks byte for byte, in every backend's format."""
+    layout = KVLayout.uniform(len(LAYERS), HEADS, HEAD, TOKENS, "float8_e4m3fn")
+    gen = torch.Generator().manual_seed(5)
+    shape = (len(LAYERS), BLOCKS, TOKENS, HEADS, HEAD)
+    ref = tuple(torch.randint(1, 256, shape, generator=gen, dtype=torch.uint8) for _ in range(2))
+    ids, into = [3, 4, 5, 9, 1], [0, 1, 2, 7, 11]
+    want = reference_rows(layout, ref, ids)
+    for kind, order, kernel in ENGINES:
+        src, dst = _engine(kind, order, kernel, "uint8"), _engine(kind, order, kernel, "uint8")
+        fill_backend(kind, src, LAYERS, ref, HEAD, TOKENS)
+        rows = np.zeros((len(ids), layout.page_bytes), dtype=np.uint8)
+        BlockCopier(layout, LAYERS, src, kind).save(ids, rows)
+        assert np.array_equal(rows, want), (kind, order, kernel)
+        BlockCopier(layout, LAYERS, dst, kind).load(rows, into)
+        for i, name in enumerate(LAYERS):
+            for got, values in zip(backend_kv(kind, dst[name], HEAD, TOKENS), ref):
+                assert torch.equal(got[into], values[i][ids]), (kind, order, kernel)

@@ -17,7 +17,9 @@ Use::
 
 The deployment's layout must be the engine's (:func:`~raykv.integrations.vllm.layout.engine_layout`;
 for a transformers config ``raykv.integrations.hf.kv_layout(config, block_size, dtype)`` gives the
-same), else ConfigError at engine start. Under tensor parallelism that is one rank's layout
+same), else ConfigError at engine start. An fp8 KV cache (``kv_cache_dtype="fp8"``/``"fp8_e4m3"``,
+``"fp8_e5m2"``, kept by vLLM in uint8 tensors) needs a layout of ``float8_e4m3fn`` /
+``float8_e5m2``. Under tensor parallelism that is one rank's layout
 (``num_kv_heads / tensor_parallel_size`` heads): each rank stores and loads pages of its own
 heads, keyed in :func:`~raykv.integrations.vllm.plan.rank_scope` (rank 0's keys are the
 request's, so routers and the index see rank 0's), and a fetch from another worker pulls every

@@ -60,7 +60,8 @@ class _ConnectorImpl:
         extra = dict(transfer.kv_connector_extra_config or {})
         extra["tensor_parallel_size"] = ranks
         page_layout = str(extra.get("page_layout", "token_major"))
-        layout, names = engine_layout(kv_cache_config, page_layout)
+        cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
+        layout, names = engine_layout(kv_cache_config, page_layout, cache_dtype)
         self._kv_cache_layout = resolve_layout(extra.get("kv_cache_layout"), None)
         check_page_layout(self._kv_cache_layout, page_layout)
         self._raykv_vllm_config = vllm_config

@@ -35,7 +35,7 @@ from raykv.core.config import BufferRegion
 from raykv.core.tiers.cuda_blocks import BlockKernel, PartGeometry, block_kernel
 from raykv.core.tiers.cuda_calls import calls, current_stream
 from raykv.integrations.vllm.kv_blocks import BlockFormat, detect_format, engine_blocks
-from raykv.integrations.vllm.layout import NATIVE_ROLE
+from raykv.integrations.vllm.layout import ENGINE_TENSOR_DTYPES, NATIVE_ROLE
 
 CHUNK_BYTES = 64 << 20
 
@@ -115,7 +115,7 @@ class BlockCopier:
 
     def _layer_blocks(self, name: str, tensor: Any, regions: tuple[BufferRegion, ...]) -> Any:
         dtype = regions[0].spec.dtype
-        if str(tensor.dtype) != f"torch.{dtype}":
+        if str(tensor.dtype) not in ENGINE_TENSOR_DTYPES.get(dtype, (f"torch.{dtype}",)):
             raise InvalidArgumentError("kv_caches", f"{name}: {tensor.dtype} for a layout of {dtype}")
         tpb = self.layout.tokens_per_block
         blocks = engine_blocks(name, tensor, tpb, self.heads, self.head_size)

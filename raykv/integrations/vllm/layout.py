@@ -23,16 +23,35 @@ from typing import Any
 
 from raykv import BufferSpec, ConfigError, InvalidArgumentError, KVLayout, LayerSpec
 
-_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
+_DTYPES = {
+    "torch.float32": "float32",
+    "torch.float16": "float16",
+    "torch.bfloat16": "bfloat16",
+    "torch.float8_e4m3fn": "float8_e4m3fn",
+    "torch.float8_e5m2": "float8_e5m2",
+}
+_FP8_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+ENGINE_TENSOR_DTYPES = {
+    "float8_e4m3fn": ("torch.float8_e4m3fn", "torch.uint8"),
+    "float8_e5m2": ("torch.float8_e5m2", "torch.uint8"),
+}
+"""Torch dtypes an engine's KV tensors may have for a page dtype, beyond ``torch.<dtype>``: vLLM
+keeps an fp8 KV cache in uint8 tensors."""
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
-def torch_dtype_name(dtype: Any) -> str:
-    """The raykv dtype name of a torch dtype (float32, float16 or bfloat16); ConfigError for any
-    other (e.g. an fp8 KV cache, which raykv pages do not describe yet)."""
+def torch_dtype_name(dtype: Any, cache_dtype: str = "auto") -> str:
+    """The raykv dtype name of an engine's KV cache dtype: float32, float16, bfloat16, or an fp8
+    format, which vLLM keeps in uint8 tensors and names in ``cache_dtype`` (its
+    ``cache_config.cache_dtype``: ``fp8`` and ``fp8_e4m3`` are float8_e4m3fn, ``fp8_e5m2``
+    float8_e5m2). ConfigError for any other (e.g. uint8 without an fp8 ``cache_dtype``)."""
+    if str(dtype) == "torch.uint8" and cache_dtype in _FP8_CACHE_DTYPES:
+        return _FP8_CACHE_DTYPES[cache_dtype]
     name = _DTYPES.get(str(dtype))
     if name is None:
-        raise ConfigError("kv_cache_dtype", f"{dtype} KV caches are not supported (float32/16, bf16)")
+        raise ConfigError(
+            "kv_cache_dtype", f"{dtype} ({cache_dtype}) KV caches are not supported (float32/16, bf16, fp8)"
+        )
     return name
 
 
@@ -55,7 +74,9 @@ def native_layout(
     return KVLayout(tuple(LayerSpec(i, (spec,)) for i in range(num_layers)), block_size)
 
 
-def engine_layout(kv_cache_config: Any, page_layout: str = "token_major") -> tuple[KVLayout, tuple[str, ...]]:
+def engine_layout(
+    kv_cache_config: Any, page_layout: str = "token_major", cache_dtype: str = "auto"
+) -> tuple[KVLayout, tuple[str, ...]]:
     """The page layout for a vLLM ``KVCacheConfig`` and its attention layer names in layout order.
     ``page_layout``: ``"token_major"`` (``KVLayout.uniform``: "k" and "v" per layer, the HF
     adapter's layout) or ``"engine_native"`` (:func:`native_layout`); ConfigError otherwise.
@@ -78,7 +99,8 @@ def engine_layout(kv_cache_config: Any, page_layout: str = "token_major") -> tup
         raise ConfigError("page_layout", f"must be one of {PAGE_LAYOUTS}, got {page_layout!r}")
     names = tuple(sorted(groups[0].layer_names, key=layer_index))
     build = native_layout if page_layout == "engine_native" else KVLayout.uniform
-    fields = (int(spec.num_kv_heads), int(spec.head_size), int(spec.block_size), torch_dtype_name(spec.dtype))
+    dtype = torch_dtype_name(spec.dtype, cache_dtype)
+    fields = (int(spec.num_kv_heads), int(spec.head_size), int(spec.block_size), dtype)
     return build(len(names), *fields), names
 
 
