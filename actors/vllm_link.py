@@ -138,16 +138,10 @@ class RayDeploymentLink:
         """Leading blocks of ``tokens`` a worker (``handle``; default the paired one) holds for
         every tensor-parallel rank (one probe per rank, sent together)."""
         handle = self.handle if handle is None else handle
-        if self.ranks == 1:
-            return self._held(handle, tokens, scope)
         ids = list(tokens)
-        scopes = [rank_scope(scope, r, self.ranks) for r in range(self.ranks)]
+        scopes = [rank_scope(scope, r, self.ranks) for r in range(self.ranks)]  # [scope] for one rank
         probes = [handle.probe.remote(ids, s.lora_id, s.salt) for s in scopes]
         return min(int(p.num_blocks) for p in ray.get(probes, timeout=self.timeout_s))
-
-    def _held(self, handle: Any, tokens: Sequence[int], scope: ReuseScope) -> int:
-        probe = handle.probe.remote(list(tokens), scope.lora_id, scope.salt)
-        return int(ray.get(probe, timeout=self.timeout_s).num_blocks)
 
     def start_fetch(
         self, match: Match, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes]
