@@ -277,24 +277,36 @@ def test_prefill_is_timed_from_its_first_step_to_the_step_after_its_last() -> No
 
 def test_a_request_ending_in_its_prefill_step_is_timed_at_its_finish() -> None:
     side, _ = _side(Match(0))
-    request = _request()
-    side.lookup(request, 0)
-    side.build(_step("r1", 0, len(PROMPT), new=True), lambda rid: list(BLOCKS))
-    time.sleep(0.01)
-    params = side.finished(request)  # max_tokens=1: finished before another step was planned
+    params = _prefilled_whole(side, "r1")  # max_tokens=1: finished before another step was planned
     assert params is not None
     assert params["raykv"]["prefilled_tokens"] == len(PROMPT)
     assert params["raykv"]["prefill_us"] >= 10_000
 
 
-def test_an_async_load_counts_the_tokens_its_fetch_pulled() -> None:
-    """The paired worker held 1 of the 6 blocks at lookup and all 6 after the fetch: 5 pulled."""
-    side, _, request = _fetched(1, 6)
+def _pulled_and_finished() -> tuple[SchedulerSide, FakeLink, dict[str, Any]]:
+    """The request of ``_fetched(1, 6)`` (5 blocks pulled), loaded, its last prompt token
+    computed in one step, then finished: the side, its link and the request's results."""
+    side, link, request = _fetched(1, 6)
     _build(side)
     side.build(_step("r1", 6 * TPB, 1, new=True), lambda rid: list(BLOCKS))
     params = side.finished(request)
     assert params is not None
-    counts = params["raykv"]
+    return side, link, params["raykv"]
+
+
+def _prefilled_whole(side: SchedulerSide, req_id: str) -> dict[str, Any] | None:
+    """Look up ``req_id``'s prompt, compute all of it in one step and finish it 10 ms later
+    (before another step was planned): its ``kv_transfer_params``."""
+    request = _request(req_id)
+    side.lookup(request, 0)
+    side.build(_step(req_id, 0, len(PROMPT), new=True), lambda rid: list(BLOCKS))
+    time.sleep(0.01)
+    return side.finished(request)
+
+
+def test_an_async_load_counts_the_tokens_its_fetch_pulled() -> None:
+    """The paired worker held 1 of the 6 blocks at lookup and all 6 after the fetch: 5 pulled."""
+    _, _, counts = _pulled_and_finished()
     assert counts["pulled_tokens"] == 5 * TPB and counts["fetch_us"] >= 0
     assert counts["prefilled_tokens"] == 1 and counts["prefill_us"] > 0
 
@@ -303,20 +315,11 @@ def test_finished_requests_add_up_to_timing_totals_reported_at_most_twice_a_seco
     """Every finished request's pull and prefill join the engine's totals (streamed responses
     carry no results, so routers learn from these); the link gets them at once, then no more
     often than every ``TIMING_EVERY_S``: what is due goes once that much time passed."""
-    side, link, first = _fetched(1, 6)
-    _build(side)
-    side.build(_step("r1", 6 * TPB, 1, new=True), lambda rid: list(BLOCKS))
-    params = side.finished(first)
-    assert params is not None
-    counts = params["raykv"]
+    side, link, counts = _pulled_and_finished()
     expected = [5 * TPB, counts["fetch_us"], 1, counts["prefill_us"]]
     assert side.timing == expected and link.timings == [expected]
     link.match = Match(0)
-    second = _request("r2")
-    side.lookup(second, 0)
-    side.build(_step("r2", 0, len(PROMPT), new=True), lambda rid: list(BLOCKS))
-    time.sleep(0.001)
-    done = side.finished(second)
+    done = _prefilled_whole(side, "r2")
     assert done is not None
     prefill_us = counts["prefill_us"] + done["raykv"]["prefill_us"]
     expected = [5 * TPB, counts["fetch_us"], 1 + len(PROMPT), prefill_us]
@@ -334,11 +337,7 @@ def test_finished_requests_add_up_to_timing_totals_reported_at_most_twice_a_seco
 def test_closing_reports_what_is_due_at_once() -> None:
     side, link = _side(Match(0))
     for rid in ("r1", "r2"):
-        request = _request(rid)
-        side.lookup(request, 0)
-        side.build(_step(rid, 0, len(PROMPT), new=True), lambda r: list(BLOCKS))
-        time.sleep(0.001)
-        side.finished(request)
+        _prefilled_whole(side, rid)
     assert len(link.timings) == 1
     side.close()
     assert len(link.timings) == 2 and link.timings[-1][2] == 2 * len(PROMPT)

@@ -30,9 +30,15 @@ def worker(deployment: RayKVCluster, index: int) -> Any:
     return deployment.workers[deployment.worker_ids[index]]
 
 
-def held(deployment: RayKVCluster, index: int, tokens: list[int], salt: str | None = None) -> Any:
-    """The ProbeResult of ``tokens`` on worker ``index``."""
-    scope = ReuseScope.from_cache_salt(salt) if salt is not None else ReuseScope()
+def held(
+    deployment: RayKVCluster, index: int, tokens: list[int], salt: str | ReuseScope | None = None
+) -> Any:
+    """The ProbeResult of ``tokens`` on worker ``index`` (``salt``: a cache_salt's text, or a
+    scope)."""
+    if isinstance(salt, ReuseScope):
+        scope = salt
+    else:
+        scope = ReuseScope.from_cache_salt(salt) if salt is not None else ReuseScope()
     probe = worker(deployment, index).probe.remote(tokens, scope.lora_id, scope.salt)
     return ray.get(probe, timeout=30)
 
@@ -42,11 +48,11 @@ def wait_held(
     index: int,
     tokens: list[int],
     blocks: int,
-    salt: str | None = None,
+    salt: str | ReuseScope | None = None,
     timeout: float = 20.0,
 ) -> None:
     """Wait until worker ``index`` holds the first ``blocks`` blocks of ``tokens`` (``salt``:
-    in that cache_salt's scope)."""
+    in that cache_salt's scope, or that scope)."""
     deadline = time.monotonic() + timeout
     while held(deployment, index, tokens, salt).num_blocks < blocks:
         assert time.monotonic() < deadline, f"worker {index} never held {blocks} blocks"

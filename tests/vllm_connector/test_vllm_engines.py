@@ -9,8 +9,10 @@ on with other work. Outputs are compared bit for bit with the ``baseline`` engin
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -148,6 +150,35 @@ def test_request_aborted_while_its_async_load_waits_frees_its_blocks(
     _same(generate(llm, other), generate(baseline, other))
 
 
+@contextlib.contextmanager
+def _engine_on(
+    layout: Any, workers: int, model_dir: str, ray_address: str, paired: int, **engine: Any
+) -> Iterator[tuple[RayKVCluster, Any]]:
+    """A deployment of ``workers`` testing workers with pages of ``layout``, and an engine with
+    ``engine`` settings paired with worker ``paired``; both shut down on exit."""
+    from vllm import LLM
+
+    import raykv
+    from actors.testing import TestingCacheWorker
+    from raykv.integrations.vllm import testing
+
+    namespace = f"raykv-{uuid.uuid4().hex[:8]}"
+    config = testing.deployment_config(layout, host_pages=64)
+    deployment = raykv.start(
+        num_workers=workers, config=config, namespace=namespace, worker_class=TestingCacheWorker
+    )
+    try:
+        kwargs = testing.engine_kwargs(model_dir, **engine)
+        kwargs["kv_transfer_config"] = testing.connector_config(namespace, ray_address, worker=paired)
+        llm = LLM(**kwargs)
+        try:
+            yield deployment, llm
+        finally:
+            testing.shutdown_engine(llm)
+    finally:
+        deployment.shutdown()
+
+
 @pytest.mark.timeout(600)
 def test_a_tensor_parallel_engine_loads_each_ranks_own_heads(
     model_dir: str, ray_address: str, monkeypatch: pytest.MonkeyPatch
@@ -158,28 +189,17 @@ def test_a_tensor_parallel_engine_loads_each_ranks_own_heads(
     what the first run computed (before ranks had pages of their own, rank 1 loaded rank 0's
     heads and the repeat generated other tokens); once only the other worker holds them, the
     paired worker fetches both ranks' pages from it (an asynchronous load), same output."""
-    import uuid
-
-    from vllm import LLM
-
-    import raykv
-    from actors.testing import TestingCacheWorker
     from raykv.integrations.vllm import testing
 
-    config = testing.deployment_config(testing.tiny_layout(num_key_value_heads=1), host_pages=64)
-    namespace = f"raykv-tp-{uuid.uuid4().hex[:8]}"
-    one_rank = raykv.start(num_workers=2, config=config, namespace=namespace, worker_class=TestingCacheWorker)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank (one NUMA node here)
-    kwargs = testing.engine_kwargs(model_dir, tensor_parallel_size=2)
-    kwargs["kv_transfer_config"] = testing.connector_config(namespace, ray_address, worker=1)
-    llm = LLM(**kwargs)
-    try:
+    layout = testing.tiny_layout(num_key_value_heads=1)
+    with _engine_on(layout, 2, model_dir, ray_address, 1, tensor_parallel_size=2) as (one_rank, llm):
         tokens = prompt(41, 3 * TPB + 5)
         first = generate(llm, tokens)
         assert first.raykv.get("staged_blocks") == 3  # rank 0's figures: its 3 blocks
         scopes = [rank_scope(ReuseScope(), rank, 2) for rank in (0, 1)]
         for scope in scopes:  # each rank's pages reach the paired worker
-            _until_held(one_rank, 1, tokens, scope, 3)
+            wait_held(one_rank, 1, tokens, 3, scope, timeout=30)
         again = generate(llm, tokens)
         assert again.raykv["loaded_blocks_ok"] == 3 and again.raykv.get("load_errors", 0) == 0
         _same(again, first)
@@ -193,19 +213,6 @@ def test_a_tensor_parallel_engine_loads_each_ranks_own_heads(
         fetched = generate(llm, tokens)
         assert fetched.raykv["async_loads"] == 1 and fetched.raykv["loaded_blocks_ok"] == 3
         _same(fetched, first)
-    finally:
-        testing.shutdown_engine(llm)
-        one_rank.shutdown()
-
-
-def _until_held(
-    deployment: RayKVCluster, index: int, tokens: list[int], scope: ReuseScope, blocks: int
-) -> None:
-    deadline = time.monotonic() + 30
-    handle = worker(deployment, index)
-    while ray.get(handle.probe.remote(tokens, scope.lora_id, scope.salt), timeout=30).num_blocks < blocks:
-        assert time.monotonic() < deadline, f"worker never held {blocks} blocks in {scope}"
-        time.sleep(0.05)
 
 
 @pytest.mark.timeout(600)
@@ -213,12 +220,6 @@ def test_an_fp8_kv_cache_round_trips_bit_exact(model_dir: str, ray_address: str)
     """vLLM keeps an fp8 KV cache (``kv_cache_dtype="fp8"``) in uint8 tensors; the connector
     pages it as float8_e4m3fn (one byte per value): a repeat loads its blocks and generates
     exactly what the first run computed."""
-    import uuid
-
-    from vllm import LLM
-
-    import raykv
-    from actors.testing import TestingCacheWorker
     from raykv import KVLayout
     from raykv.integrations.vllm import testing
 
@@ -226,23 +227,10 @@ def test_an_fp8_kv_cache_round_trips_bit_exact(model_dir: str, ray_address: str)
     layout = KVLayout.uniform(
         f["num_hidden_layers"], f["num_key_value_heads"], f["head_dim"], TPB, "float8_e4m3fn"
     )
-    namespace = f"raykv-fp8-{uuid.uuid4().hex[:8]}"
-    fp8 = raykv.start(
-        num_workers=1,
-        config=testing.deployment_config(layout, host_pages=64),
-        namespace=namespace,
-        worker_class=TestingCacheWorker,
-    )
-    kwargs = testing.engine_kwargs(model_dir, kv_cache_dtype="fp8")
-    kwargs["kv_transfer_config"] = testing.connector_config(namespace, ray_address, worker=0)
-    llm = LLM(**kwargs)
-    try:
+    with _engine_on(layout, 1, model_dir, ray_address, 0, kv_cache_dtype="fp8") as (fp8, llm):
         tokens = prompt(43, 3 * TPB + 5)
         first = generate(llm, tokens)
-        _until_held(fp8, 0, tokens, ReuseScope(), 3)
+        wait_held(fp8, 0, tokens, 3, ReuseScope(), timeout=30)
         again = generate(llm, tokens)
         assert again.raykv["loaded_blocks_ok"] == 3 and again.raykv.get("load_errors", 0) == 0
         _same(again, first)
-    finally:
-        testing.shutdown_engine(llm)
-        fp8.shutdown()
