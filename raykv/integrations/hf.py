@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.core.config import BufferRegion, KVLayout
-from raykv.core.errors import InvalidArgumentError, OutOfPagesError
+from raykv.core.errors import ConfigError, InvalidArgumentError, OutOfPagesError
 from raykv.core.keys import ReuseScope, block_keys
 from raykv.core.records import ExportedBlock, page_checksum
 from raykv.core.types import BlockKey
@@ -67,6 +67,7 @@ def kv_layout(
             "tensor_parallel_size", f"must be an int >= 1, got {tensor_parallel_size!r}"
         )
     cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    _refuse_latent_attention(cfg, tokens_per_block, dtype)
     try:
         layers = int(cfg.num_hidden_layers)
         heads = int(cfg.num_attention_heads)
@@ -80,6 +81,23 @@ def kv_layout(
             "tensor_parallel_size", f"{kv_heads} KV heads cannot be split over {ranks} ranks"
         )
     return KVLayout.uniform(layers, max(1, kv_heads // ranks), head_dim, tokens_per_block, dtype)
+
+
+def _refuse_latent_attention(cfg: Any, tokens_per_block: int, dtype: str) -> None:
+    """ConfigError for a multi-head latent attention config (``kv_lora_rank``: DeepSeek V2/V3
+    style): a vLLM engine caches one latent per token for it, not keys and values, so the
+    deployment needs the latent layout, which the message spells out."""
+    rank = getattr(cfg, "kv_lora_rank", None)
+    if not rank:
+        return
+    latent = int(rank) + int(getattr(cfg, "qk_rope_head_dim", 0) or 0)
+    layers = getattr(cfg, "num_hidden_layers", "?")
+    raise ConfigError(
+        "model_config",
+        "multi-head latent attention caches one latent per token, not keys and values; lay a "
+        "vLLM deployment out with raykv.integrations.vllm.layout.mla_layout"
+        f"({layers}, {latent}, {tokens_per_block}, {dtype!r})",
+    )
 
 
 @dataclass(frozen=True)

@@ -233,3 +233,53 @@ def test_fp8_pages_of_uint8_kv_tensors_round_trip(kind: str, order: str, kernel:
     BlockCopier(layout, LAYERS, src, kind).save(ids, rows)
     BlockCopier(layout, LAYERS, dst, kind).load(rows, into)
     _check_loaded(kind, dst, ref, ids, into)
+
+
+@pytest.mark.parametrize("order, kernel", [("LBNHC", None), ("BLHNC", None), ("LBNHC", TOKENS // 2)])
+def test_mla_latent_pages_through_every_gpu_copy_path(order: str, kernel: int | None) -> None:
+    """An MLA engine's cache (one 576-value latent per token, H = 1, as vLLM's dense MLA backends
+    keep it): saves give the reference latents token after token, and loads from host rows and
+    from device pages by slot write exactly the chosen blocks, with the block kernel and with
+    torch copies."""
+    from raykv.integrations.vllm.layout import mla_layout
+
+    latent = 576
+    layout = mla_layout(len(LAYERS), latent, TOKENS, "bfloat16")
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    ref = (torch.randn((len(LAYERS), BLOCKS, TOKENS, 1, latent), generator=gen, device="cuda").bfloat16(),)
+    ids, into = [4, 9, 10, 11, 50, 2], [60, 0, 1, 2, 30, 31]
+    want = reference_rows(layout, ref, ids)
+
+    def engine() -> dict[str, Any]:
+        return vllm_kv_caches(
+            LAYERS,
+            BLOCKS,
+            1,
+            TOKENS,
+            0,
+            "bfloat16",
+            device="cuda",
+            order=order,
+            kernel_block_size=kernel,
+            cells=latent,
+        )
+
+    src = engine()
+    fill_backend("mla", src, LAYERS, ref, latent, TOKENS)
+    pages = torch.zeros((16, layout.page_bytes), dtype=torch.uint8, device="cuda")
+    slots = [7, 3, 4, 5, 15, 0]
+    pages[torch.tensor(slots, device="cuda")] = torch.from_numpy(want).cuda()
+    for use_kernel in (True, False):
+        copier = BlockCopier(layout, LAYERS, src, use_kernel=use_kernel)
+        assert copier.format.name == "mla" and (copier.kernel is not None) == use_kernel
+        rows = np.zeros((len(ids), layout.page_bytes), dtype=np.uint8)
+        copier.save(ids, rows)
+        assert np.array_equal(rows, want), use_kernel
+        for load in ("rows", "pages"):
+            dst = engine()
+            copier = BlockCopier(layout, LAYERS, dst, "mla", use_kernel=use_kernel)
+            if load == "rows":
+                copier.load(rows, into)
+            else:
+                copier.load_device(pages, slots, into)
+            _check_loaded("mla", dst, ref, ids, into)

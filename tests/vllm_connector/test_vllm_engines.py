@@ -234,3 +234,84 @@ def test_an_fp8_kv_cache_round_trips_bit_exact(model_dir: str, ray_address: str)
         again = generate(llm, tokens)
         assert again.raykv["loaded_blocks_ok"] == 3 and again.raykv.get("load_errors", 0) == 0
         _same(again, first)
+
+
+def _same_as_example_connector(
+    model: str, tokens: list[int], runs: tuple[Any, Any], path: str, **engine: Any
+) -> None:
+    """Run ``tokens`` twice on an engine of ``model`` and ``engine`` settings with vLLM's own
+    ExampleConnector (files under ``path``; its repeat loads the prompt's full blocks) and
+    check that ``runs`` (a first run and a repeat) equal its two runs bit for bit."""
+    from vllm import LLM
+
+    from raykv.integrations.vllm import testing
+
+    kwargs = testing.engine_kwargs(model, **engine)
+    kwargs["kv_transfer_config"] = testing.example_connector_config(path)
+    reference = LLM(**kwargs)
+    try:
+        ref_first, ref_again = generate(reference, tokens), generate(reference, tokens)
+    finally:
+        testing.shutdown_engine(reference)
+    block = kwargs["block_size"]
+    assert ref_again.cached_tokens == (len(tokens) - 1) // block * block  # it loaded the full blocks
+    _same(runs[0], ref_first)
+    _same(runs[1], ref_again)
+
+
+@pytest.mark.timeout(600)
+def test_an_mla_engine_loads_latents_as_vllms_own_example_connector_does(
+    ray_address: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DeepSeek-style engine (multi-head latent attention, CPU_MLA) pages one latent per token
+    and layer. CPU_MLA prefills a prompt whole when nothing is cached but attends to loaded
+    context through a separate path, so a repeat over loaded blocks is not bit-identical to the
+    first run (greedy tokens equal, logprobs within 2e-3 here). The oracle is vLLM's own
+    ExampleConnector loading the same blocks from files: raykv's first run and repeat equal its
+    first run and repeat bit for bit."""
+    from raykv.integrations.vllm import testing
+
+    for key, value in testing.THREAD_ENV.items():  # both engines compute alike
+        monkeypatch.setenv(key, value)
+    model = testing.save_tiny_mla(str(tmp_path_factory.mktemp("tiny-mla")))
+    tokens = prompt(47, 6 * testing.MLA_BLOCK_SIZE + 5)
+    block = testing.MLA_BLOCK_SIZE
+    with _engine_on(testing.tiny_mla_layout(), 1, model, ray_address, 0, block_size=block) as (dep, llm):
+        first = generate(llm, tokens)
+        wait_held(dep, 0, tokens, 6, ReuseScope(), timeout=30)
+        again = generate(llm, tokens)
+    assert first.raykv["hit_blocks"] == 0 and first.raykv["staged_blocks"] == 6
+    assert again.raykv["loaded_blocks_ok"] == 6 and again.raykv.get("load_errors", 0) == 0
+    assert again.raykv["prefilled_tokens"] == 5
+
+    _same_as_example_connector(
+        model, tokens, (first, again), str(tmp_path_factory.mktemp("ex")), block_size=block
+    )
+    assert again.tokens == first.tokens
+    steps = zip(again.logprobs, first.logprobs, strict=True)
+    assert max(abs(a[1] - b[1]) for x, y in steps for a, b in zip(x, y, strict=True)) < 1e-2
+
+
+@pytest.mark.timeout(600)
+def test_a_tensor_parallel_mla_engine_stores_one_set_of_latent_pages(
+    ray_address: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank of a TP=2 MLA engine holds the same latents: only rank 0 stages pages (in the
+    request's scope, none in rank 1's), both ranks load them, and the repeat equals vLLM's
+    ExampleConnector's repeat on a TP=2 engine bit for bit."""
+    from raykv.integrations.vllm import testing
+
+    for key, value in {**testing.THREAD_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}.items():
+        monkeypatch.setenv(key, value)
+    model = testing.save_tiny_mla(str(tmp_path_factory.mktemp("tiny-mla-tp")))
+    tokens = prompt(53, 6 * testing.MLA_BLOCK_SIZE + 5)
+    engine = dict(block_size=testing.MLA_BLOCK_SIZE, tensor_parallel_size=2)
+    with _engine_on(testing.tiny_mla_layout(), 1, model, ray_address, 0, **engine) as (dep, llm):
+        first = generate(llm, tokens)
+        wait_held(dep, 0, tokens, 6, ReuseScope(), timeout=30)
+        again = generate(llm, tokens)
+        assert held(dep, 0, tokens, rank_scope(ReuseScope(), 1, 2)).num_blocks == 0
+    assert first.raykv["staged_blocks"] == 6
+    assert again.raykv["loaded_blocks_ok"] == 6 and again.raykv.get("load_errors", 0) == 0
+
+    _same_as_example_connector(model, tokens, (first, again), str(tmp_path_factory.mktemp("ex-tp")), **engine)

@@ -19,7 +19,10 @@ The deployment's layout must be the engine's (:func:`~raykv.integrations.vllm.la
 for a transformers config ``raykv.integrations.hf.kv_layout(config, block_size, dtype)`` gives the
 same), else ConfigError at engine start. An fp8 KV cache (``kv_cache_dtype="fp8"``/``"fp8_e4m3"``,
 ``"fp8_e5m2"``, kept by vLLM in uint8 tensors) needs a layout of ``float8_e4m3fn`` /
-``float8_e5m2``. Under tensor parallelism that is one rank's layout
+``float8_e5m2``. A multi-head latent attention engine (DeepSeek V2/V3 style, any of
+:data:`~raykv.integrations.vllm.kv_blocks.MLA_BACKENDS`) caches one latent per token: its layout
+is :func:`~raykv.integrations.vllm.layout.mla_layout` (``hf.kv_layout`` refuses such a config and
+names the call). Under tensor parallelism that is one rank's layout
 (``num_kv_heads / tensor_parallel_size`` heads): each rank stores and loads pages of its own
 heads, keyed in :func:`~raykv.integrations.vllm.plan.rank_scope` (rank 0's keys are the
 request's, so routers and the index see rank 0's), and a fetch from another worker pulls every
@@ -57,7 +60,8 @@ backend wrote them; or ``"engine_native"``, the CPU attention backend's block by
 loads and stores without transposition, ~2x faster copies on CPU, refused by GPU backends, see
 :func:`~raykv.integrations.vllm.layout.native_layout`), ``kv_cache_layout`` (which attention
 backend's block format the engine's KV tensors are in: ``"cpu"``, ``"flash_attn"``,
-``"flashinfer"``, ``"triton_attn"`` or ``"flex_attention"``; default: the backend vLLM chose,
+``"flashinfer"``, ``"triton_attn"``, ``"flex_attention"`` or ``"mla"``; default: the backend
+vLLM chose,
 see :mod:`~raykv.integrations.vllm.kv_blocks`; needed only for a backend raykv has not
 checked that stores blocks like one of these), ``link`` (``"module:attr"`` of the
 deployment link factory, default ``actors.vllm_link:RayDeploymentLink``), ``use_index`` (pull a

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from raykv.integrations.vllm.kv_blocks import check_page_layout, resolve_layout
-from raykv.integrations.vllm.layout import check_parallel, engine_layout
+from raykv.integrations.vllm.layout import check_parallel, engine_layout, is_latent
 from raykv.integrations.vllm.link import open_link
 from raykv.integrations.vllm.plan import RaykvMetadata, WorkerReport
 from raykv.integrations.vllm.scheduler import SchedulerSide
@@ -58,10 +58,11 @@ class _ConnectorImpl:
         ranks = check_parallel(vllm_config)  # before anything opens: a split engine fails to start
         transfer = vllm_config.kv_transfer_config
         extra = dict(transfer.kv_connector_extra_config or {})
-        extra["tensor_parallel_size"] = ranks
         page_layout = str(extra.get("page_layout", "token_major"))
         cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
         layout, names = engine_layout(kv_cache_config, page_layout, cache_dtype)
+        replicated = is_latent(layout)  # every rank holds the same latents: one set of pages
+        extra["tensor_parallel_size"] = 1 if replicated else ranks
         self._kv_cache_layout = resolve_layout(extra.get("kv_cache_layout"), None)
         check_page_layout(self._kv_cache_layout, page_layout)
         self._raykv_vllm_config = vllm_config
@@ -76,7 +77,8 @@ class _ConnectorImpl:
             loads, stores = transfer.is_kv_consumer, transfer.is_kv_producer
             self._scheduler = SchedulerSide(layout, link, loads, stores, extra)
         else:
-            self._worker = WorkerSide(layout, names, tensor_parallel_rank() if ranks > 1 else 0, ranks)
+            rank = tensor_parallel_rank() if ranks > 1 else 0
+            self._worker = WorkerSide(layout, names, rank, ranks, replicated)
 
     # ---- worker side -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

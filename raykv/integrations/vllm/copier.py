@@ -30,12 +30,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from raykv import InvalidArgumentError, KVLayout
+from raykv import ConfigError, InvalidArgumentError, KVLayout
 from raykv.core.config import BufferRegion
 from raykv.core.tiers.cuda_blocks import BlockKernel, PartGeometry, block_kernel
 from raykv.core.tiers.cuda_calls import calls, current_stream
 from raykv.integrations.vllm.kv_blocks import BlockFormat, detect_format, engine_blocks
-from raykv.integrations.vllm.layout import ENGINE_TENSOR_DTYPES, NATIVE_ROLE
+from raykv.integrations.vllm.layout import ENGINE_TENSOR_DTYPES, MLA_ROLE, NATIVE_ROLE, is_latent
 
 CHUNK_BYTES = 64 << 20
 
@@ -67,10 +67,17 @@ class BlockCopier:
         if len(names) != len(ids):
             raise InvalidArgumentError("kv_caches", f"{len(names)} layers for a layout of {len(ids)}")
         self.native = layout.roles(ids[0]) == (NATIVE_ROLE,)
-        roles = (NATIVE_ROLE,) if self.native else ("k", "v")
+        latent = is_latent(layout)
+        roles = (NATIVE_ROLE,) if self.native else (MLA_ROLE,) if latent else ("k", "v")
         self._regions = [tuple(layout.buffer_region(i, r) for r in roles) for i in ids]
         tensors = [_tensor_of(kv_caches, name) for name in names]
-        self.format = _one_format(names, tensors, kv_cache_layout)
+        if latent != (kv_cache_layout == "mla") and kv_cache_layout is not None:
+            raise ConfigError(
+                "kv_cache_layout",
+                f"{kv_cache_layout!r} for {'MLA' if latent else 'key and value'} pages (MLA pages "
+                "go with the 'mla' layout only)",
+            )
+        self.format = _one_format(names, tensors, "mla" if latent else kv_cache_layout)
         self.heads, self.head_size = self._head_dims(tensors[0])
         self._blocks = [self._layer_blocks(*layer) for layer in zip(names, tensors, self._regions)]
         self.num_blocks = int(self._blocks[0].shape[0])
@@ -118,7 +125,9 @@ class BlockCopier:
         if str(tensor.dtype) not in ENGINE_TENSOR_DTYPES.get(dtype, (f"torch.{dtype}",)):
             raise InvalidArgumentError("kv_caches", f"{name}: {tensor.dtype} for a layout of {dtype}")
         tpb = self.layout.tokens_per_block
-        blocks = engine_blocks(name, tensor, tpb, self.heads, self.head_size)
+        blocks = engine_blocks(
+            name, tensor, tpb, self.heads, self.head_size, self.format.cells(self.head_size)
+        )
         for part, region in zip(self._parts(blocks[:1]), regions):
             if part[0].numel() * part.element_size() != region.nbytes:
                 raise InvalidArgumentError("kv_caches", f"{name}: {tuple(tensor.shape)} does not fit")

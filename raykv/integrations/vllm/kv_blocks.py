@@ -25,7 +25,12 @@ every backend. What differs:
   ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``): per (block, head, token) the key is
   ``C[:D]``, the value ``C[D:]``. Any physical order.
 
-The two share the logical shape, so the shape cannot tell them apart; the strides can only rule
+  ``mla`` (multi-head latent attention, :data:`MLA_BACKENDS`; DeepSeek-style models): ``H`` is 1
+  and ``C`` is the latent's size (``kv_lora_rank + qk_rope_head_dim``, e.g. 576): per (block,
+  token) one latent vector, no separate keys and values. Pages of the MLA layout
+  (:func:`~raykv.integrations.vllm.layout.mla_layout`) take it, and only it.
+
+``cpu`` and ``packed`` share the logical shape, so the shape cannot tell them apart; the strides can only rule
 ``cpu`` out (an interior that is not ``[N, C]``-contiguous). :func:`resolve_layout` picks the
 format from the connector's ``kv_cache_layout`` setting and the attention backend vLLM chose.
 
@@ -49,8 +54,13 @@ class BlockFormat:
         """Why a layer view cannot be in this format (None when it can)."""
         return None
 
-    def kv(self, blocks: Any, head_size: int) -> tuple[Any, Any]:
-        """Keys and values of ``blocks`` (``[m, r, H, N, C]``) as views ``[m, r, N, H, D]``."""
+    def cells(self, head_size: int) -> int:
+        """``C`` of a layer view whose pages have heads of ``head_size``."""
+        return 2 * head_size
+
+    def kv(self, blocks: Any, head_size: int) -> tuple[Any, ...]:
+        """The page parts of ``blocks`` (``[m, r, H, N, C]``) as views ``[m, r, N, H, D]``: keys
+        and values (one latent for MLA)."""
         raise NotImplementedError
 
     def native(self, blocks: Any) -> Any:
@@ -90,9 +100,25 @@ class PackedFormat(BlockFormat):
         return blocks[..., :head_size].transpose(2, 3), blocks[..., head_size:].transpose(2, 3)
 
 
+class MlaFormat(BlockFormat):
+    """MLA backends: per (block, token) one latent vector ``C`` (``H`` = 1), one page part."""
+
+    name = "mla"
+
+    def unfit(self, tensor: Any) -> str | None:
+        return None if tensor.shape[1] == 1 else "an MLA cache has one latent per token (H = 1)"
+
+    def cells(self, head_size: int) -> int:
+        return head_size
+
+    def kv(self, blocks: Any, head_size: int) -> tuple[Any, ...]:
+        return (blocks.transpose(2, 3),)
+
+
 CPU = CpuFormat()
 PACKED = PackedFormat()
-FORMATS: tuple[BlockFormat, ...] = (CPU, PACKED)
+MLA = MlaFormat()
+FORMATS: tuple[BlockFormat, ...] = (CPU, PACKED)  # what strides can tell apart (not MLA: its layout says)
 
 KV_CACHE_LAYOUTS: dict[str, BlockFormat] = {
     "cpu": CPU,
@@ -100,11 +126,20 @@ KV_CACHE_LAYOUTS: dict[str, BlockFormat] = {
     "flashinfer": PACKED,
     "triton_attn": PACKED,
     "flex_attention": PACKED,
+    "mla": MLA,
 }
 """The connector's ``kv_cache_layout`` values: the attention backend whose KV tensors these are
 (vLLM's backend name in lower case; ``"cpu"`` for ``CPU_ATTN``), and the format it stores."""
 
-BACKEND_LAYOUTS = {"CPU_ATTN": "cpu", **{k.upper(): k for k in KV_CACHE_LAYOUTS if k != "cpu"}}
+MLA_BACKENDS = ("CPU_MLA", "TRITON_MLA", "FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA", "FLASH_ATTN_MLA")
+"""vLLM's dense MLA backends: each caches the latents as the logical ``[B, 1, N, C]`` view
+(sparse and DeepSeek V4 backends pack other data beside them and are not among these)."""
+
+BACKEND_LAYOUTS = {
+    "CPU_ATTN": "cpu",
+    **{k.upper(): k for k in KV_CACHE_LAYOUTS if k not in ("cpu", "mla")},
+    **{name: "mla" for name in MLA_BACKENDS},
+}
 """vLLM attention backend name (``AttentionBackend.get_name()``) -> ``kv_cache_layout`` value."""
 
 
@@ -175,15 +210,19 @@ def detect_format(name: str, tensor: Any, kv_cache_layout: str | None) -> BlockF
     return fits[0]
 
 
-def engine_blocks(name: str, tensor: Any, block_size: int, num_kv_heads: int, head_size: int) -> Any:
+def engine_blocks(
+    name: str, tensor: Any, block_size: int, num_kv_heads: int, head_size: int, cells: int | None = None
+) -> Any:
     """Layer ``name``'s view ``[B, H, N, C]`` as manager blocks ``[num_blocks, r, H, N, C]`` (a
     view); InvalidArgumentError naming the layer and shape when it is not one of
-    ``num_kv_heads`` x ``head_size`` with ``block_size``-token blocks."""
+    ``num_kv_heads`` x ``cells`` (default ``2 * head_size``: a key and a value) with
+    ``block_size``-token blocks."""
     shape = tuple(tensor.shape)
+    cells = 2 * head_size if cells is None else cells
     fits = (
         len(shape) == 4
         and shape[1] == num_kv_heads
-        and shape[3] == 2 * head_size
+        and shape[3] == cells
         and 0 < shape[2] <= block_size
         and block_size % shape[2] == 0
         and shape[0] % (block_size // shape[2]) == 0
@@ -192,7 +231,7 @@ def engine_blocks(name: str, tensor: Any, block_size: int, num_kv_heads: int, he
         raise InvalidArgumentError(
             "kv_caches",
             f"{name}: {_describe(tensor)} is not [blocks, {num_kv_heads}, {block_size} (or a divisor), "
-            f"{2 * head_size}]",
+            f"{cells}]",
         )
     ratio = block_size // shape[2]
     return tensor.unflatten(0, (shape[0] // ratio, ratio))

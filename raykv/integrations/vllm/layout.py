@@ -8,7 +8,9 @@ depend on the attention backend or on vLLM's physical KV cache layout: a block s
 FlashAttention engine loads into a CPU one.
 
 The ``engine_native`` layout (:func:`native_layout`) instead holds the CPU attention backend's
-block bytes verbatim; GPU backends refuse it (ConfigError when the connector starts).
+block bytes verbatim; GPU backends refuse it (ConfigError when the connector starts). An engine
+with multi-head latent attention (MLA: DeepSeek V2/V3-style models) caches one latent vector per
+token instead of keys and values; its pages are :func:`mla_layout` (``"kv_latent"`` per layer).
 :class:`~raykv.integrations.vllm.copier.BlockCopier` copies blocks between the engine's tensors
 and pages of either layout; :mod:`~raykv.integrations.vllm.kv_blocks` describes how each backend
 stores them.
@@ -74,15 +76,33 @@ def native_layout(
     return KVLayout(tuple(LayerSpec(i, (spec,)) for i in range(num_layers)), block_size)
 
 
+MLA_ROLE = "kv_latent"
+
+
+def mla_layout(num_layers: int, latent_size: int, block_size: int, dtype: str) -> KVLayout:
+    """The page layout of a multi-head latent attention (MLA, DeepSeek-style) engine: per layer
+    one buffer ``"kv_latent"`` of ``(1, latent_size)`` per token (``latent_size`` =
+    ``kv_lora_rank + qk_rope_head_dim``, e.g. 512 + 64), the latent vectors the engine caches
+    instead of keys and values, token-major. Only MLA engines read these pages."""
+    spec = BufferSpec(MLA_ROLE, (1, latent_size), dtype)
+    return KVLayout(tuple(LayerSpec(i, (spec,)) for i in range(num_layers)), block_size)
+
+
+def is_latent(layout: KVLayout) -> bool:
+    """Whether ``layout`` is an MLA engine's (:func:`mla_layout`)."""
+    return layout.roles(layout.layer_ids[0]) == (MLA_ROLE,)
+
+
 def engine_layout(
     kv_cache_config: Any, page_layout: str = "token_major", cache_dtype: str = "auto"
 ) -> tuple[KVLayout, tuple[str, ...]]:
     """The page layout for a vLLM ``KVCacheConfig`` and its attention layer names in layout order.
     ``page_layout``: ``"token_major"`` (``KVLayout.uniform``: "k" and "v" per layer, the HF
-    adapter's layout) or ``"engine_native"`` (:func:`native_layout`); ConfigError otherwise.
+    adapter's layout) or ``"engine_native"`` (:func:`native_layout`); ConfigError otherwise. An
+    MLA engine's pages are :func:`mla_layout` (token-major only).
 
-    Needs one KV cache group of full attention (every layer the same heads, head size and dtype);
-    ConfigError otherwise (hybrid, sliding-window-only or MLA models are not supported)."""
+    Needs one KV cache group of full attention or MLA (every layer the same heads, head size and
+    dtype); ConfigError otherwise (hybrid, sliding-window and other models are not supported)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", ()))
     if len(groups) != 1:
         raise ConfigError("kv_cache_groups", f"one KV cache group needed, the engine has {len(groups)}")
@@ -90,6 +110,8 @@ def engine_layout(
     for field in ("num_kv_heads", "head_size", "block_size", "dtype"):
         if not hasattr(spec, field):
             raise ConfigError("kv_cache_spec", f"{type(spec).__name__} has no {field} (not attention?)")
+    if type(spec).__name__ == "MLAAttentionSpec":
+        return _mla_layout(spec, groups[0].layer_names, page_layout, cache_dtype)
     if getattr(spec, "use_mla", False) or type(spec).__name__ != "FullAttentionSpec":
         raise ConfigError("kv_cache_spec", f"{type(spec).__name__} is not supported (full attention only)")
     packed = any(getattr(spec, f, None) is not None for f in ("num_head_slots", "state_content_bytes"))
@@ -125,6 +147,31 @@ def check_parallel(vllm_config: Any) -> int:
             )
     size = getattr(parallel, "tensor_parallel_size", 1) if parallel is not None else 1
     return size if isinstance(size, int) and size > 1 else 1
+
+
+def _mla_layout(
+    spec: Any, layer_names: Any, page_layout: str, cache_dtype: str
+) -> tuple[KVLayout, tuple[str, ...]]:
+    """:func:`mla_layout` of an ``MLAAttentionSpec``: one latent per token, unquantized or fp8
+    with a per-tensor scale (the bytes are the engine's own either way). ConfigError for
+    ``engine_native`` pages and for caches that pad blocks, pack scales beside the latent or
+    quantize per token (DeepSeek V4's and the sparse backends' formats among them)."""
+    if page_layout not in PAGE_LAYOUTS:
+        raise ConfigError("page_layout", f"must be one of {PAGE_LAYOUTS}, got {page_layout!r}")
+    if page_layout != "token_major":
+        raise ConfigError("page_layout", f"an MLA engine's pages are token_major, not {page_layout!r}")
+    quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
+    extras = ("alignment", "page_size_padded", "state_content_bytes", "num_head_slots", "model_version")
+    padded = [f for f in extras if getattr(spec, f, None) is not None]
+    if int(spec.num_kv_heads) != 1 or quant not in ("NONE", "FP8_PER_TENSOR") or padded:
+        raise ConfigError(
+            "kv_cache_spec",
+            f"only MLA caches of one plain latent per token are supported (heads {spec.num_kv_heads}, "
+            f"quantization {quant}, {', '.join(padded) or 'no padding'})",
+        )
+    names = tuple(sorted(layer_names, key=layer_index))
+    dtype = torch_dtype_name(spec.dtype, cache_dtype)
+    return mla_layout(len(names), int(spec.head_size), int(spec.block_size), dtype), names
 
 
 def layer_index(name: str) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from raykv import CacheConfig, KVLayout, TierConfig
-from raykv.integrations.vllm.layout import native_layout
+from raykv.integrations.vllm.layout import mla_layout, native_layout
 
 BLOCK_SIZE = 32
 MODEL_FIELDS: dict[str, Any] = dict(
@@ -38,19 +38,60 @@ MODEL_FIELDS: dict[str, Any] = dict(
 )
 
 
+MLA_BLOCK_SIZE = 16  # vLLM's CPU platform runs MLA models with 16-token blocks
+MLA_FIELDS: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    first_k_dense_replace=2,  # dense MLPs in both layers
+    q_lora_rank=None,
+    kv_lora_rank=512,  # latent 512 + 64 = 576: the size CPU_MLA's decode kernel takes
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=64,
+    v_head_dim=64,
+    max_position_embeddings=1024,
+)
+"""A tiny DeepSeek-V2 (multi-head latent attention) for :func:`save_tiny_mla`."""
+
+
 def save_tiny_llama(path: str, seed: int = 0, **fields: Any) -> str:
     """Write a random-weight LlamaForCausalLM (:data:`MODEL_FIELDS` updated with ``fields``,
     float32) to ``path`` (created) unless one is already there; returns ``path``. Same weights
     for a given seed and fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _save_random(
+        path, seed, LlamaConfig(**{**MODEL_FIELDS, **fields, "torch_dtype": "float32"}), LlamaForCausalLM
+    )
+
+
+def save_tiny_mla(path: str, seed: int = 0) -> str:
+    """Write a random-weight DeepseekV2ForCausalLM (:data:`MLA_FIELDS`, float32) to ``path``
+    unless one is already there; returns ``path``. Its engine caches one 576-value latent per
+    token and layer (:func:`tiny_mla_layout`)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    return _save_random(
+        path, seed, DeepseekV2Config(**{**MLA_FIELDS, "torch_dtype": "float32"}), DeepseekV2ForCausalLM
+    )
+
+
+def _save_random(path: str, seed: int, config: Any, model_class: Any) -> str:
+    """``model_class(config)`` with weights drawn from ``seed``, saved to ``path`` unless a model
+    is already there."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**{**MODEL_FIELDS, **fields, "torch_dtype": "float32"})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).eval()
+        model = model_class(config).eval()
     model.save_pretrained(path)
     return path
 
@@ -63,6 +104,12 @@ def tiny_layout(block_size: int = BLOCK_SIZE, page_layout: str = "token_major", 
     return build(
         fields["num_hidden_layers"], fields["num_key_value_heads"], fields["head_dim"], block_size, "float32"
     )
+
+
+def tiny_mla_layout(block_size: int = MLA_BLOCK_SIZE) -> KVLayout:
+    """The raykv page layout of :func:`save_tiny_mla`'s model (what its engine derives)."""
+    latent = MLA_FIELDS["kv_lora_rank"] + MLA_FIELDS["qk_rope_head_dim"]
+    return mla_layout(MLA_FIELDS["num_hidden_layers"], latent, block_size, "float32")
 
 
 def deployment_config(layout: KVLayout, host_pages: int = 256, disk_pages: int = 1024) -> CacheConfig:
@@ -95,11 +142,13 @@ def vllm_kv_caches(
     device: str = "cpu",
     order: str = "LBNHC",
     kernel_block_size: int | None = None,
+    cells: int | None = None,
 ) -> dict[str, Any]:
     """Per-layer KV tensors as vLLM 0.32 registers them with a connector (``allocate_kv_cache``,
     ``create_kv_cache_views``, no page padding): one zeroed buffer holding every layer as
     ``[L, B, H, N, C]`` in the physical ``order`` (:data:`KV_CACHE_ORDERS`), viewed per layer as
-    the logical ``[B, H, N, 2 * head_size]`` of ``dtype``. ``kernel_block_size`` (a divisor of
+    the logical ``[B, H, N, C]`` of ``dtype``, ``C = cells`` (default ``2 * head_size``: a key and
+    a value; an MLA engine's is its latent size, with one head). ``kernel_block_size`` (a divisor of
     ``block_size``) splits each block into kernel blocks as vLLM does when the attention
     kernels want smaller ones: ``B = num_blocks * r``, ``N = block_size / r``."""
     import torch
@@ -107,7 +156,13 @@ def vllm_kv_caches(
     dtype_t = getattr(torch, dtype)
     kernel = kernel_block_size or block_size
     itemsize = torch.empty((), dtype=dtype_t).element_size()
-    shape = (len(names), num_blocks * (block_size // kernel), num_kv_heads, kernel, 2 * head_size * itemsize)
+    shape = (
+        len(names),
+        num_blocks * (block_size // kernel),
+        num_kv_heads,
+        kernel,
+        (cells or 2 * head_size) * itemsize,
+    )
     strides = [0] * 5
     size = 1
     for dim in reversed(KV_CACHE_ORDERS[{"NHD": "LBNHC", "HND": "LBHNC"}.get(order, order)]):
@@ -124,46 +179,52 @@ to the cores it binds, which can differ between engines started at different tim
 GEMMs differ in the last bits between thread counts."""
 
 
-def backend_kv(kind: str, tensor: Any, head_size: int, block_tokens: int) -> tuple[Any, Any]:
+def backend_kv(kind: str, tensor: Any, head_size: int, block_tokens: int) -> tuple[Any, ...]:
     """K and V of one layer's KV view as ``[blocks, block_tokens, heads, head_size]`` views,
     read the way the backend's own code reads them, independently of
     :mod:`raykv.integrations.vllm.kv_blocks` (cpu_attn.py: per (block, head) the keys, then the
     values; flash_attn.py / flashinfer.py / triton_attn.py / flex_attention.py: per token the key,
-    then the value). Kernel-block splits (``tensor.shape[2] < block_tokens``) are joined back."""
+    then the value). ``kind`` ``"mla"``: the one latent per token (cpu_mla.py writes token t of
+    block b at ``kv_cache[b, 0, t]``), a 1-tuple of ``[blocks, block_tokens, 1, C]``. Kernel-block
+    splits (``tensor.shape[2] < block_tokens``) are joined back."""
     b, h, n, _ = tensor.shape
+    parts: tuple[Any, ...]
     if kind == "cpu":
         k, v = tensor.view(b, h, 2 * n, -1).chunk(2, dim=2)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        parts = (k.transpose(1, 2), v.transpose(1, 2))
+    elif kind == "mla":
+        parts = (tensor.transpose(1, 2),)
     else:
-        k, v = tensor.transpose(1, 2).split(head_size, dim=-1)
+        parts = tuple(tensor.transpose(1, 2).split(head_size, dim=-1))
     r = block_tokens // n  # kernel blocks per block: block i's tokens are kernel blocks i*r .. i*r + r - 1
-    return k.unflatten(0, (b // r, r)).flatten(1, 2), v.unflatten(0, (b // r, r)).flatten(1, 2)
+    return tuple(p.unflatten(0, (b // r, r)).flatten(1, 2) for p in parts)
 
 
 def fill_backend(
     kind: str,
     caches: Mapping[str, Any],
     names: Sequence[str],
-    ref: tuple[Any, Any],
+    ref: tuple[Any, ...],
     head_size: int,
     block_tokens: int,
 ) -> None:
-    """Write reference K and V (``[layers, blocks, block_tokens, heads, head_size]`` each) into
-    the layers ``names`` of ``caches`` through :func:`backend_kv`."""
+    """Write reference K and V (``[layers, blocks, block_tokens, heads, head_size]`` each; for
+    ``"mla"`` one reference latent ``[layers, blocks, block_tokens, 1, C]``) into the layers
+    ``names`` of ``caches`` through :func:`backend_kv`."""
     for i, name in enumerate(names):
-        k, v = backend_kv(kind, caches[name], head_size, block_tokens)
-        k.copy_(ref[0][i])
-        v.copy_(ref[1][i])
+        for part, values in zip(backend_kv(kind, caches[name], head_size, block_tokens), ref, strict=True):
+            part.copy_(values[i])
 
 
-def reference_rows(layout: KVLayout, ref: tuple[Any, Any], ids: Sequence[int]) -> np.ndarray:
+def reference_rows(layout: KVLayout, ref: tuple[Any, ...], ids: Sequence[int]) -> np.ndarray:
     """Token-major page rows of blocks ``ids`` built straight from reference K and V (what the HF
-    adapter reads): the bytes every backend's save must produce."""
+    adapter reads), or from one reference latent for an MLA layout: the bytes every backend's
+    save must produce."""
     import torch
 
     rows = np.zeros((len(ids), layout.page_bytes), dtype=np.uint8)
     for i in layout.layer_ids:
-        for role, values in zip(("k", "v"), ref):
+        for role, values in zip(layout.roles(i), ref, strict=True):
             region = layout.buffer_region(i, role)
             raw = values[i][list(ids)].contiguous().view(torch.uint8).reshape(len(ids), -1).cpu().numpy()
             rows[:, region.offset : region.offset + region.nbytes] = raw
@@ -228,6 +289,18 @@ def connector_config(
             "worker": worker,
             **extra,
         },
+    )
+
+
+def example_connector_config(path: str) -> Any:
+    """A ``KVTransferConfig`` for vLLM's own ExampleConnector (``kv_both``, blocks saved as files
+    under ``path``): a reference for what loading a prefix into an engine should give."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="ExampleConnector",
+        kv_role="kv_both",  # type: ignore[arg-type]
+        kv_connector_extra_config={"shared_storage_path": path},
     )
 
 

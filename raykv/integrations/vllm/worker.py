@@ -22,7 +22,8 @@ every step's metadata; on first sight the worker side opens:
 Under tensor parallelism every rank runs one worker side for its own KV heads: it stages and loads
 pages keyed in :func:`~raykv.integrations.vllm.plan.rank_scope` (the load ops carry the prompt
 tokens ranks above 0 key theirs from), and only rank 0 reports per-request figures (every rank
-reports its load errors, which vLLM unions).
+reports its load errors, which vLLM unions). An MLA engine's ranks hold the same latents: there
+every rank loads rank 0's pages and only rank 0 stages, so a block is stored once.
 """
 
 from __future__ import annotations
@@ -56,11 +57,17 @@ class WorkerSide:
     """Loads and stores for one vLLM worker. ``names``: its attention layers in layout order.
     ``rank`` of ``ranks``: its tensor-parallel rank; a rank above 0 keys its pages in
     :func:`~raykv.integrations.vllm.plan.rank_scope` (its own KV heads) and reports only load
-    errors per request (a request's other figures are rank 0's)."""
+    errors per request (a request's other figures are rank 0's). ``replicated``: every rank
+    holds the same KV (an MLA engine's latents): all ranks load rank 0's pages and only rank 0
+    stages (the other ranks open no staging tier)."""
 
-    def __init__(self, layout: KVLayout, names: Sequence[str], rank: int = 0, ranks: int = 1) -> None:
+    def __init__(
+        self, layout: KVLayout, names: Sequence[str], rank: int = 0, ranks: int = 1, replicated: bool = False
+    ) -> None:
         rank_scope(ReuseScope(), rank, ranks)  # InvalidArgumentError for a bad rank
         self.rank, self.ranks = rank, ranks
+        self.replicated = replicated
+        self.stages = rank == 0 or not replicated
         self.layout = layout
         self.names = tuple(names)
         self.tpb = layout.tokens_per_block
@@ -93,13 +100,16 @@ class WorkerSide:
         else:
             config = TransferConfig(host=link.listen_host, node_id=link.node_id)
         self.client = PageClient(link.token, config)
+        if self._on_cuda():
+            self.client.pin_for_cuda()
+        if not self.stages:
+            return
         tier = TierConfig.host(link.staging_bytes, pin_memory=False, shared=True)
         self.staging = CacheManager(CacheConfig(self.layout, (tier,)))
         if self._on_cuda():  # loads and stores then DMA host pages directly
             pool = self.staging.pools[0]
             if isinstance(pool, HostPool):
                 pool.pin_for_cuda()
-            self.client.pin_for_cuda()
         self.server = PageServer(self.staging, link.token, config)
         self._staging_at = self.server.start()
 
@@ -150,10 +160,11 @@ class WorkerSide:
             self._report.counters[name] += amount
 
     def _keys(self, op: LoadOp) -> list[bytes]:
-        """The keys of this rank's pages for ``op``'s blocks: ``op.keys`` on rank 0, else the
+        """The keys of this rank's pages for ``op``'s blocks: ``op.keys`` on rank 0 (and on
+        every rank of a ``replicated`` engine), else the
         same blocks keyed from ``op.tokens`` in this rank's scope (none when the op has no
         tokens: its blocks then fail and are recomputed)."""
-        if self.rank == 0:
+        if self.rank == 0 or self.replicated:
             return list(op.keys)
         end = op.first_block + len(op.keys)
         if op.scope is None or len(op.tokens) < end * self.tpb:
