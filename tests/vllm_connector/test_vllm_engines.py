@@ -315,3 +315,32 @@ def test_a_tensor_parallel_mla_engine_stores_one_set_of_latent_pages(
     assert again.raykv["loaded_blocks_ok"] == 6 and again.raykv.get("load_errors", 0) == 0
 
     _same_as_example_connector(model, tokens, (first, again), str(tmp_path_factory.mktemp("ex-tp")), **engine)
+
+
+@pytest.mark.timeout(600)
+def test_sliding_window_layers_beside_full_ones_round_trip_bit_exact(
+    ray_address: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sliding-window layers beside full-attention ones (Gemma 2/3 and gpt-oss style; here the
+    tiny Llama with ``layer_types``, a 40-token window): vLLM turns its hybrid KV cache manager
+    off for a connector without HMA support, so every layer keeps whole blocks in one group of
+    the usual pages. A repeat loads the 4 blocks and generates exactly what the first run
+    computed."""
+    from raykv.integrations.vllm import testing
+
+    for key, value in testing.THREAD_ENV.items():
+        monkeypatch.setenv(key, value)
+    path = str(tmp_path_factory.mktemp("tiny-swa"))
+    model = testing.save_tiny_llama(
+        path, layer_types=["sliding_attention", "full_attention"], sliding_window=40
+    )
+    with _engine_on(testing.tiny_layout(), 1, model, ray_address, 0) as (dep, llm):
+        tokens = prompt(59, 4 * TPB + 5)
+        first = generate(llm, tokens)
+        wait_held(dep, 0, tokens, 4, ReuseScope(), timeout=30)
+        again = generate(llm, tokens)
+    assert first.raykv["staged_blocks"] == 4
+    assert again.raykv["loaded_blocks_ok"] == 4 and again.raykv["prefilled_tokens"] == 5
+    _same(again, first)

@@ -102,7 +102,10 @@ def engine_layout(
     MLA engine's pages are :func:`mla_layout` (token-major only).
 
     Needs one KV cache group of full attention or MLA (every layer the same heads, head size and
-    dtype); ConfigError otherwise (hybrid, sliding-window and other models are not supported)."""
+    dtype); ConfigError otherwise (state-space hybrids, sliding-window-only and other models are
+    not supported). Sliding-window layers beside full-attention ones pass: with a connector
+    that does not support vLLM's hybrid KV cache manager, vLLM turns the manager off and gives
+    every layer a FullAttentionSpec (whole blocks; the window only limits what attention reads)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", ()))
     if len(groups) != 1:
         raise ConfigError("kv_cache_groups", f"one KV cache group needed, the engine has {len(groups)}")
@@ -113,7 +116,11 @@ def engine_layout(
     if type(spec).__name__ == "MLAAttentionSpec":
         return _mla_layout(spec, groups[0].layer_names, page_layout, cache_dtype)
     if getattr(spec, "use_mla", False) or type(spec).__name__ != "FullAttentionSpec":
-        raise ConfigError("kv_cache_spec", f"{type(spec).__name__} is not supported (full attention only)")
+        raise ConfigError(
+            "kv_cache_spec",
+            f"{type(spec).__name__} is not supported (full attention, dense MLA, or sliding-window "
+            "layers beside full-attention ones, which vLLM then allocates as full attention)",
+        )
     packed = any(getattr(spec, f, None) is not None for f in ("num_head_slots", "state_content_bytes"))
     if packed or getattr(spec, "head_size_v", None) not in (None, spec.head_size):
         raise ConfigError("kv_cache_spec", "only pages of K and V of one head size are supported")
