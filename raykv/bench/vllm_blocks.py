@@ -9,7 +9,8 @@ Blackwell) and ``BLNHC`` (blocks outermost, each block holds every layer's page)
 
 For layer-blocks (one layer's K and V of one block: 8 KV heads x 128, bfloat16) of 64 KiB
 (16 tokens) and 512 KiB (128 tokens), 4 layers (2 with ``--quick``), engines of 512 blocks of
-which 256 move:
+which 256 move; and for an MLA engine's latents (``mla``: 576 bfloat16 per token, DeepSeek-V3's,
+in 64-token blocks: 72 KiB layer-blocks):
 
 * ``save``: ``BlockCopier.save`` of 256 blocks at random ids into token-major page rows (a
   pageable numpy array, as the connector's staging pages are): per layer one gather on the
@@ -49,6 +50,9 @@ LAYER_BLOCK_KIB = {64: 16, 512: 128}
 """Layer-block KiB -> tokens per block (8 heads x 128, bfloat16: 4 KiB of K and V per token)."""
 HEADS, HEAD, DTYPE = 8, 128, "bfloat16"
 BLOCKS = 256
+MLA_LATENT, MLA_TOKENS = 576, 64
+"""MLA rows (``kind`` ``"mla"``): DeepSeek-V3's latent (512 + 64 bfloat16 per token) in blocks of
+64 tokens (FlashMLA's): 72 KiB layer-blocks."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ ENGINES = {
     "cuda": (("flash_attn", "LBNHC"), ("flashinfer", "LBHNC"), ("flash_attn", "BLNHC")),
     "cpu": (("cpu", "LBHNC"), ("flash_attn", "LBNHC")),
 }
+MLA_ENGINE = ("mla", "LBNHC")
 """Per device: (``kv_cache_layout``, vLLM's physical order) of the engines measured."""
 
 
@@ -86,14 +91,22 @@ class _Case:
         import torch
 
         from raykv.integrations.vllm.copier import BlockCopier
+        from raykv.integrations.vllm.layout import mla_layout
         from raykv.integrations.vllm.testing import vllm_kv_caches
 
         self.torch, self.device = torch, torch.device(device)
-        tokens = LAYER_BLOCK_KIB[kib]
-        layout = KVLayout.uniform(settings.layers, HEADS, HEAD, tokens, DTYPE)
         names = [f"model.layers.{i}.self_attn.attn" for i in range(settings.layers)]
-        shape = (names, 2 * BLOCKS, HEADS, tokens, HEAD, DTYPE, device, order)
-        self.src, self.dst = vllm_kv_caches(*shape), vllm_kv_caches(*shape)
+        if kind == "mla":
+            layout = mla_layout(settings.layers, MLA_LATENT, MLA_TOKENS, DTYPE)
+            shape = (names, 2 * BLOCKS, 1, MLA_TOKENS, 0, DTYPE, device, order)
+            cells: int | None = MLA_LATENT
+        else:
+            tokens = LAYER_BLOCK_KIB[kib]
+            layout = KVLayout.uniform(settings.layers, HEADS, HEAD, tokens, DTYPE)
+            shape = (names, 2 * BLOCKS, HEADS, tokens, HEAD, DTYPE, device, order)
+            cells = None
+        self.src = vllm_kv_caches(*shape, cells=cells)
+        self.dst = vllm_kv_caches(*shape, cells=cells)
         for tensor in self.src.values():
             tensor.normal_()
         self.copy_src = BlockCopier(layout, names, self.src, kind)
@@ -214,6 +227,24 @@ def benchmarks(settings: Settings, device: str) -> list[Benchmark]:
             for run in (False, True):
                 fn = functools.partial(gpu_pages_benchmark, settings, kib, kind, order, run)
                 out.append(Benchmark(f"{kind}/{order} GPU pages {'run ' if run else ''}{kib}KiB", fn))
+    return out + _mla_benchmarks(settings, device)
+
+
+def _mla_benchmarks(settings: Settings, device: str) -> list[Benchmark]:
+    """MLA latent caches (:data:`MLA_LATENT` x :data:`MLA_TOKENS`): scattered saves and loads,
+    and on CUDA the same with page-locked rows and loads from GPU pages."""
+    kind, order = MLA_ENGINE
+    kib = MLA_LATENT * 2 * MLA_TOKENS // 1024
+    out = [
+        Benchmark(
+            f"{kind} {kib}KiB", functools.partial(copy_benchmark, settings, kib, kind, order, device, False)
+        )
+    ]
+    if device == "cuda":
+        fn = functools.partial(copy_benchmark, settings, kib, kind, order, device, False, True)
+        out.append(Benchmark(f"{kind} pinned rows {kib}KiB", fn))
+        fn = functools.partial(gpu_pages_benchmark, settings, kib, kind, order, False)
+        out.append(Benchmark(f"{kind} GPU pages {kib}KiB", fn))
     return out
 
 
