@@ -11,7 +11,8 @@ Use::
         kv_connector_extra_config={
             "namespace": "raykv",               # the raykv deployment (raykv.start(namespace=...))
             "ray_address": "127.0.0.1:6379",    # its Ray cluster (default: RAY_ADDRESS, else "auto")
-            "worker": 0,                        # the paired CacheWorker: index or actor name
+            "worker": 0,                        # the paired CacheWorker: index or actor name,
+                                                # or a list: one per data-parallel rank
         },
     )
 
@@ -28,7 +29,10 @@ heads, keyed in :func:`~raykv.integrations.vllm.plan.rank_scope` (rank 0's keys 
 request's, so routers and the index see rank 0's), and a fetch from another worker pulls every
 rank's pages. An engine with pipeline or context parallelism above 1 (a rank holding part of a
 block's layers or tokens) does not start
-(:func:`~raykv.integrations.vllm.layout.check_parallel`).
+(:func:`~raykv.integrations.vllm.layout.check_parallel`). Under data parallelism each rank is an
+engine core with its own KV cache: give ``worker`` as a list and rank r pairs with entry r
+(:func:`~raykv.integrations.vllm.layout.paired_worker`); a single index or name pairs every rank
+with that one worker.
 
 Process topology (one engine, one CacheWorker on the same node):
 

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from raykv.integrations.vllm.kv_blocks import check_page_layout, resolve_layout
-from raykv.integrations.vllm.layout import check_parallel, engine_layout, is_latent
+from raykv.integrations.vllm.layout import check_parallel, engine_layout, is_latent, paired_worker
 from raykv.integrations.vllm.link import open_link
 from raykv.integrations.vllm.plan import RaykvMetadata, WorkerReport
 from raykv.integrations.vllm.scheduler import SchedulerSide
@@ -58,6 +58,7 @@ class _ConnectorImpl:
         ranks = check_parallel(vllm_config)  # before anything opens: a split engine fails to start
         transfer = vllm_config.kv_transfer_config
         extra = dict(transfer.kv_connector_extra_config or {})
+        extra["worker"] = paired_worker(extra.get("worker", 0), vllm_config)  # one per data-parallel rank
         page_layout = str(extra.get("page_layout", "token_major"))
         cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
         layout, names = engine_layout(kv_cache_config, page_layout, cache_dtype)

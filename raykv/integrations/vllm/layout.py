@@ -156,6 +156,28 @@ def check_parallel(vllm_config: Any) -> int:
     return size if isinstance(size, int) and size > 1 else 1
 
 
+def paired_worker(choice: Any, vllm_config: Any) -> Any:
+    """The CacheWorker this engine pairs with, from the connector's ``worker`` setting: an index
+    or actor name as given, or, for a list, the entry of the engine's data-parallel rank (each
+    rank is an engine core with its own KV cache, usually on its own GPUs: it pairs with a
+    worker of its own). The rank is ``parallel_config.data_parallel_index`` (vLLM keeps it when
+    it resets a dense model's ``data_parallel_rank``), else ``data_parallel_rank``. ConfigError
+    for an empty list or one with fewer entries than ``data_parallel_size``."""
+    if not isinstance(choice, (list, tuple)):
+        return choice
+    parallel = getattr(vllm_config, "parallel_config", None)
+    size = int(getattr(parallel, "data_parallel_size", 1) or 1)
+    rank = getattr(parallel, "data_parallel_index", None)
+    rank = int(getattr(parallel, "data_parallel_rank", 0) or 0) if rank is None else int(rank)
+    if len(choice) < max(size, rank + 1, 1):
+        raise ConfigError(
+            "worker",
+            f"a list of {len(choice)} workers for {size} data-parallel ranks (this engine is rank "
+            f"{rank}); give one worker per rank",
+        )
+    return choice[rank]
+
+
 def _mla_layout(
     spec: Any, layer_names: Any, page_layout: str, cache_dtype: str
 ) -> tuple[KVLayout, tuple[str, ...]]:

@@ -1,9 +1,10 @@
-"""Engine layouts beyond plain full attention, without an engine. MLA (multi-head latent
-attention, DeepSeek-style): the page layout derived from vLLM's MLAAttentionSpec, BlockCopier
-over latent tensors in every physical order (pages byte-identical to the reference latents,
-loads writing exactly the chosen blocks), and the refusals (padded or scale-packed caches,
-engine_native pages, a key/value format named for latent pages and the reverse). Sliding
-window: a group of sliding-window layers only is refused."""
+"""Engines beyond one plain full-attention engine core, without an engine. MLA (multi-head
+latent attention, DeepSeek-style): the page layout derived from vLLM's MLAAttentionSpec,
+BlockCopier over latent tensors in every physical order (pages byte-identical to the reference
+latents, loads writing exactly the chosen blocks), and the refusals (padded or scale-packed
+caches, engine_native pages, a key/value format named for latent pages and the reverse).
+Sliding window: a group of sliding-window layers only is refused. Data parallelism: each rank's
+engine core pairs with a worker of its own."""
 
 from __future__ import annotations
 
@@ -157,3 +158,40 @@ def test_a_sliding_window_only_group_is_refused() -> None:
     assert engine_layout(_config(iface.FullAttentionSpec(**fields)))[0] == KVLayout.uniform(
         3, 2, 64, TOKENS, "bfloat16"
     )
+
+
+def test_each_data_parallel_rank_pairs_with_a_worker_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``worker`` as a list: the engine core of data-parallel rank r pairs with entry r (an index
+    or a name), read from ``data_parallel_index`` (kept when vLLM resets a dense model's rank);
+    a scalar is used as given; a list with fewer entries than ranks is refused. The connector's
+    scheduler side opens its link to that worker."""
+    from raykv.integrations.vllm import connector
+    from raykv.integrations.vllm.layout import paired_worker
+
+    def config(rank: int, size: int, **more: Any) -> Any:
+        parallel = dict(data_parallel_rank=rank, data_parallel_size=size, **more)
+        return SimpleNamespace(parallel_config=SimpleNamespace(**parallel))
+
+    assert [paired_worker([3, 1, "w7"], config(r, 3)) for r in range(3)] == [3, 1, "w7"]
+    assert paired_worker([3, 1], config(0, 2, data_parallel_index=1)) == 1  # dense: rank reset to 0
+    assert paired_worker(2, config(1, 2)) == paired_worker(2, SimpleNamespace()) == 2
+    assert paired_worker(["w0"], SimpleNamespace()) == "w0"
+    for bad in ([], [0]):
+        with pytest.raises(ConfigError) as err:
+            paired_worker(bad, config(1, 2))
+        assert err.value.field == "worker"
+
+    opened: list[Any] = []
+    monkeypatch.setattr(connector, "open_link", lambda extra: opened.append(extra["worker"]))
+    iface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    spec = iface.FullAttentionSpec(block_size=TOKENS, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    for rank in (0, 1):
+        transfer = SimpleNamespace(
+            kv_connector_extra_config={"worker": ["raykv-worker-5", "raykv-worker-2"]},
+            is_kv_consumer=True,
+            is_kv_producer=True,
+        )
+        vllm_config = config(rank, 2, tensor_parallel_size=1)
+        vllm_config.kv_transfer_config = transfer
+        connector._ConnectorImpl()._setup(vllm_config, SimpleNamespace(name="SCHEDULER"), _config(spec))
+    assert opened == ["raykv-worker-5", "raykv-worker-2"]
