@@ -14,6 +14,10 @@ another in this process, a local Ray and a raykv deployment of one CPU worker be
   ``torch.cuda.Stream`` objects (the row then carries the errors);
 - (e) loaded by vLLM's ``ExampleConnector`` (safetensors files in a temporary directory).
 
+The cases run twice: for a Llama, then for a DeepSeek-V2-style model with multi-head latent
+attention (MLA), whose pages are its latents (576 values per token and layer, token-major); vLLM's
+CPU platform turns prefix caching off for MLA, so there (b) and (d) do not run.
+
 Rows report speeds (1 / TTFT, higher is better) against the same run's baselines, plus raykv's
 load bandwidth (bytes loaded / the worker side's load time, pull and copy into the engine's
 blocks) against a numpy memcpy of the same bytes. Goals from the issue: (c) <= 0.3x (a) TTFT,
@@ -22,6 +26,7 @@ blocks) against a numpy memcpy of the same bytes. Goals from the issue: (c) <= 0
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import statistics
@@ -46,6 +51,9 @@ class Settings:
     suffix: int
     repeats: int
     model: dict[str, int]
+    mla: bool = False
+    """A DeepSeek-V2-style model (multi-head latent attention, ``testing.save_tiny_mla``) instead
+    of Llama: 16-token blocks, token-major latent pages, and no vLLM prefix cache on CPU."""
 
 
 FULL = Settings(
@@ -78,8 +86,38 @@ QUICK = Settings(
 )
 
 
+FULL_MLA = Settings(
+    4096,
+    32,
+    2,
+    dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=8192,
+    ),
+    mla=True,
+)
+QUICK_MLA = Settings(
+    1024,
+    32,
+    2,
+    dict(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+    ),
+    mla=True,
+)
+
 PAGE_LAYOUT = "engine_native"
-"""The connector's pages here: the backend's block bytes, so a load is one copy per block."""
+"""The connector's pages for Llama: the backend's block bytes, so a load is one copy per block.
+MLA pages are token-major latents, which is also the CPU_MLA backend's own block order."""
 
 
 class _Run:
@@ -87,7 +125,14 @@ class _Run:
 
     def __init__(self, settings: Settings, workdir: str) -> None:
         self.s = settings
-        self.model = testing.save_tiny_llama(f"{workdir}/model", 0, **settings.model)
+        if settings.mla:
+            self.model = testing.save_tiny_mla(f"{workdir}/model", 0, **settings.model)
+            self.block, self.page_layout = testing.MLA_BLOCK_SIZE, "token_major"
+            self.layout = testing.tiny_mla_layout(self.block, **settings.model)
+        else:
+            self.model = testing.save_tiny_llama(f"{workdir}/model", 0, **settings.model)
+            self.block, self.page_layout = testing.BLOCK_SIZE, PAGE_LAYOUT
+            self.layout = testing.tiny_layout(page_layout=PAGE_LAYOUT, **settings.model)
         self.workdir = workdir
         self.rng = random.Random(0)
         self.ttft: dict[str, float] = {}
@@ -103,7 +148,7 @@ class _Run:
     def kwargs(self, **changes: Any) -> dict[str, Any]:
         n = self.s.prefix + self.s.suffix
         return testing.engine_kwargs(
-            self.model, max_model_len=n + 64, max_num_batched_tokens=n + 64, **changes
+            self.model, self.block, max_model_len=n + 64, max_num_batched_tokens=n + 64, **changes
         )
 
     def timed(self, llm: Any, tokens: list[int]) -> tuple[float, testing.Result]:
@@ -123,28 +168,33 @@ def _engine(kwargs: dict[str, Any], body: Callable[[Any], None]) -> None:
 
 
 def _case_vllm_cache(run: _Run) -> None:
+    """(a), and (b) except for MLA (vLLM's CPU platform turns its prefix cache off there)."""
+
     def body(llm: Any) -> None:
         cold = [run.timed(llm, run.prompt())[0] for _ in range(run.s.repeats)]
+        run.ttft["a"] = statistics.median(cold)
+        if run.s.mla:
+            return
         tokens = run.prompt()
         run.timed(llm, tokens)
-        warm = [run.timed(llm, tokens)[0] for _ in range(run.s.repeats)]
-        run.ttft["a"], run.ttft["b"] = statistics.median(cold), statistics.median(warm)
+        run.ttft["b"] = statistics.median([run.timed(llm, tokens)[0] for _ in range(run.s.repeats)])
 
-    _engine(run.kwargs(enable_prefix_caching=True), body)
+    _engine(run.kwargs(enable_prefix_caching=not run.s.mla), body)
 
 
 def _case_raykv(run: _Run) -> None:
-    config = testing.connector_config(run.deployment.namespace, run.address, 0, page_layout=PAGE_LAYOUT)
+    config = testing.connector_config(run.deployment.namespace, run.address, 0, page_layout=run.page_layout)
     tokens = run.prompt()
-    page = testing.tiny_layout(page_layout=PAGE_LAYOUT, **run.s.model).page_bytes
+    page = run.layout.page_bytes
 
     def measure(llm: Any, key: str) -> None:
         run.timed(llm, tokens)  # untimed: an engine's first load opens its page-server connection
         times = []
         for _ in range(run.s.repeats):
             seconds, result = run.timed(llm, tokens)
-            if result.cached_tokens != run.s.prefix:
-                raise AssertionError(f"raykv loaded {result.cached_tokens} tokens, not {run.s.prefix}")
+            want = (len(tokens) - 1) // run.block * run.block  # every full block of the prompt
+            if result.cached_tokens != want:
+                raise AssertionError(f"raykv loaded {result.cached_tokens} tokens, not {want}")
             times.append(seconds)
         run.ttft[key] = statistics.median(times)
         # a request that ends in the step that loaded it (max_tokens=1) finishes before the
@@ -166,7 +216,7 @@ def _wait_stored(run: _Run, tokens: list[int], timeout: float = 60.0) -> None:
     import ray
 
     handle = run.deployment.workers[run.deployment.worker_ids[0]]
-    want = run.s.prefix // testing.BLOCK_SIZE
+    want = run.s.prefix // run.block
     deadline = time.monotonic() + timeout
     while ray.get(handle.probe.remote(tokens), timeout=timeout).num_blocks < want:
         if time.monotonic() > deadline:
@@ -257,42 +307,43 @@ def _rows(run: _Run) -> list[Row]:
 
 
 def vllm_benchmarks(quick: bool) -> list[Benchmark]:
-    """One benchmark running every case (engines one after another)."""
-    settings = QUICK if quick else FULL
+    """Two benchmarks, Llama then MLA, each running every case (engines one after another)."""
+    llama, mla = (QUICK, QUICK_MLA) if quick else (FULL, FULL_MLA)
+    return [
+        Benchmark("vLLM TTFT with a cached prefix", functools.partial(_run_all, llama)),
+        Benchmark("vLLM TTFT with a cached prefix, MLA model", functools.partial(_run_all, mla)),
+    ]
 
-    def run_all() -> list[Row]:
-        import ray
 
-        import raykv
+def _run_all(settings: Settings) -> list[Row]:
+    """Every case of ``settings`` in one local Ray with a one-worker deployment."""
+    import ray
 
-        with tempfile.TemporaryDirectory(prefix="raykv-bench-vllm-") as workdir:
-            run = _Run(settings, workdir)
-            saved = testing.pin_engine_threads()
-            ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 << 20)
-            try:
-                layout = testing.tiny_layout(page_layout=PAGE_LAYOUT, **settings.model)
-                blocks = 4 * (settings.prefix // testing.BLOCK_SIZE + 2)
-                run.deployment = raykv.start(
-                    1, testing.deployment_config(layout, blocks, blocks), namespace="raykv-bench-vllm"
-                )
-                run.address = str(ray.get_runtime_context().gcs_address)
-                _case_vllm_cache(run)
-                _case_raykv(run)
-                for name in ("OffloadingConnector", "SimpleCPUOffloadConnector"):  # the first that runs
-                    _case_builtin(run, "d", name, {"cpu_bytes_to_use": 2 << 30}, True)
-                    if "d" in run.ttft:
-                        break
-                _case_builtin(
-                    run, "e", "ExampleConnector", {"shared_storage_path": f"{workdir}/example"}, False
-                )
-            finally:
-                if run.deployment is not None:
-                    run.deployment.shutdown()
-                shutdown_ray()
-                testing.restore_env(saved)
-            return _rows(run)
+    import raykv
 
-    return [Benchmark("vLLM TTFT with a cached prefix", run_all)]
+    with tempfile.TemporaryDirectory(prefix="raykv-bench-vllm-") as workdir:
+        run = _Run(settings, workdir)
+        saved = testing.pin_engine_threads()
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 << 20)
+        try:
+            blocks = 4 * (settings.prefix // run.block + 2)
+            config = testing.deployment_config(run.layout, blocks, blocks)
+            run.deployment = raykv.start(1, config, namespace="raykv-bench-vllm")
+            run.address = str(ray.get_runtime_context().gcs_address)
+            _case_vllm_cache(run)
+            _case_raykv(run)
+            # (d) needs vLLM's prefix cache, which MLA runs without on CPU
+            for name in () if settings.mla else ("OffloadingConnector", "SimpleCPUOffloadConnector"):
+                _case_builtin(run, "d", name, {"cpu_bytes_to_use": 2 << 30}, True)
+                if "d" in run.ttft:  # the first that runs
+                    break
+            _case_builtin(run, "e", "ExampleConnector", {"shared_storage_path": f"{workdir}/example"}, False)
+        finally:
+            if run.deployment is not None:
+                run.deployment.shutdown()
+            shutdown_ray()
+            testing.restore_env(saved)
+        return _rows(run)
 
 
 def register() -> None:
@@ -300,10 +351,12 @@ def register() -> None:
     from raykv.bench import SUITES
 
     def suite(quick: bool) -> tuple[list[Benchmark], str]:
-        s = QUICK if quick else FULL
+        s, m = (QUICK, QUICK_MLA) if quick else (FULL, FULL_MLA)
         desc = (
             f"{s.prefix}-token prefix + {s.suffix} new tokens, max_tokens=1, median of {s.repeats}; "
-            f"Llama {s.model['num_hidden_layers']} layers x hidden {s.model['hidden_size']}, float32"
+            f"Llama {s.model['num_hidden_layers']} layers x hidden {s.model['hidden_size']}, then "
+            f"DeepSeek-V2 (MLA, latent 576) {m.model['num_hidden_layers']} layers x hidden "
+            f"{m.model['hidden_size']}; float32"
         )
         return vllm_benchmarks(quick), desc
 

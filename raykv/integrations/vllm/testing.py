@@ -49,7 +49,6 @@ MLA_FIELDS: dict[str, Any] = dict(
     num_key_value_heads=4,
     n_routed_experts=4,
     num_experts_per_tok=2,
-    first_k_dense_replace=2,  # dense MLPs in both layers
     q_lora_rank=None,
     kv_lora_rank=512,  # latent 512 + 64 = 576: the size CPU_MLA's decode kernel takes
     qk_rope_head_dim=64,
@@ -71,15 +70,18 @@ def save_tiny_llama(path: str, seed: int = 0, **fields: Any) -> str:
     )
 
 
-def save_tiny_mla(path: str, seed: int = 0) -> str:
-    """Write a random-weight DeepseekV2ForCausalLM (:data:`MLA_FIELDS`, float32) to ``path``
-    unless one is already there; returns ``path``. Its engine caches one 576-value latent per
-    token and layer (:func:`tiny_mla_layout`)."""
+def save_tiny_mla(path: str, seed: int = 0, **fields: Any) -> str:
+    """Write a random-weight DeepseekV2ForCausalLM (:data:`MLA_FIELDS` updated with ``fields``,
+    float32) to ``path`` unless one is already there; returns ``path``. Every layer's MLP is
+    dense unless ``first_k_dense_replace`` is given (vLLM's CPU MoE router needs expert groups
+    these configs do not set). Its engine caches one latent of ``kv_lora_rank +
+    qk_rope_head_dim`` (576) values per token and layer (:func:`tiny_mla_layout`)."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    return _save_random(
-        path, seed, DeepseekV2Config(**{**MLA_FIELDS, "torch_dtype": "float32"}), DeepseekV2ForCausalLM
-    )
+    merged = {**MLA_FIELDS, **fields}
+    merged.setdefault("first_k_dense_replace", merged["num_hidden_layers"])
+    config = DeepseekV2Config(**{**merged, "torch_dtype": "float32"})
+    return _save_random(path, seed, config, DeepseekV2ForCausalLM)
 
 
 def _save_random(path: str, seed: int, config: Any, model_class: Any) -> str:
@@ -106,10 +108,12 @@ def tiny_layout(block_size: int = BLOCK_SIZE, page_layout: str = "token_major", 
     )
 
 
-def tiny_mla_layout(block_size: int = MLA_BLOCK_SIZE) -> KVLayout:
-    """The raykv page layout of :func:`save_tiny_mla`'s model (what its engine derives)."""
-    latent = MLA_FIELDS["kv_lora_rank"] + MLA_FIELDS["qk_rope_head_dim"]
-    return mla_layout(MLA_FIELDS["num_hidden_layers"], latent, block_size, "float32")
+def tiny_mla_layout(block_size: int = MLA_BLOCK_SIZE, **changes: Any) -> KVLayout:
+    """The raykv page layout of :func:`save_tiny_mla`'s model with ``changes`` to its fields
+    (what its engine derives)."""
+    fields = {**MLA_FIELDS, **changes}
+    latent = fields["kv_lora_rank"] + fields["qk_rope_head_dim"]
+    return mla_layout(fields["num_hidden_layers"], latent, block_size, "float32")
 
 
 def deployment_config(layout: KVLayout, host_pages: int = 256, disk_pages: int = 1024) -> CacheConfig:
