@@ -1,6 +1,8 @@
 """RaykvConnector across engines: a fresh engine reuses what another stored (through the index
 and a worker-to-worker pull), prefill/decode disaggregation with the pair chosen by
-raykv.routing.pd, and peers that fail while the pull runs.
+raykv.routing.pd, and peers that fail while the pull runs; then engines of other kinds, each in a
+deployment laid out for it: tensor parallel, an fp8 KV cache, MLA (DeepSeek-style, checked
+against vLLM's own ExampleConnector), and sliding-window layers beside full ones.
 
 Blocks held by another worker than the engine's own come through vLLM's asynchronous loads: the
 request waits in WAITING_FOR_REMOTE_KVS while the paired worker pulls them, and the engine goes
