@@ -110,7 +110,11 @@ _LAYOUT_DEFAULTS: dict[str, Any] = {
     "head_dim": 128,
     "tokens_per_block": 16,
     "dtype": "float16",
+    "latent_size": 0,
 }
+"""``latent_size`` 0: keys and values of ``num_kv_heads x head_dim`` per layer; above 0: one
+latent of that many values per token and layer instead (an MLA engine's pages,
+``raykv.integrations.vllm.layout.mla_layout``; e.g. 576 for DeepSeek V2/V3)."""
 _TIER_KEYS = {
     "gpu": {"capacity": "size", "device": int},
     "host": {"capacity": "size", "pin_memory": bool, "shared": bool},
@@ -175,6 +179,23 @@ def _build(section: str, make: Any, **kwargs: Any) -> Any:
         raise ConfigError(f"{section}.{name}", text) from None
 
 
+def _layout(layout_t: Mapping[str, Any]) -> KVLayout:
+    """``[layout]`` (keys already checked) as keys and values per layer, or as MLA latents when
+    ``latent_size`` is above 0 (then without ``num_kv_heads`` and ``head_dim``)."""
+    fields = {**_LAYOUT_DEFAULTS, **layout_t}
+    latent = fields.pop("latent_size")
+    if latent == 0:
+        return _build("layout", KVLayout.uniform, **fields)  # type: ignore[no-any-return]
+    given = [k for k in ("num_kv_heads", "head_dim") if k in layout_t]
+    if latent < 0 or given:
+        why = f"an MLA layout has no {' or '.join(given)}" if given else f"must be >= 0, got {latent}"
+        raise ConfigError("layout.latent_size", why)
+    from raykv.integrations.vllm.layout import mla_layout
+
+    keep = {k: fields[k] for k in ("num_layers", "tokens_per_block", "dtype")}
+    return _build("layout", mla_layout, latent_size=latent, block_size=keep.pop("tokens_per_block"), **keep)  # type: ignore[no-any-return]
+
+
 def _table(doc: Mapping[str, Any], name: str) -> dict[str, Any]:
     value = doc.get(name, {})
     if not isinstance(value, Mapping):
@@ -195,7 +216,7 @@ def _cache_config(doc: Mapping[str, Any]) -> CacheConfig | None:
         _check_type(f"layout.{key}", value, type(_LAYOUT_DEFAULTS[key]))
     if layout_t.get("dtype", "float16") not in DTYPES:
         raise ConfigError("layout.dtype", f"allowed: {', '.join(DTYPES)}; got {layout_t['dtype']!r}")
-    layout = _build("layout", KVLayout.uniform, **{**_LAYOUT_DEFAULTS, **layout_t})
+    layout = _layout(layout_t)
     tiers = []
     for kind in sorted(tiers_t, key=lambda k: list(_TIER_KEYS).index(k) if k in _TIER_KEYS else -1):
         if kind not in _TIER_KEYS:
@@ -338,7 +359,7 @@ def defaults_toml() -> str:
         "# The cache: omit [layout], [cache] and [tiers.*] for the default (8 layers x 8 KV heads x",
         "# 128 dims, 16 tokens per block, float16; host 512 MiB, disk 2 GiB, and a 4 GiB GPU tier",
         "# with one worker per GPU). Given any of them, [tiers.*] is required. Tiers go warm to cold.",
-        "# [layout]",
+        "# [layout]   (latent_size > 0, without num_kv_heads and head_dim: an MLA engine's latents)",
         *(f"# {k} = {_toml_value(v)}" for k, v in _LAYOUT_DEFAULTS.items()),
         "# [cache]",
         "# max_util_for_resume = 1.0",

@@ -92,6 +92,19 @@ def test_a_full_file_becomes_the_config_classes(tmp_path: Path) -> None:
     assert s.routing == RoutingConfig(tokens_per_block=32, w_host=0.8, allow_pulls=True)
 
 
+def test_an_mla_layout_from_latent_size() -> None:
+    """``latent_size`` above 0 lays the deployment out for an MLA engine: one latent per token and
+    layer, as its connector derives it."""
+    from raykv.integrations.vllm.layout import mla_layout
+
+    doc = {
+        "layout": {"num_layers": 61, "latent_size": 576, "tokens_per_block": 64, "dtype": "bfloat16"},
+        "tiers": {"host": {"capacity": 1 << 30}},
+    }
+    cache = settings_from_dict(doc).cache
+    assert cache is not None and cache.layout == mla_layout(61, 576, 64, "bfloat16")
+
+
 def test_environment_overrides_win_and_other_raykv_variables_are_ignored(tmp_path: Path) -> None:
     path = tmp_path / "raykv.toml"
     path.write_text(FULL.replace("{disk}", str(tmp_path)))
@@ -133,6 +146,16 @@ def test_environment_overrides_win_and_other_raykv_variables_are_ignored(tmp_pat
         ),
         ({"layout": {"heads": 2}, "tiers": {"host": {"capacity": 1}}}, "layout.heads", ["num_kv_heads"]),
         ({"layout": {"num_layers": 4}}, "tiers", ["[tiers.host]"]),
+        (
+            {"layout": {"latent_size": 576, "head_dim": 64}, "tiers": {"host": {"capacity": 1 << 30}}},
+            "layout.latent_size",
+            ["no head_dim"],
+        ),
+        (
+            {"layout": {"latent_size": -1}, "tiers": {"host": {"capacity": 1 << 30}}},
+            "layout.latent_size",
+            [">= 0"],
+        ),
         ({"tiers": {"ssd": {"capacity": 1}}}, "tiers.ssd", ["gpu, host, disk"]),
         ({"tiers": {"host": {"capacity": "lots"}}}, "tiers.host.capacity", ["512MiB"]),
         ({"tiers": {"host": {"size": 1}}}, "tiers.host.size", ["capacity", "pin_memory", "shared"]),
