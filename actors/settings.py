@@ -192,8 +192,8 @@ def _layout(layout_t: Mapping[str, Any]) -> KVLayout:
         raise ConfigError("layout.latent_size", why)
     from raykv.integrations.vllm.layout import mla_layout
 
-    keep = {k: fields[k] for k in ("num_layers", "tokens_per_block", "dtype")}
-    return _build("layout", mla_layout, latent_size=latent, block_size=keep.pop("tokens_per_block"), **keep)  # type: ignore[no-any-return]
+    layers, block, dtype = fields["num_layers"], fields["tokens_per_block"], fields["dtype"]
+    return _build("layout", mla_layout, num_layers=layers, latent_size=latent, block_size=block, dtype=dtype)  # type: ignore[no-any-return]
 
 
 def _table(doc: Mapping[str, Any], name: str) -> dict[str, Any]:

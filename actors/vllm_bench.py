@@ -26,6 +26,7 @@ blocks) against a numpy memcpy of the same bytes. Goals from the issue: (c) <= 0
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import random
@@ -86,34 +87,15 @@ QUICK = Settings(
 )
 
 
-FULL_MLA = Settings(
-    4096,
-    32,
-    2,
-    dict(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        max_position_embeddings=8192,
-    ),
-    mla=True,
-)
-QUICK_MLA = Settings(
-    1024,
-    32,
-    2,
-    dict(
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-    ),
-    mla=True,
-)
+def _mla_of(llama: Settings) -> Settings:
+    """The MLA model's settings for a Llama's: same prompt, repeats, layers, hidden and MLP
+    sizes and heads; every head its own KV head, the latent from ``testing.MLA_FIELDS``."""
+    model = {k: v for k, v in llama.model.items() if k != "head_dim"}
+    model["num_key_value_heads"] = model["num_attention_heads"]
+    return dataclasses.replace(llama, model=model, mla=True)
+
+
+FULL_MLA, QUICK_MLA = _mla_of(FULL), _mla_of(QUICK)
 
 PAGE_LAYOUT = "engine_native"
 """The connector's pages for Llama: the backend's block bytes, so a load is one copy per block.

@@ -71,8 +71,8 @@ ENGINES = {
     "cuda": (("flash_attn", "LBNHC"), ("flashinfer", "LBHNC"), ("flash_attn", "BLNHC")),
     "cpu": (("cpu", "LBHNC"), ("flash_attn", "LBNHC")),
 }
-MLA_ENGINE = ("mla", "LBNHC")
 """Per device: (``kv_cache_layout``, vLLM's physical order) of the engines measured."""
+MLA_ENGINE = ("mla", "LBNHC")
 
 
 class _Case:

@@ -185,8 +185,6 @@ def _mla_layout(
     with a per-tensor scale (the bytes are the engine's own either way). ConfigError for
     ``engine_native`` pages and for caches that pad blocks, pack scales beside the latent or
     quantize per token (DeepSeek V4's and the sparse backends' formats among them)."""
-    if page_layout not in PAGE_LAYOUTS:
-        raise ConfigError("page_layout", f"must be one of {PAGE_LAYOUTS}, got {page_layout!r}")
     if page_layout != "token_major":
         raise ConfigError("page_layout", f"an MLA engine's pages are token_major, not {page_layout!r}")
     quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
