@@ -28,14 +28,16 @@ from actors.liveness import Pinger
 from actors.serve import IndexLink, RoutedRequest, connect_index
 from actors.serve_fields import CAPACITY_FIELD, PULLS_FIELD, TIMING_FIELD, WORKER_FIELD
 from raykv.core.errors import ConfigError
-from raykv.core.keys import ReuseScope, block_keys
+from raykv.core.keys import ReuseScope
 from raykv.core.records import ExportedBlock
 from raykv.core.types import WorkerId
 from raykv.core.warn_every import WarnEvery
 from raykv.index.prefix_index import RouteMatch
 from raykv.integrations.hf import leading_blocks
-from raykv.routing.pd import PDConfig, PDDecision, choose_pair
+from raykv.routing.adaptive import RoutingPolicy
+from raykv.routing.pd import PDConfig, PDDecision, choose_pair, pd_policy
 from raykv.routing.policy import DEFAULT_ROUTING, WorkerLoad
+from raykv.routing.session_keys import SessionKeys
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +249,12 @@ class PDPairer:
     """Chooses (prefill worker, decode worker) pairs for a PD proxy from the index and the load
     this proxy has in flight on each worker. Falls back to load only when the index is slow.
 
+    The prefill side is decided by one :class:`~raykv.routing.adaptive.RoutingPolicy` per block
+    size over ``config``'s routing (default :data:`~raykv.routing.policy.DEFAULT_ROUTING`), which
+    learns its prices from every pairing; prompts are keyed through
+    :class:`~raykv.routing.session_keys.SessionKeys` (a request's ``session`` reuses its previous
+    prompt's keys), as the Serve router keys them.
+
     Only live workers are paired: ``liveness`` (default: a :class:`actors.liveness.Pinger` over
     these workers, started here) drops a worker whose ping failed or stayed unanswered for
     ``PING_LATE_S`` and takes it back after a good one; when no worker of a role is live, every
@@ -276,22 +284,38 @@ class PDPairer:
         self.rng = random.Random(seed)
         self.queued: collections.Counter[WorkerId] = collections.Counter()
         self.decodes: collections.Counter[WorkerId] = collections.Counter()
+        self._policies: dict[int, tuple[PDConfig, RoutingPolicy]] = {}
+        self._session_keys: dict[int, SessionKeys] = {}
+
+    def policy(self, tokens_per_block: int) -> tuple[PDConfig, RoutingPolicy]:
+        """The pairing config and the prefill side's policy (with its learned prices) for
+        deployments of ``tokens_per_block``."""
+        got = self._policies.get(tokens_per_block)
+        if got is None:
+            base = self.config or PDConfig(DEFAULT_ROUTING)
+            cfg = replace(base, routing=replace(base.routing, tokens_per_block=tokens_per_block))
+            got = self._policies[tokens_per_block] = (cfg, pd_policy(cfg))
+        return got
 
     async def pair(self, request: RoutedRequest) -> PDDecision:
-        """The pair for ``request`` (credits the prefill worker with the prompt's blocks)."""
+        """The pair for ``request`` (credits the prefill worker with the prompt's blocks; the
+        prefill side's policy learns from it). ValueError for tokens that cannot be keyed."""
         view = await self.link.get(self.time_budget_s)
         tpb = view.tokens_per_block if view is not None else 16
-        keys = block_keys(request.tokens, tpb, request.scope)
+        sessions = self._session_keys.get(tpb)
+        if sessions is None:
+            sessions = self._session_keys[tpb] = SessionKeys(tpb)
+        keys = sessions.keys(request.tokens, request.scope, request.session)
         matches: Mapping[WorkerId, RouteMatch] = {}
         if view is not None:
             try:
                 matches = await asyncio.wait_for(view.index.route_async(keys), self.time_budget_s)
             except Exception:
                 self.link.failed()
-        cfg = self.config or PDConfig(replace(DEFAULT_ROUTING, tokens_per_block=tpb))
+        cfg, policy = self.policy(tpb)
         pre = [WorkerLoad(w, self.queued[w], self.decodes[w]) for w in self.live(self.prefill)]
         dec = [WorkerLoad(w, self.queued[w], self.decodes[w]) for w in self.live(self.decode)]
-        decision = choose_pair(len(request.tokens), pre, dec, matches, cfg, self.nodes, self.rng)
+        decision = choose_pair(len(request.tokens), pre, dec, matches, cfg, self.nodes, self.rng, policy)
         if view is not None and keys:
             view.index.predict(decision.prefill, keys)
         return decision

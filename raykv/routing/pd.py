@@ -1,20 +1,27 @@
 """Prefill/decode pairing by cache location (pure; a PD proxy plugs it into Serve).
 
 With disaggregated serving a request runs prefill on one worker and decode on another, and the
-decode worker pulls the prompt's committed blocks from the prefill worker. For a prompt of
-``num_tokens`` tokens (``n = num_tokens // tokens_per_block`` full blocks) and each pair (P, D):
+decode worker pulls the prompt's committed blocks from the prefill worker. The pair is chosen in
+two steps:
 
-    cost(P, D) = prefill(P) + transfer(P, D) + decode(D)
-    prefill(P)     = the :func:`raykv.routing.policy.choose` cost of P: prefill tokens left after P's
-                     tier-weighted cached prefix, plus P's load
-    transfer(P, D) = transfer_cost * tokens_per_block * pull * (remote_node_factor if P and D are
-                     on different nodes else 1),  pull = n - (blocks D already holds), 0 if P == D
-    decode(D)      = D's load (queued prefill tokens + decode_weight x running decodes)
+1. The prefill worker P is the one routing policy's decision
+   (:class:`raykv.routing.adaptive.RoutingPolicy`, pulls off) over the prefill candidates: prefill
+   goes where the prefix is, at the policy's learned duplicate price, with its load guard,
+   balance, recent-work and cold-placement rules, and the policy learns from the decision.
+2. The decode worker D is the guarded decode candidate of least
 
-so prefill goes where the prefix is, and decode goes where pulling the result is cheapest: a
-decode worker that still holds the conversation's earlier turns pulls only the new blocks, and a
-decode worker on the prefill worker's node pulls over the fast local path. The load-imbalance guard
-of :mod:`raykv.routing.policy` applies on each side. Ties break with a seeded RNG.
+       decode(D) + transfer(P, D)
+       decode(D)      = D's load (queued prefill tokens + decode_weight x running decodes)
+       transfer(P, D) = transfer_cost * tokens_per_block * pull * (remote_node_factor if P and D
+                        are on different nodes else 1),  pull = n - (blocks D already holds),
+                        0 if P == D
+
+   for ``n = num_tokens // tokens_per_block`` full blocks: decode goes where pulling the result is
+   cheapest (a decode worker that still holds the conversation's earlier turns pulls only the new
+   blocks; one on the prefill worker's node pulls over the fast local path).
+
+The load-imbalance guard of :mod:`raykv.routing.policy` applies on each side. Ties break with a
+seeded RNG.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from dataclasses import dataclass, replace
 from raykv.core.errors import InvalidArgumentError
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
-from raykv.routing.policy import DEFAULT_ROUTING, RoutingConfig, WorkerLoad, choose
+from raykv.routing.adaptive import RoutingPolicy
+from raykv.routing.policy import DEFAULT_ROUTING, RoutingConfig, WorkerLoad
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,9 @@ class PDConfig:
 class PDDecision:
     """The chosen pair, its cost, the blocks the prefill worker already holds, and how many
     blocks the decode worker must pull from the prefill worker. ``costs`` lists every pair that
-    passed the guards as ``(prefill, decode, cost)``."""
+    passed the guards as ``(prefill, decode, cost)``: the policy's cost of the prefill worker
+    plus decode and transfer (the chosen prefill worker is the policy's decision, which its hot,
+    balance and placement rules may move off the lowest of these)."""
 
     prefill: WorkerId
     decode: WorkerId
@@ -70,6 +80,12 @@ def _guarded(cands: Sequence[WorkerLoad], cfg: RoutingConfig) -> list[WorkerLoad
     return [c for c, load in zip(cands, loads) if load <= limit]
 
 
+def pd_policy(cfg: PDConfig) -> RoutingPolicy:
+    """A fresh routing policy for the prefill side of ``cfg`` (its routing config with pulls
+    off: the prefill worker computes what it does not hold)."""
+    return RoutingPolicy(replace(cfg.routing, allow_pulls=False))
+
+
 def choose_pair(
     num_tokens: int,
     prefill: Sequence[WorkerLoad],
@@ -78,46 +94,59 @@ def choose_pair(
     cfg: PDConfig | None = None,
     nodes: Mapping[WorkerId, str] | None = None,
     rng: random.Random | None = None,
+    policy: RoutingPolicy | None = None,
 ) -> PDDecision:
-    """Pick the lowest-cost (prefill, decode) pair; see the module docstring for the cost.
+    """Pick the (prefill, decode) pair; see the module docstring.
 
     ``matches`` is the index's answer for the prompt's block keys (any worker may appear; only
     candidates count). ``nodes`` maps workers to node ids (missing: treated as remote from every
-    other worker). Raises InvalidArgumentError when either side has no candidate or
-    ``num_tokens`` is negative. Pure and deterministic for a given ``rng`` (default: seeded from
-    ``cfg.routing.seed``).
+    other worker). ``policy`` chooses the prefill worker and learns from it (a proxy keeps one;
+    None: a fresh :func:`pd_policy`, whose first decision uses the static prices and no load
+    guard). Raises InvalidArgumentError when either side has no candidate or ``num_tokens`` is
+    negative; nothing changes then. Deterministic for a given ``rng`` (default: seeded from
+    ``cfg.routing.seed``) and policy state.
     """
     cfg = cfg or PDConfig()
     if not prefill or not decode:
         raise InvalidArgumentError("candidates", "need at least one prefill and one decode candidate")
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise InvalidArgumentError("num_tokens", f"must be an int >= 0, got {num_tokens!r}")
-    rcfg = replace(cfg.routing, allow_pulls=False)
-    prefill_costs = dict(choose(num_tokens, prefill, matches, rcfg, random.Random(0)).costs)
+    policy = policy or pd_policy(cfg)
+    rcfg = policy.cfg
+    rng = rng or random.Random(rcfg.seed)
+    dw = rcfg.decode_weight
+    chosen = policy.decide(
+        num_tokens, [c.worker for c in prefill], [c.tokens(dw) for c in prefill], matches, rng
+    )
     tpb = rcfg.tokens_per_block
     total = num_tokens // tpb
     nodes = nodes or {}
-    pairs: list[tuple[WorkerId, WorkerId, float, int]] = []
+    pairs: list[tuple[WorkerId, WorkerId, float]] = []
+    best: list[tuple[WorkerId, float, int]] = []  # decode candidates of least cost after P
+    low = math.inf
     for cand in _guarded(decode, rcfg):
         held = matches.get(cand.worker)
         own = min(total, held.blocks) if held is not None else 0
-        decode_cost = cand.tokens(rcfg.decode_weight)
-        for pw, p_cost in prefill_costs.items():
+        decode_cost = cand.tokens(dw)
+        for pw, p_cost in chosen.costs:
             pull = 0 if pw == cand.worker else total - own
             same = pw in nodes and nodes.get(pw) == nodes.get(cand.worker)
             factor = 1.0 if same else cfg.remote_node_factor
-            cost = p_cost + decode_cost + cfg.transfer_cost * tpb * pull * factor
-            pairs.append((pw, cand.worker, cost, pull))
-    low = min(c[2] for c in pairs)
-    ties = [c for c in pairs if c[2] <= low + 1e-9]
-    pick = ties[0] if len(ties) == 1 else (rng or random.Random(rcfg.seed)).choice(ties)
-    p, d, cost, pull = pick
-    held_p = matches.get(p)
+            after = decode_cost + cfg.transfer_cost * tpb * pull * factor
+            pairs.append((pw, cand.worker, p_cost + after))
+            if pw != chosen.worker:
+                continue
+            if after < low - 1e-9:
+                best, low = [], after
+            if after <= low + 1e-9:
+                best.append((cand.worker, after, pull))
+    d, after, pull = best[0] if len(best) == 1 else rng.choice(best)
+    held_p = matches.get(chosen.worker)
     return PDDecision(
-        prefill=p,
+        prefill=chosen.worker,
         decode=d,
-        cost=cost,
+        cost=chosen.cost + after,
         cached_blocks=held_p.blocks if held_p is not None else 0,
         pull_blocks=pull,
-        costs=tuple((a, b, c) for a, b, c, _ in pairs),
+        costs=tuple(pairs),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -9,7 +10,8 @@ import pytest
 from raykv.core.errors import InvalidArgumentError
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
-from raykv.routing.pd import PDConfig, choose_pair
+from raykv.routing.adaptive import RoutingPolicy
+from raykv.routing.pd import PDConfig, choose_pair, pd_policy
 from raykv.routing.policy import RoutingConfig, WorkerLoad
 
 P1, P2, D1, D2 = (WorkerId(n) for n in ("p1", "p2", "d1", "d2"))
@@ -77,6 +79,42 @@ def test_ties_break_by_seed() -> None:
     assert len(picks) == 4
     again = {choose_pair(64, idle(P1, P2), idle(D1, D2), {}, CFG, rng=random.Random(3)) for _ in range(3)}
     assert len(again) == 1
+
+
+def test_the_prefill_side_is_the_routing_policy_and_learns() -> None:
+    """Over a random stream of prompts, a proxy's kept policy picks the same prefill workers as
+    the same RoutingPolicy deciding alone, and ends with the same learned prices and shares."""
+    cfg = PDConfig(dataclasses.replace(CFG.routing, balance_window=50))
+    kept, alone = pd_policy(cfg), RoutingPolicy(dataclasses.replace(cfg.routing, allow_pulls=False))
+    gen = random.Random(7)
+    prefill = [P1, P2, WorkerId("p3")]
+    picks = []
+    for _ in range(300):
+        loads = [WorkerLoad(w, gen.randrange(0, 4000), gen.randrange(0, 6)) for w in prefill]
+        matches = {w: RouteMatch(w, gen.randrange(1, 12), gpu=4) for w in gen.sample(prefill, 2)}
+        tokens = gen.randrange(16, 400)
+        d = choose_pair(tokens, loads, idle(D1, D2), matches, cfg, rng=random.Random(1), policy=kept)
+        w = alone.decide(tokens, prefill, [c.tokens(64.0) for c in loads], matches, random.Random(1)).worker
+        assert d.prefill == w
+        picks.append(w)
+    assert kept.decisions == alone.decisions == 300
+    assert kept.duplicate_price == alone.duplicate_price != cfg.routing.price_start
+    assert kept.shares.totals == alone.shares.totals
+    assert len(set(picks)) == 3
+
+
+def test_a_kept_policy_spreads_prefill_off_a_holder_past_its_share() -> None:
+    """P1 holds every prompt and all loads look equal: a fresh policy per pairing always sends
+    prefill to P1; the proxy's kept policy starts there, then its recent-work and balance rules give
+    P2 work while P1, which recomputes nothing, keeps most of it."""
+    cfg = PDConfig(dataclasses.replace(CFG.routing, balance_window=100, price_start=0.5))
+    held = {P1: RouteMatch(P1, 10, gpu=10)}
+    fresh = {choose_pair(160, idle(P1, P2), idle(D1), held, cfg).prefill for _ in range(50)}
+    assert fresh == {P1}
+    kept = RoutingPolicy(dataclasses.replace(cfg.routing, allow_pulls=False), clock=lambda: 0.0)
+    picks = [choose_pair(160, idle(P1, P2), idle(D1), held, cfg, policy=kept).prefill for _ in range(400)]
+    assert picks[0] == P1 and picks.count(P1) > 200
+    assert picks[200:].count(P2) > 20
 
 
 @pytest.mark.parametrize(
