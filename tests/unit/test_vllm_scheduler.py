@@ -102,7 +102,7 @@ def _idle_step() -> Any:
 
 
 def _build(side: SchedulerSide) -> RaykvMetadata:
-    return side.build(_idle_step(), lambda rid: list(BLOCKS))
+    return side.build(_idle_step(), lambda rid: [list(BLOCKS)])
 
 
 def _side(match: Match, **extra: Any) -> tuple[SchedulerSide, FakeLink]:
@@ -115,14 +115,14 @@ def test_paired_worker_hit_is_a_synchronous_load() -> None:
     request = _request()
     assert side.lookup(request, 0) == (4 * TPB, False)
     assert link.fetches == []
-    side.after_alloc(request, BLOCKS, 4 * TPB)
+    side.after_alloc(request, [BLOCKS], 4 * TPB)
     out = SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id="r1", num_computed_tokens=4 * TPB)],
         num_scheduled_tokens={"r1": TPB},
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
         total_num_scheduled_tokens=TPB,
     )
-    (load,) = side.build(out, lambda rid: list(BLOCKS)).loads
+    (load,) = side.build(out, lambda rid: [list(BLOCKS)]).loads
     assert not load.is_async and load.block_ids == tuple(BLOCKS[:4]) and len(load.keys) == 4
     assert load.lost_block_ids == ()
 
@@ -133,14 +133,14 @@ def test_peer_hit_loads_asynchronously_once_the_fetch_is_done() -> None:
     assert side.lookup(request, 0) == (6 * TPB, True)
     assert side.lookup(request, 0) == (6 * TPB, True)  # asked again before admission
     assert len(link.fetches) == 1 and link.lookups == 1
-    side.after_alloc(request, BLOCKS, 6 * TPB)
+    side.after_alloc(request, [BLOCKS], 6 * TPB)
     assert _build(side).loads == []  # still in flight: nothing, the step does not wait
     link.fetches[0].result = 6
     (load,) = _build(side).loads
     assert load.is_async and load.first_block == 0 and load.block_ids == tuple(BLOCKS[:6])
     assert len(load.keys) == 6 and load.lost_block_ids == ()
     assert _build(side).loads == []  # once
-    side.after_alloc(request, BLOCKS, 0)  # vLLM's second call, after the load: nothing to plan
+    side.after_alloc(request, [BLOCKS], 0)  # vLLM's second call, after the load: nothing to plan
     params = side.finished(request)
     assert params is not None
     counts = params["raykv"]
@@ -154,7 +154,7 @@ def _fetched(held: int, result: int) -> tuple[SchedulerSide, FakeLink, Any]:
     side, link = _side(Match(held, "w1", 6))
     request = _request()
     side.lookup(request, 0)
-    side.after_alloc(request, BLOCKS, 6 * TPB)
+    side.after_alloc(request, [BLOCKS], 6 * TPB)
     link.fetches[0].result = result
     return side, link, request
 
@@ -170,7 +170,7 @@ def test_fetch_out_of_time_falls_back_to_the_blocks_held() -> None:
     side, link = _side(Match(2, "w1", 6), timeout_s=0.05)  # fetches end after 2 x 0.05 s
     request = _request()
     side.lookup(request, 0)
-    side.after_alloc(request, BLOCKS, 6 * TPB)
+    side.after_alloc(request, [BLOCKS], 6 * TPB)
     assert _build(side).loads == []
     time.sleep(0.15)
     (load,) = _build(side).loads
@@ -183,7 +183,7 @@ def test_request_finished_while_waiting_is_released_not_loaded() -> None:
     side, link = _side(Match(0, "w1", 6))
     request = _request()
     side.lookup(request, 0)
-    side.after_alloc(request, BLOCKS, 6 * TPB)
+    side.after_alloc(request, [BLOCKS], 6 * TPB)
     assert side.finished(request) is not None  # aborted in WAITING_FOR_REMOTE_KVS
     assert link.fetches[0].cancelled
     link.fetches[0].result = 6  # a late result changes nothing
@@ -207,7 +207,7 @@ def test_fetch_done_before_admission_turns_synchronous() -> None:
     side.lookup(request, 0)
     link.fetches[0].result = 5
     assert side.lookup(request, 0) == (5 * TPB, False)
-    side.after_alloc(request, BLOCKS, 5 * TPB)
+    side.after_alloc(request, [BLOCKS], 5 * TPB)
     assert side._requests["r1"].load is not None and not side._requests["r1"].load.is_async
 
 
@@ -256,8 +256,8 @@ def test_prefill_is_timed_from_its_first_step_to_the_step_after_its_last() -> No
     side, _ = _side(Match(4), store_generated=False)
     request = _request()
     side.lookup(request, 0)
-    side.after_alloc(request, BLOCKS, 4 * TPB)
-    blocks = lambda rid: list(BLOCKS)  # noqa: E731
+    side.after_alloc(request, [BLOCKS], 4 * TPB)
+    blocks = lambda rid: [list(BLOCKS)]  # noqa: E731
     start = time.monotonic()
     side.build(_step("r1", 4 * TPB, 5, new=True), blocks)
     time.sleep(0.02)
@@ -288,7 +288,7 @@ def _pulled_and_finished() -> tuple[SchedulerSide, FakeLink, dict[str, Any]]:
     computed in one step, then finished: the side, its link and the request's results."""
     side, link, request = _fetched(1, 6)
     _build(side)
-    side.build(_step("r1", 6 * TPB, 1, new=True), lambda rid: list(BLOCKS))
+    side.build(_step("r1", 6 * TPB, 1, new=True), lambda rid: [list(BLOCKS)])
     params = side.finished(request)
     assert params is not None
     return side, link, params["raykv"]
@@ -299,7 +299,7 @@ def _prefilled_whole(side: SchedulerSide, req_id: str) -> dict[str, Any] | None:
     (before another step was planned): its ``kv_transfer_params``."""
     request = _request(req_id)
     side.lookup(request, 0)
-    side.build(_step(req_id, 0, len(PROMPT), new=True), lambda rid: list(BLOCKS))
+    side.build(_step(req_id, 0, len(PROMPT), new=True), lambda rid: [list(BLOCKS)])
     time.sleep(0.01)
     return side.finished(request)
 
@@ -393,7 +393,72 @@ def test_a_tensor_parallel_engines_loads_carry_the_tokens_its_ranks_key_from() -
         side, _ = _side(Match(4), tensor_parallel_size=ranks)
         request = _request()
         side.lookup(request, 0)
-        side.after_alloc(request, BLOCKS, 4 * TPB)
-        (load,) = side.build(_step("r1", 4 * TPB, TPB, new=True), lambda rid: list(BLOCKS)).loads
+        side.after_alloc(request, [BLOCKS], 4 * TPB)
+        (load,) = side.build(_step("r1", 4 * TPB, TPB, new=True), lambda rid: [list(BLOCKS)]).loads
         assert load.tokens == tuple(expected) and len(load.keys) == 4
         assert load.scope == (ReuseScope() if ranks > 1 else None)
+
+
+# ---- engines with block ids per KV cache group (vLLM's hybrid manager, sliding windows) --------
+SWA = [0, 0, 21, 22, 23, 24, 25]  # group 1: null blocks before the window
+
+
+def test_a_grouped_engine_loads_a_held_hit_asynchronously_into_every_group() -> None:
+    """vLLM takes no block-level load errors when blocks are per group, so even a hit the paired
+    worker holds waits one step (WAITING_FOR_REMOTE_KVS) and loads asynchronously, with each
+    group's blocks (the window's nulls included, for the worker side to skip)."""
+    side, link = _side(Match(4), grouped=True)
+    request = _request()
+    assert side.lookup(request, 0) == (4 * TPB, True)
+    assert link.fetches == []  # nothing to fetch: the paired worker holds them
+    assert side.lookup(request, 0) == (4 * TPB, True)  # asked again before admission: the same
+    side.after_alloc(request, [BLOCKS, SWA], 4 * TPB)
+    (load,) = _build(side).loads
+    assert load.is_async and load.block_ids == tuple(BLOCKS[:4]) and load.group_ids == (tuple(SWA[:4]),)
+    assert load.lost_block_ids == () and len(load.keys) == 4
+    assert load.blocks() == list(zip(BLOCKS[:4], SWA[:4]))
+    assert _build(side).loads == []  # once
+
+
+def test_a_grouped_engine_whose_load_failed_gets_no_more_hits() -> None:
+    """A failed load comes back as the request's ``load_errors``; vLLM then recomputes the whole
+    prompt and asks again: no hit, so a worker whose pages keep failing cannot make it loop."""
+    side, _ = _side(Match(4), grouped=True)
+    request = _request()
+    side.lookup(request, 0)
+    side.after_alloc(request, [BLOCKS, SWA], 4 * TPB)
+    _build(side)
+    report = WorkerReport()
+    report.count("r1", "load_errors", 4)
+    side.on_report(report)
+    assert side.lookup(request, 0) == (0, False)
+
+
+def test_a_grouped_engine_stores_every_groups_blocks() -> None:
+    side, _ = _side(Match(0), grouped=True)
+    request = _request()
+    assert side.lookup(request, 0) == (0, False)
+    meta = side.build(_step("r1", 0, 3 * TPB, new=True), lambda rid: [list(BLOCKS), list(SWA)])
+    (store,) = meta.stores
+    assert store.block_ids == tuple(BLOCKS[:3]) and store.group_ids == (tuple(SWA[:3]),)
+    assert store.first_block == 0 and store.end_block == 3
+
+
+def test_a_grouped_worker_side_fails_requests_not_blocks() -> None:
+    """On an engine with per-group block ids a failed or lost load fails its request (vLLM's
+    failed receiving), never a block id; a save that needs a null block stores nothing."""
+    worker = WorkerSide(LAYOUT, ["layer.0"], groups=(0,))
+    lost = LoadOp("r1", 0, (), (), is_async=True, lost_block_ids=(3, 4))
+    fine = LoadOp("r2", 0, (), (), is_async=True)
+    worker.start_load(RaykvMetadata(loads=[lost, fine]))
+    assert worker.take_failed() == set()
+    assert worker.take_failed_requests() == {"r1"}
+    assert worker.take_received() == {"r1", "r2"}
+    report = worker.take_report()
+    assert report is not None and report.per_request["r1"]["load_errors"] == 2
+
+
+def test_group_ids_must_align_with_the_block_ids() -> None:
+    with pytest.raises(InvalidArgumentError):
+        LoadOp("r1", 0, (b"k" * 16,), (1, 2), group_ids=((3,),)).blocks()
+    assert LoadOp("r1", 0, (), (1, 2)).blocks() == [1, 2]

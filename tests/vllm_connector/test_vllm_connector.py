@@ -133,7 +133,7 @@ def test_no_deployment_one_warning_and_no_op(ray_address: str, caplog: pytest.Lo
         num_scheduled_tokens={"r1": 199},
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
     )
-    meta = side.build(out, lambda rid: list(range(7)))
+    meta = side.build(out, lambda rid: [list(range(7))])
     assert meta.link is None and meta.loads == [] and meta.stores == []
     assert side.finished(request) is None
 

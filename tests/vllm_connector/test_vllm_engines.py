@@ -320,16 +320,21 @@ def test_a_tensor_parallel_mla_engine_stores_one_set_of_latent_pages(
 
 
 @pytest.mark.timeout(600)
-def test_sliding_window_layers_beside_full_ones_round_trip_bit_exact(
+def test_sliding_window_layers_beside_full_ones_keep_only_their_window(
     ray_address: str,
     tmp_path_factory: pytest.TempPathFactory,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Sliding-window layers beside full-attention ones (Gemma 2/3 and gpt-oss style; here the
-    tiny Llama with ``layer_types``, a 40-token window): vLLM turns its hybrid KV cache manager
-    off for a connector without HMA support, so every layer keeps whole blocks in one group of
-    the usual pages. A repeat loads the 4 blocks and generates exactly what the first run
-    computed."""
+    tiny Llama with ``layer_types``, a 40-token window). RaykvConnector supports vLLM's hybrid KV
+    cache manager, so the engine keeps two KV cache groups and a block slot holds one layer of
+    each: twice the blocks of a manager that gives every layer whole blocks. Pages are stored
+    whole in the step that computes them; a load fills every full-attention block and only the
+    window's sliding-window blocks (the rest are null), asynchronously. A repeat of an 8-block
+    prompt, and a prompt sharing only its first 5 blocks (whose window then reads blocks 2-4,
+    stored by the first prompt), generate exactly what an engine without a connector does."""
+    from vllm import LLM
+
     from raykv.integrations.vllm import testing
 
     for key, value in testing.THREAD_ENV.items():
@@ -338,11 +343,24 @@ def test_sliding_window_layers_beside_full_ones_round_trip_bit_exact(
     model = testing.save_tiny_llama(
         path, layer_types=["sliding_attention", "full_attention"], sliding_window=40
     )
-    with _engine_on(testing.tiny_layout(), 1, model, ray_address, 0) as (dep, llm):
-        tokens = prompt(59, 4 * TPB + 5)
-        first = generate(llm, tokens)
-        wait_held(dep, 0, tokens, 4, ReuseScope(), timeout=30)
-        again = generate(llm, tokens)
-    assert first.raykv["staged_blocks"] == 4
-    assert again.raykv["loaded_blocks_ok"] == 4 and again.raykv["prefilled_tokens"] == 5
-    _same(again, first)
+    long = prompt(59, 8 * TPB + 3)
+    branch = long[: 5 * TPB] + prompt(61, 2 * TPB + 7)
+    layout = testing.tiny_layout()
+    with _engine_on(layout, 1, model, ray_address, 0) as (dep, llm):
+        blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        first = generate(llm, long)
+        wait_held(dep, 0, long, 8, ReuseScope(), timeout=30)
+        again = generate(llm, long)
+        other = generate(llm, branch)
+    assert blocks == testing.KV_CACHE_BYTES // (layout.page_bytes // 2)  # one layer per group in a slot
+    assert first.raykv["staged_blocks"] == 8
+    assert again.raykv["loaded_blocks_ok"] == 8 and again.raykv["prefilled_tokens"] == 3
+    assert again.raykv["async_loads"] == 1 and "load_errors" not in again.raykv
+    assert other.raykv["loaded_blocks_ok"] == 5 and "load_errors" not in other.raykv
+    plain = LLM(**testing.engine_kwargs(model))
+    try:
+        _same(first, generate(plain, long))
+        _same(again, first)
+        _same(other, generate(plain, branch))
+    finally:
+        testing.shutdown_engine(plain)

@@ -2,9 +2,9 @@
 latent attention, DeepSeek-style): the page layout derived from vLLM's MLAAttentionSpec,
 BlockCopier over latent tensors in every physical order (pages byte-identical to the reference
 latents, loads writing exactly the chosen blocks), and the refusals (padded or scale-packed
-caches, engine_native pages, a key/value format named for latent pages and the reverse).
-Sliding window: a group of sliding-window layers only is refused. Data parallelism: each rank's
-engine core pairs with a worker of its own."""
+caches, engine_native pages, a key/value format named for latent pages and the reverse). Data
+parallelism: each rank's engine core pairs with a worker of its own. (Sliding-window groups:
+test_vllm_groups.py.)"""
 
 from __future__ import annotations
 
@@ -144,20 +144,6 @@ def test_hf_kv_layout_sends_mla_configs_to_the_latent_layout() -> None:
     with pytest.raises(ConfigError, match=r"mla_layout\(2, 576, 16, 'float32'\)"):
         kv_layout(config, 16)
     assert tiny_mla_layout() == mla_layout(2, 576, 16, "float32")
-
-
-def test_a_sliding_window_only_group_is_refused() -> None:
-    """A model whose every layer is sliding-window keeps one SlidingWindowSpec group even with
-    vLLM's hybrid manager off (its blocks outside the window are dropped): ConfigError. Mixed
-    with full-attention layers, vLLM gives every layer a FullAttentionSpec, which pages as usual."""
-    iface = pytest.importorskip("vllm.v1.kv_cache_interface")
-    fields = dict(block_size=TOKENS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    with pytest.raises(ConfigError) as err:
-        engine_layout(_config(iface.SlidingWindowSpec(**fields, sliding_window=48)))
-    assert err.value.field == "kv_cache_spec" and "SlidingWindowSpec" in str(err.value)
-    assert engine_layout(_config(iface.FullAttentionSpec(**fields)))[0] == KVLayout.uniform(
-        3, 2, 64, TOKENS, "bfloat16"
-    )
 
 
 def test_each_data_parallel_rank_pairs_with_a_worker_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,7 +23,11 @@ same), else ConfigError at engine start. An fp8 KV cache (``kv_cache_dtype="fp8"
 ``float8_e5m2``. A multi-head latent attention engine (DeepSeek V2/V3 style, any of
 :data:`~raykv.integrations.vllm.kv_blocks.MLA_BACKENDS`) caches one latent per token: its layout
 is :func:`~raykv.integrations.vllm.layout.mla_layout` (``hf.kv_layout`` refuses such a config and
-names the call). Under tensor parallelism that is one rank's layout
+names the call). The connector supports vLLM's hybrid KV cache manager (``SupportsHMA``): with
+sliding-window layers (beside full-attention ones or alone) each KV cache group keeps its own
+block table and sliding-window layers only their window's blocks; a page still holds a block of
+every layer (:mod:`~raykv.integrations.vllm.groups`), and every load of such an engine is
+asynchronous (:mod:`~raykv.integrations.vllm.scheduler`). Under tensor parallelism that is one rank's layout
 (``num_kv_heads / tensor_parallel_size`` heads): each rank stores and loads pages of its own
 heads, keyed in :func:`~raykv.integrations.vllm.plan.rank_scope` (rank 0's keys are the
 request's, so routers and the index see rank 0's), and a fetch from another worker pulls every

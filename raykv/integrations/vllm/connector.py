@@ -35,7 +35,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from raykv.integrations.vllm.kv_blocks import check_page_layout, resolve_layout
-from raykv.integrations.vllm.layout import check_parallel, engine_layout, is_latent, paired_worker
+from raykv.integrations.vllm.layout import (
+    check_parallel,
+    engine_layout,
+    is_grouped,
+    is_latent,
+    layer_groups,
+    paired_worker,
+)
 from raykv.integrations.vllm.link import open_link
 from raykv.integrations.vllm.plan import RaykvMetadata, WorkerReport
 from raykv.integrations.vllm.scheduler import SchedulerSide
@@ -64,6 +71,8 @@ class _ConnectorImpl:
         layout, names = engine_layout(kv_cache_config, page_layout, cache_dtype)
         replicated = is_latent(layout)  # every rank holds the same latents: one set of pages
         extra["tensor_parallel_size"] = 1 if replicated else ranks
+        grouped = is_grouped(kv_cache_config)  # block ids per KV cache group: async loads only
+        extra["grouped"] = grouped
         self._kv_cache_layout = resolve_layout(extra.get("kv_cache_layout"), None)
         check_page_layout(self._kv_cache_layout, page_layout)
         self._raykv_vllm_config = vllm_config
@@ -79,7 +88,8 @@ class _ConnectorImpl:
             self._scheduler = SchedulerSide(layout, link, loads, stores, extra)
         else:
             rank = tensor_parallel_rank() if ranks > 1 else 0
-            self._worker = WorkerSide(layout, names, rank, ranks, replicated)
+            groups = layer_groups(kv_cache_config, names) if grouped else None
+            self._worker = WorkerSide(layout, names, rank, ranks, replicated, groups)
 
     # ---- worker side -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -113,6 +123,17 @@ class _ConnectorImpl:
         received = self._worker.take_received() if self._worker is not None else set()
         return None, received or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM's ``KVConnectorTransferResults``: no finished sends, this step's asynchronous
+        loads as finished receiving, and, on an engine with block ids per KV cache group, those
+        whose load failed as failed receiving (vLLM recomputes such a request whole)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        received, failed = self._worker.take_received(), self._worker.take_failed_requests()
+        return KVConnectorTransferResults(finished_recving=received | failed, failed_recving=failed)
+
     def build_connector_worker_meta(self) -> Any:
         return self._worker.take_report() if self._worker is not None else None
 
@@ -129,12 +150,15 @@ class _ConnectorImpl:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.after_alloc(request, list(blocks.get_block_ids()[0]), num_external_tokens)
+        groups = [list(g) for g in blocks.get_block_ids()]
+        self._scheduler.after_alloc(request, groups, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> RaykvMetadata:
         assert self._scheduler is not None
         manager = self._kv_cache_manager  # type: ignore[attr-defined]
-        return self._scheduler.build(scheduler_output, lambda rid: list(manager.get_block_ids(rid)[0]))
+        return self._scheduler.build(
+            scheduler_output, lambda rid: [list(g) for g in manager.get_block_ids(rid)]
+        )
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._scheduler is not None:
@@ -146,6 +170,12 @@ class _ConnectorImpl:
         if self._scheduler is None:
             return False, None
         return False, self._scheduler.finished(request)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid-manager form of :meth:`request_finished` (the same answer)."""
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
 
 def tensor_parallel_rank() -> int:
@@ -173,10 +203,16 @@ def attention_backend(vllm_config: Any, names: Sequence[str]) -> str | None:
 @functools.cache
 def connector_class() -> type:
     """The ``RaykvConnector`` class (imports vllm; ImportError without it)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorRole,
+        SupportsHMA,
+    )
 
-    class RaykvConnector(_ConnectorImpl, KVConnectorBase_V1):  # type: ignore[misc, valid-type]
-        """raykv as vLLM's KV connector (see :mod:`raykv.integrations.vllm`)."""
+    class RaykvConnector(_ConnectorImpl, KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, valid-type]
+        """raykv as vLLM's KV connector (see :mod:`raykv.integrations.vllm`); it supports vLLM's
+        hybrid KV cache manager (``SupportsHMA``), so sliding-window layers keep only their
+        window's blocks."""
 
         def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)

@@ -46,7 +46,10 @@ class BlockCopier:
     ``kv_caches`` maps layer names to the views vLLM registers (``register_kv_caches``);
     ``names`` gives layout order (from :func:`~raykv.integrations.vllm.layout.engine_layout`).
     ``kv_cache_layout`` names the block format (:data:`~raykv.integrations.vllm.kv_blocks.KV_CACHE_LAYOUTS`);
-    None: the tensors' strides decide, ConfigError when they allow more than one.
+    None: the tensors' strides decide, ConfigError when they allow more than one. ``layers``:
+    the layout's layer ids ``names`` are (default: every layer): a copier of some layers reads and
+    writes only their regions of a page (:class:`~raykv.integrations.vllm.groups.GroupedCopier`
+    keeps one per KV cache group).
     InvalidArgumentError when a layer is missing or its tensor does not fit the layout (the
     message names the layer and its shape); ConfigError for ``engine_native`` pages of a
     backend other than the CPU one.
@@ -60,10 +63,13 @@ class BlockCopier:
         kv_cache_layout: str | None = None,
         chunk_bytes: int = CHUNK_BYTES,
         use_kernel: bool = True,
+        layers: Sequence[int] | None = None,
     ) -> None:
         self.layout = layout
         self.page_bytes = layout.page_bytes
-        ids = layout.layer_ids
+        ids = layout.layer_ids if layers is None else tuple(layers)
+        if not ids or any(i not in layout.layer_ids for i in ids):
+            raise InvalidArgumentError("layers", f"{ids} are not layers of the layout {layout.layer_ids}")
         if len(names) != len(ids):
             raise InvalidArgumentError("kv_caches", f"{len(names)} layers for a layout of {len(ids)}")
         self.native = layout.roles(ids[0]) == (NATIVE_ROLE,)

@@ -21,6 +21,7 @@ torch is imported inside functions only; this module never imports vllm or ray.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from raykv import BufferSpec, ConfigError, InvalidArgumentError, KVLayout, LayerSpec
@@ -93,6 +94,10 @@ def is_latent(layout: KVLayout) -> bool:
     return layout.roles(layout.layer_ids[0]) == (MLA_ROLE,)
 
 
+_WINDOWED = ("SlidingWindowSpec",)
+"""KV cache specs whose blocks outside the window vLLM frees (null blocks in the block table)."""
+
+
 def engine_layout(
     kv_cache_config: Any, page_layout: str = "token_major", cache_dtype: str = "auto"
 ) -> tuple[KVLayout, tuple[str, ...]]:
@@ -101,36 +106,74 @@ def engine_layout(
     adapter's layout) or ``"engine_native"`` (:func:`native_layout`); ConfigError otherwise. An
     MLA engine's pages are :func:`mla_layout` (token-major only).
 
-    Needs one KV cache group of full attention or MLA (every layer the same heads, head size and
-    dtype); ConfigError otherwise (state-space hybrids, sliding-window-only and other models are
-    not supported). Sliding-window layers beside full-attention ones pass: with a connector
-    that does not support vLLM's hybrid KV cache manager, vLLM turns the manager off and gives
-    every layer a FullAttentionSpec (whole blocks; the window only limits what attention reads)."""
+    A page holds every attention layer of the engine, whatever KV cache group vLLM's hybrid
+    manager put it in (:func:`layer_groups`): groups of full attention and of sliding-window
+    attention (Gemma 2/3, gpt-oss, Mistral style), every layer with the same heads, head size,
+    block size and dtype; or one group of MLA. ConfigError otherwise (state-space hybrids, MLA
+    beside other groups, and other specs are not supported)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", ()))
-    if len(groups) != 1:
-        raise ConfigError("kv_cache_groups", f"one KV cache group needed, the engine has {len(groups)}")
-    spec = groups[0].kv_cache_spec
-    for field in ("num_kv_heads", "head_size", "block_size", "dtype"):
-        if not hasattr(spec, field):
-            raise ConfigError("kv_cache_spec", f"{type(spec).__name__} has no {field} (not attention?)")
-    if type(spec).__name__ == "MLAAttentionSpec":
-        return _mla_layout(spec, groups[0].layer_names, page_layout, cache_dtype)
-    if getattr(spec, "use_mla", False) or type(spec).__name__ != "FullAttentionSpec":
+    if not groups:
+        raise ConfigError("kv_cache_groups", "the engine has no KV cache group")
+    specs = [g.kv_cache_spec for g in groups]
+    for spec in specs:
+        for field in ("num_kv_heads", "head_size", "block_size", "dtype"):
+            if not hasattr(spec, field):
+                raise ConfigError("kv_cache_spec", f"{type(spec).__name__} has no {field} (not attention?)")
+    if type(specs[0]).__name__ == "MLAAttentionSpec" and len(groups) == 1:
+        return _mla_layout(specs[0], groups[0].layer_names, page_layout, cache_dtype)
+    for spec in specs:
+        _check_kv_spec(spec, specs[0])
+    if page_layout not in PAGE_LAYOUTS:
+        raise ConfigError("page_layout", f"must be one of {PAGE_LAYOUTS}, got {page_layout!r}")
+    names = tuple(sorted((n for g in groups for n in g.layer_names), key=layer_index))
+    build = native_layout if page_layout == "engine_native" else KVLayout.uniform
+    spec = specs[0]
+    dtype = torch_dtype_name(spec.dtype, cache_dtype)
+    fields = (int(spec.num_kv_heads), int(spec.head_size), int(spec.block_size), dtype)
+    return build(len(names), *fields), names
+
+
+def _check_kv_spec(spec: Any, first: Any) -> None:
+    """ConfigError unless ``spec`` is plain K and V pages of full or sliding-window attention with
+    ``first``'s heads, head size, block size and dtype."""
+    kind = type(spec).__name__
+    if getattr(spec, "use_mla", False) or kind not in ("FullAttentionSpec", *_WINDOWED):
         raise ConfigError(
             "kv_cache_spec",
-            f"{type(spec).__name__} is not supported (full attention, dense MLA, or sliding-window "
-            "layers beside full-attention ones, which vLLM then allocates as full attention)",
+            f"{kind} is not supported (full attention, sliding-window attention beside or instead "
+            "of it, or one group of dense MLA)",
         )
     packed = any(getattr(spec, f, None) is not None for f in ("num_head_slots", "state_content_bytes"))
     if packed or getattr(spec, "head_size_v", None) not in (None, spec.head_size):
         raise ConfigError("kv_cache_spec", "only pages of K and V of one head size are supported")
-    if page_layout not in PAGE_LAYOUTS:
-        raise ConfigError("page_layout", f"must be one of {PAGE_LAYOUTS}, got {page_layout!r}")
-    names = tuple(sorted(groups[0].layer_names, key=layer_index))
-    build = native_layout if page_layout == "engine_native" else KVLayout.uniform
-    dtype = torch_dtype_name(spec.dtype, cache_dtype)
-    fields = (int(spec.num_kv_heads), int(spec.head_size), int(spec.block_size), dtype)
-    return build(len(names), *fields), names
+    same = ("num_kv_heads", "head_size", "block_size", "dtype")
+    if any(getattr(spec, f) != getattr(first, f) for f in same):
+        raise ConfigError(
+            "kv_cache_groups",
+            f"KV cache groups of different shapes ({', '.join(f'{f} {getattr(spec, f)}' for f in same)} "
+            f"against {', '.join(f'{f} {getattr(first, f)}' for f in same)}): one page cannot hold them",
+        )
+
+
+def layer_groups(kv_cache_config: Any, names: Sequence[str]) -> tuple[int, ...]:
+    """The KV cache group of each layer of ``names`` (layout order, :func:`engine_layout`): the
+    index into ``kv_cache_config.kv_cache_groups``, whose block table holds that layer's blocks.
+    InvalidArgumentError for a name no group lists."""
+    group_of = {n: i for i, g in enumerate(kv_cache_config.kv_cache_groups) for n in g.layer_names}
+    missing = [n for n in names if n not in group_of]
+    if missing:
+        raise InvalidArgumentError("layer_names", f"{missing} are in no KV cache group")
+    return tuple(group_of[n] for n in names)
+
+
+def is_grouped(kv_cache_config: Any) -> bool:
+    """Whether the engine's blocks are addressed per KV cache group: more than one group (vLLM's
+    hybrid manager on), or a group of sliding-window layers (null blocks outside the window). Such
+    an engine's block ids come as one list per group, and vLLM takes load failures per request
+    only (``failed_recving``), so every load is asynchronous
+    (:mod:`~raykv.integrations.vllm.scheduler`)."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", ()))
+    return len(groups) > 1 or any(type(g.kv_cache_spec).__name__ in _WINDOWED for g in groups)
 
 
 _SPLITS = ("pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size")

@@ -61,6 +61,24 @@ def rank_scope(scope: ReuseScope, rank: int, ranks: int) -> ReuseScope:
     return ReuseScope(scope.lora_id, int.from_bytes(hashlib.sha256(text).digest()[:8], "little"))
 
 
+NULL_BLOCK = 0
+"""vLLM's null block id: a KV cache group's placeholder for a block it does not keep (the
+positions before a sliding window); never a block of data."""
+
+
+def grouped_ids(
+    block_ids: tuple[int, ...], group_ids: tuple[tuple[int, ...], ...]
+) -> list[tuple[int, ...]] | list[int]:
+    """``block_ids`` as a list when there are no other groups, else per position the tuple of its
+    block in every group (group 0 first). InvalidArgumentError when a group's ids are not aligned
+    with ``block_ids``."""
+    if not group_ids:
+        return list(block_ids)
+    if any(len(g) != len(block_ids) for g in group_ids):
+        raise InvalidArgumentError("group_ids", "every group needs one block per page")
+    return list(zip(block_ids, *group_ids))
+
+
 @dataclass(frozen=True)
 class LoadOp:
     """Load the pages of ``keys`` (a prompt's blocks ``first_block ..``) into ``block_ids``.
@@ -73,7 +91,10 @@ class LoadOp:
     keys and no lost blocks only releases a request that finished while its load was pending.
     ``tokens`` and ``scope`` (sent to tensor-parallel engines only): the prompt through the last
     block of the load and its scope, from which ranks above 0 key their own pages
-    (:func:`rank_scope`); ``keys`` are rank 0's.
+    (:func:`rank_scope`); ``keys`` are rank 0's. ``group_ids``: for an engine whose layers sit in
+    several KV cache groups, the blocks of groups 1.. for the same pages, each aligned with
+    ``block_ids`` (group 0's); ``NULL_BLOCK`` where a group keeps no block (outside a sliding
+    window): that group's layers of that page are not loaded.
     """
 
     req_id: str
@@ -84,12 +105,19 @@ class LoadOp:
     lost_block_ids: tuple[int, ...] = ()
     tokens: tuple[int, ...] = ()
     scope: ReuseScope | None = None
+    group_ids: tuple[tuple[int, ...], ...] = ()
+
+    def blocks(self) -> list[tuple[int, ...]] | list[int]:
+        """Per page its engine block, or with ``group_ids`` its block in every group (group 0
+        first): what the worker side's copier takes."""
+        return grouped_ids(self.block_ids, self.group_ids)
 
 
 @dataclass(frozen=True)
 class StoreOp:
     """Stage blocks ``0 .. end_block - 1`` of a request (``tokens`` are their tokens, ``block_ids``
-    the engine blocks holding them) and offer blocks ``first_block ..`` to the CacheWorker."""
+    the engine blocks holding them, ``group_ids`` those of groups 1.. as in :class:`LoadOp`) and
+    offer blocks ``first_block ..`` to the CacheWorker."""
 
     req_id: str
     tokens: tuple[int, ...]
@@ -97,6 +125,11 @@ class StoreOp:
     salt: int | None
     block_ids: tuple[int, ...]
     first_block: int
+    group_ids: tuple[tuple[int, ...], ...] = ()
+
+    def blocks(self) -> list[tuple[int, ...]] | list[int]:
+        """As :meth:`LoadOp.blocks`."""
+        return grouped_ids(self.block_ids, self.group_ids)
 
     @property
     def scope(self) -> ReuseScope:

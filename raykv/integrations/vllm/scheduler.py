@@ -25,6 +25,14 @@ offered (``stored``). Each step it plans:
   (a conversation's next turn) is exact up to those bits, as with vLLM's own prefix cache; set
   ``store_generated`` False to store prompt blocks only.
 
+An engine that addresses blocks per KV cache group (vLLM's hybrid manager with sliding-window
+layers beside full ones, or a sliding-window model; ``grouped``) gets block ids per group, and
+vLLM takes load failures there per request only (``failed_recving``, after which it recomputes
+the whole prompt), never per block. Every load of such an engine is therefore asynchronous: a hit
+the paired worker holds waits one step in WAITING_FOR_REMOTE_KVS like a fetched one, and a
+request whose load failed gets no more hits. Its stores carry every group's blocks
+(``StoreOp.group_ids``).
+
 A lookup never counts the prompt's last token (vLLM must compute at least one token for its
 logits), so at most ``(len(prompt) - 1) // block_size`` blocks are loaded.
 
@@ -49,7 +57,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +93,7 @@ class _Request:
     fetch_since: float = 0.0
     target: tuple[int, tuple[int, ...]] | None = None
     fetched: bool = False
+    more: tuple[tuple[int, ...], ...] = ()  # the target's blocks in groups 1.. (grouped engines)
     prefill_from: int = -1  # prompt tokens computed before the engine's first step on it (-1: none yet)
     prefill_since: float = 0.0  # when that step was planned
 
@@ -105,11 +114,19 @@ def request_scope(request: Any) -> ReuseScope:
     return ReuseScope.from_cache_salt(salt, lora_id)
 
 
+class _Held:
+    """The fetch of a grouped engine's hit the paired worker already holds: done at once."""
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks = blocks
+
+
 class SchedulerSide:
     """Lookups, load and store plans, and per-request results. ``link`` None: does nothing.
 
     ``loads``/``stores``: whether this engine reads from / writes to the deployment (vLLM's
-    kv_role: consumer reads, producer writes, both does both).
+    kv_role: consumer reads, producer writes, both does both). ``extra["grouped"]`` (set by the
+    connector): the engine's blocks are addressed per KV cache group (module docstring).
     """
 
     def __init__(
@@ -126,6 +143,7 @@ class SchedulerSide:
         self.loads, self.stores = loads, stores
         self.store_generated = bool(extra.get("store_generated", True))
         self.ranks = int(extra.get("tensor_parallel_size", 1))  # set by the connector
+        self.grouped = bool(extra.get("grouped", False))  # set by the connector
         self._engine_link: EngineLink | None = None
         self.fetch_limit_s = 2 * float(extra.get("timeout_s", 10.0))
         if link is not None:
@@ -153,6 +171,8 @@ class SchedulerSide:
         state = self._state(request)
         if self.link is None or not self.loads or not state.keys:
             return 0, False
+        if self.grouped and state.counts["load_errors"]:  # vLLM recomputes it whole: no more hits
+            return 0, False
         usable = (len(state.prompt) - 1) // self.tpb
         if state.fetch is not None:
             return self._lookup_again(state, num_computed_tokens)
@@ -169,7 +189,11 @@ class SchedulerSide:
             state.fetch_held, state.fetch_since, state.fetched = held, time.monotonic(), True
             self.counters["fetches"] += 1
             return self._hit(state, fetch, held, num_computed_tokens), True
-        return self._hit(state, held, held, num_computed_tokens), False
+        new = self._hit(state, held, held, num_computed_tokens)
+        if self.grouped and new > 0:  # loaded asynchronously, as if fetched (module docstring)
+            state.fetch, state.fetch_held, state.fetch_since = _Held(held), held, time.monotonic()
+            return new, True
+        return new, False
 
     def _hit(self, state: _Request, hit: int, held: int, num_computed_tokens: int) -> int:
         """Record a lookup's ``hit`` (``held`` of them on the paired worker); new tokens. The
@@ -183,19 +207,33 @@ class SchedulerSide:
 
     def _lookup_again(self, state: _Request, num_computed_tokens: int) -> tuple[int, bool]:
         """A lookup of a request whose fetch started before it was admitted."""
-        assert self.link is not None
-        done = self.link.poll_fetch(state.fetch)
+        done = self._poll(state.fetch)
         if done is None and time.monotonic() - state.fetch_since <= self.fetch_limit_s:
             new = max(0, state.hit * self.tpb - num_computed_tokens)
             if new > 0:
                 return new, True
-        self.link.cancel_fetch(state.fetch)
+        self._cancel(state.fetch)
         state.fetch = None
         held = state.fetch_held if done is None else max(0, min(state.hit, done))
         state.stored = max(state.stored, held)
         state.hit = held
         state.counts["hit_blocks"] = held
-        return max(0, held * self.tpb - num_computed_tokens), False
+        new = max(0, held * self.tpb - num_computed_tokens)
+        if self.grouped and new > 0:
+            state.fetch = _Held(held)
+            return new, True
+        return new, False
+
+    def _poll(self, fetch: Any, wait_s: float = 0.0) -> int | None:
+        """Blocks the paired worker holds once ``fetch`` is done, None while it runs."""
+        if isinstance(fetch, _Held):
+            return fetch.blocks
+        assert self.link is not None
+        return self.link.poll_fetch(fetch, wait_s)
+
+    def _cancel(self, fetch: Any) -> None:
+        if not isinstance(fetch, _Held) and self.link is not None:
+            self.link.cancel_fetch(fetch)
 
     def _state(self, request: Any) -> _Request:
         state = self._requests.get(request.request_id)
@@ -207,19 +245,22 @@ class SchedulerSide:
             state = self._requests[request.request_id] = _Request(prompt, scope, keys, request=request)
         return state
 
-    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        """Plan the load of the external hit into the blocks vLLM just allocated (for an
-        asynchronous hit: once its fetch is done)."""
+    def after_alloc(self, request: Any, groups: Sequence[Sequence[int]], num_external_tokens: int) -> None:
+        """Plan the load of the external hit into the blocks vLLM just allocated (``groups``: the
+        request's block ids of each KV cache group; for an asynchronous hit: once its fetch is
+        done)."""
         state = self._requests.get(request.request_id)
         if state is None or num_external_tokens <= 0 or state.load is not None:
             return
+        block_ids = groups[0]
         count = num_external_tokens // self.tpb
         first = state.hit - count
         if state.fetch is not None and state.target is None:
-            if first < 0 or len(block_ids) < state.hit:
+            if first < 0 or any(len(g) < state.hit for g in groups):
                 log.warning("raykv: %s: fewer blocks than the planned load", request.request_id)
             first = max(0, first)
             state.target = (first, tuple(block_ids[first : state.hit]))
+            state.more = tuple(tuple(g[first : state.hit]) for g in groups[1:])
             self._fetching[request.request_id] = state
             return
         if first < 0 or len(block_ids) < state.hit:
@@ -231,9 +272,12 @@ class SchedulerSide:
         )
 
     # ---- steps -----------------------------------------------------------------------------------
-    def build(self, scheduler_output: Any, block_ids_of: Callable[[str], list[int]]) -> RaykvMetadata:
+    def build(
+        self, scheduler_output: Any, block_ids_of: Callable[[str], Sequence[Sequence[int]]]
+    ) -> RaykvMetadata:
         """This step's metadata: finished fetches' loads, pending synchronous loads and the stores
-        of blocks computed this step."""
+        of blocks computed this step (``block_ids_of(req_id)``: the request's block ids of each
+        KV cache group)."""
         meta = RaykvMetadata(link=self._engine_link)
         if self.link is None:
             return meta
@@ -283,12 +327,12 @@ class SchedulerSide:
         self._releases.clear()
         now = time.monotonic()
         for req_id, state in list(self._fetching.items()):
-            done = self.link.poll_fetch(state.fetch, wait_s)
+            done = self._poll(state.fetch, wait_s)
             wait_s = 0.0
             if done is None and now - state.fetch_since <= self.fetch_limit_s:
                 continue
             if done is None:
-                self.link.cancel_fetch(state.fetch)
+                self._cancel(state.fetch)
                 self.counters["fetch_timeouts"] += 1
             del self._fetching[req_id]
             meta.loads.append(self._async_load(req_id, state, state.fetch_held if done is None else done))
@@ -299,8 +343,9 @@ class SchedulerSide:
         assert state.target is not None
         first, blocks = state.target
         ok = max(0, min(held, state.hit, first + len(blocks)) - first)
+        more = tuple(g[:ok] for g in state.more)
         op = self._load_op(
-            req_id, state, first, tuple(state.keys[first : first + ok]), blocks[:ok], blocks[ok:]
+            req_id, state, first, tuple(state.keys[first : first + ok]), blocks[:ok], blocks[ok:], more
         )
         pulled = max(0, min(held, state.hit) - max(state.stored, state.fetch_held))
         state.stored = max(state.stored, min(held, state.hit))
@@ -310,6 +355,7 @@ class SchedulerSide:
         state.counts["fetch_us"] += int((time.monotonic() - state.fetch_since) * 1e6)
         self.counters["async_loads"] += 1
         state.fetch = state.target = None
+        state.more = ()
         return op
 
     def _load_op(
@@ -320,19 +366,25 @@ class SchedulerSide:
         keys: tuple[bytes, ...],
         block_ids: tuple[int, ...],
         lost: tuple[int, ...] | None = None,
+        more: tuple[tuple[int, ...], ...] = (),
     ) -> LoadOp:
-        """A LoadOp (asynchronous when ``lost`` is given), with the tokens and scope from which
-        the ranks of a tensor-parallel engine key their own pages."""
+        """A LoadOp (asynchronous when ``lost`` is given; ``more``: its blocks in groups 1..),
+        with the tokens and scope from which the ranks of a tensor-parallel engine key their own
+        pages."""
         tokens: tuple[int, ...] = ()
         scope: ReuseScope | None = None
         if self.ranks > 1:
             tokens, scope = state.prompt[: (first + len(keys)) * self.tpb], state.scope
         if lost is None:
-            return LoadOp(req_id, first, keys, block_ids, tokens=tokens, scope=scope)
-        return LoadOp(req_id, first, keys, block_ids, True, lost, tokens, scope)
+            return LoadOp(req_id, first, keys, block_ids, tokens=tokens, scope=scope, group_ids=more)
+        return LoadOp(req_id, first, keys, block_ids, True, lost, tokens, scope, more)
 
     def _store_op(
-        self, req_id: str, state: _Request, computed: int, block_ids_of: Callable[[str], list[int]]
+        self,
+        req_id: str,
+        state: _Request,
+        computed: int,
+        block_ids_of: Callable[[str], Sequence[Sequence[int]]],
     ) -> StoreOp | None:
         tokens = state.prompt
         if self.store_generated and computed > len(tokens) and state.request is not None:
@@ -340,14 +392,15 @@ class SchedulerSide:
         end = min(computed, len(tokens)) // self.tpb
         if not self.stores or end <= state.stored:
             return None
-        blocks = block_ids_of(req_id)
-        if len(blocks) < end:
+        groups = block_ids_of(req_id)
+        if any(len(g) < end for g in groups):
             return None
         first, state.stored = state.stored, end
         state.counts["offered_blocks"] += end - first
         tokens = tokens[: end * self.tpb]
         scope = state.scope
-        return StoreOp(req_id, tokens, scope.lora_id, scope.salt, tuple(blocks[:end]), first)
+        more = tuple(tuple(g[:end]) for g in groups[1:])
+        return StoreOp(req_id, tokens, scope.lora_id, scope.salt, tuple(groups[0][:end]), first, more)
 
     def on_report(self, report: Any, invalid_block_ids: set[int] | None = None) -> None:
         """Fold a step's worker report: ask the CacheWorker to pull what was staged."""
@@ -378,7 +431,7 @@ class SchedulerSide:
         if state is None or self.link is None:
             return None
         if state.fetch is not None:
-            self.link.cancel_fetch(state.fetch)
+            self._cancel(state.fetch)
             if self._fetching.pop(request.request_id, None) is not None:
                 self._releases.append(LoadOp(request.request_id, 0, (), (), is_async=True))
                 self.counters["released_loads"] += 1
@@ -438,7 +491,7 @@ class SchedulerSide:
             self._report_timing()
             for state in self._requests.values():
                 if state.fetch is not None:
-                    self.link.cancel_fetch(state.fetch)
+                    self._cancel(state.fetch)
             self.link.close()
 
 

@@ -252,6 +252,10 @@ def restore_env(saved: Mapping[str, str | None]) -> None:
             os.environ[key] = value
 
 
+KV_CACHE_BYTES = 512 << 20
+"""The KV cache of a test engine (:func:`engine_kwargs`)."""
+
+
 def engine_kwargs(model: str, block_size: int = BLOCK_SIZE, **changes: Any) -> dict[str, Any]:
     """``vllm.LLM`` arguments for a small exact CPU engine (float32, eager, one-block chunks,
     vLLM's own prefix cache off so every reuse comes from raykv). The KV cache is sized
@@ -263,7 +267,7 @@ def engine_kwargs(model: str, block_size: int = BLOCK_SIZE, **changes: Any) -> d
         model=model,
         dtype="float32",
         block_size=block_size,
-        kv_cache_memory_bytes=512 << 20,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
         enforce_eager=True,
         skip_tokenizer_init=True,
         max_model_len=512,

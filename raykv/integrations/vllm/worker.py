@@ -47,7 +47,16 @@ from raykv import (
 )
 from raykv.core.tiers.host import HostPool
 from raykv.integrations.vllm.copier import BlockCopier, is_pinned
-from raykv.integrations.vllm.plan import EngineLink, LoadOp, RaykvMetadata, StoreOp, WorkerReport, rank_scope
+from raykv.integrations.vllm.groups import GroupedCopier
+from raykv.integrations.vllm.plan import (
+    NULL_BLOCK,
+    EngineLink,
+    LoadOp,
+    RaykvMetadata,
+    StoreOp,
+    WorkerReport,
+    rank_scope,
+)
 from raykv.transfer import PageClient, PageServer, PeerAddress, TransferConfig
 
 log = logging.getLogger(__name__)
@@ -59,10 +68,20 @@ class WorkerSide:
     :func:`~raykv.integrations.vllm.plan.rank_scope` (its own KV heads) and reports only load
     errors per request (a request's other figures are rank 0's). ``replicated``: every rank
     holds the same KV (an MLA engine's latents): all ranks load rank 0's pages and only rank 0
-    stages (the other ranks open no staging tier)."""
+    stages (the other ranks open no staging tier). ``groups``: the KV cache group of each layer
+    of ``names`` when the engine addresses blocks per group (vLLM's hybrid manager, a sliding
+    window: :class:`~raykv.integrations.vllm.groups.GroupedCopier`); a failed load then fails
+    its whole request (:meth:`take_failed_requests`: vLLM takes no block-level errors there), and
+    a store whose pages lack a group's block (outside a sliding window) is skipped."""
 
     def __init__(
-        self, layout: KVLayout, names: Sequence[str], rank: int = 0, ranks: int = 1, replicated: bool = False
+        self,
+        layout: KVLayout,
+        names: Sequence[str],
+        rank: int = 0,
+        ranks: int = 1,
+        replicated: bool = False,
+        groups: Sequence[int] | None = None,
     ) -> None:
         rank_scope(ReuseScope(), rank, ranks)  # InvalidArgumentError for a bad rank
         self.rank, self.ranks = rank, ranks
@@ -71,7 +90,8 @@ class WorkerSide:
         self.layout = layout
         self.names = tuple(names)
         self.tpb = layout.tokens_per_block
-        self.copier: BlockCopier | None = None
+        self.groups = tuple(groups) if groups is not None else None
+        self.copier: BlockCopier | GroupedCopier | None = None
         self.link: EngineLink | None = None
         self.client: PageClient | None = None
         self.staging: CacheManager | None = None
@@ -79,6 +99,7 @@ class WorkerSide:
         self._rows = np.empty((0, layout.page_bytes), dtype=np.uint8)
         self._rows_tensor: Any = None  # owns self._rows when they are page-locked
         self._failed: set[int] = set()
+        self._failed_requests: set[str] = set()
         self._received: set[str] = set()
         self._report = WorkerReport()
         self._staging_at: PeerAddress | None = None  # the staging server's address, once started
@@ -88,7 +109,10 @@ class WorkerSide:
         :class:`~raykv.integrations.vllm.copier.BlockCopier`; InvalidArgumentError when they do
         not fit the layout, ConfigError when their format is ambiguous or has no engine_native
         pages)."""
-        self.copier = BlockCopier(self.layout, self.names, kv_caches, kv_cache_layout)
+        if self.groups is not None:
+            self.copier = GroupedCopier(self.layout, self.names, self.groups, kv_caches, kv_cache_layout)
+        else:
+            self.copier = BlockCopier(self.layout, self.names, kv_caches, kv_cache_layout)
 
     def _open(self, link: EngineLink) -> None:
         """Connect to the deployment described by ``link`` (once)."""
@@ -147,7 +171,10 @@ class WorkerSide:
                 self._count(op.req_id, "loaded_blocks_ok", loaded)
             failed = op.block_ids[loaded:] + op.lost_block_ids
             if failed:
-                self._failed.update(failed)
+                if self.groups is not None:  # block ids are per group: vLLM takes the request
+                    self._failed_requests.add(op.req_id)
+                else:
+                    self._failed.update(failed)
                 self._report.count(op.req_id, "load_errors", len(failed))
             if op.is_async:
                 self._received.add(op.req_id)
@@ -176,7 +203,7 @@ class WorkerSide:
         """Load the leading pages of ``op`` that the CacheWorker still has; how many. A CUDA
         engine takes those on the CacheWorker's GPU tier first (device to device), then the rest
         from its host tiers."""
-        keys, ids = self._keys(op), list(op.block_ids)
+        keys, ids = self._keys(op), op.blocks()
         if not keys:
             return 0
         done = self._load_gpu(op.req_id, keys, ids) if self._on_cuda() else 0
@@ -184,7 +211,7 @@ class WorkerSide:
             return done
         return done + self._load_host(op.req_id, keys[done:], ids[done:])
 
-    def _load_gpu(self, req_id: str, keys: list[bytes], ids: list[int]) -> int:
+    def _load_gpu(self, req_id: str, keys: list[bytes], ids: list[Any]) -> int:
         """Copy the leading pages of ``keys`` that are on the CacheWorker's GPU tier straight
         from it (mapped into this process, :meth:`raykv.transfer.PageClient.land_gpu`) into
         engine blocks ``ids``; how many (0 when that path is not available or failed: the host
@@ -205,7 +232,7 @@ class WorkerSide:
             self._count(req_id, f"path_{landing.path}", 1)
         return landing.landed
 
-    def _load_host(self, req_id: str, keys: list[bytes], ids: list[int]) -> int:
+    def _load_host(self, req_id: str, keys: list[bytes], ids: list[Any]) -> int:
         """Load the leading pages of ``keys`` from the CacheWorker's host tiers into engine
         blocks ``ids`` (one-sided when its shared tier lists them all, else a pull); how many."""
         assert self.client is not None and self.link is not None
@@ -233,7 +260,7 @@ class WorkerSide:
             self._count(req_id, f"path_{pulled.path}", 1)
         return len(rows)
 
-    def _land(self, req_id: str, ids: list[int], pulled: Any, confirm: Any) -> int:
+    def _land(self, req_id: str, ids: list[Any], pulled: Any, confirm: Any) -> int:
         """Copy one-sided rows (views of the CacheWorker's shared tier) straight into the
         engine's blocks ``ids``, then ``confirm`` they did not change meanwhile (else it raises
         and :meth:`_load_host` pulls again, overwriting the blocks)."""
@@ -248,6 +275,12 @@ class WorkerSide:
     def take_failed(self) -> set[int]:
         """Engine block ids whose load failed since the last call."""
         failed, self._failed = self._failed, set()
+        return failed
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose asynchronous load failed since the last call, on an engine with block
+        ids per group (vLLM's ``failed_recving``; each is also in :meth:`take_received`)."""
+        failed, self._failed_requests = self._failed_requests, set()
         return failed
 
     def take_received(self) -> set[str]:
@@ -279,9 +312,13 @@ class WorkerSide:
                 self._report.counters["store_skipped"] += 1
                 return ()
             have = kv.num_reused_tokens // self.tpb
+            blocks: list[Any] = list(op.blocks()[have:])
+            if self.groups is not None and NULL_BLOCK in np.asarray(blocks):
+                self._report.counters["store_skipped"] += 1  # a page's window block is gone
+                return ()
             kv.extend(list(op.tokens[have * self.tpb :]))
             rows = self._buffer(op.end_block - have)
-            self.copier.save(op.block_ids[have:], rows)
+            self.copier.save(blocks, rows)
             for j in range(len(rows)):
                 kv.page(have + j)[:] = rows[j]
             kv.commit()
