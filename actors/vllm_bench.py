@@ -14,9 +14,13 @@ another in this process, a local Ray and a raykv deployment of one CPU worker be
   ``torch.cuda.Stream`` objects (the row then carries the errors);
 - (e) loaded by vLLM's ``ExampleConnector`` (safetensors files in a temporary directory).
 
-The cases run twice: for a Llama, then for a DeepSeek-V2-style model with multi-head latent
-attention (MLA), whose pages are its latents (576 values per token and layer, token-major); vLLM's
-CPU platform turns prefix caching off for MLA, so there (b) and (d) do not run.
+The cases run three times: for a Llama; for the same Llama with sliding-window attention in
+three layers of four (Gemma 3 and gpt-oss style: vLLM's hybrid KV cache manager keeps those
+layers' blocks in a group of their own, only their window's, and RaykvConnector loads each group's
+blocks asynchronously; the ExampleConnector, which does not support the manager, runs with it
+off); then for a DeepSeek-V2-style model with multi-head latent attention (MLA), whose pages are
+its latents (576 values per token and layer, token-major); vLLM's CPU platform turns prefix
+caching off for MLA, so there (b) and (d) do not run.
 
 Rows report speeds (1 / TTFT, higher is better) against the same run's baselines, plus raykv's
 load bandwidth (bytes loaded / the worker side's load time, pull and copy into the engine's
@@ -51,10 +55,12 @@ class Settings:
     prefix: int
     suffix: int
     repeats: int
-    model: dict[str, int]
+    model: dict[str, Any]
     mla: bool = False
     """A DeepSeek-V2-style model (multi-head latent attention, ``testing.save_tiny_mla``) instead
     of Llama: 16-token blocks, token-major latent pages, and no vLLM prefix cache on CPU."""
+    window: int = 0
+    """Tokens of the sliding window of three Llama layers in four (0: none)."""
 
 
 FULL = Settings(
@@ -96,6 +102,17 @@ def _mla_of(llama: Settings) -> Settings:
 
 
 FULL_MLA, QUICK_MLA = _mla_of(FULL), _mla_of(QUICK)
+
+
+def _windowed(llama: Settings, window: int) -> Settings:
+    """The Llama with a ``window``-token sliding window in every layer but each fourth."""
+    layers = int(llama.model["num_hidden_layers"])
+    types = ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(layers)]
+    model = {**llama.model, "layer_types": types, "sliding_window": window}
+    return dataclasses.replace(llama, model=model, window=window)
+
+
+FULL_SWA, QUICK_SWA = _windowed(FULL, 512), _windowed(QUICK, 256)
 
 PAGE_LAYOUT = "engine_native"
 """The connector's pages for Llama: the backend's block bytes, so a load is one copy per block.
@@ -289,10 +306,15 @@ def _rows(run: _Run) -> list[Row]:
 
 
 def vllm_benchmarks(quick: bool) -> list[Benchmark]:
-    """Two benchmarks, Llama then MLA, each running every case (engines one after another)."""
-    llama, mla = (QUICK, QUICK_MLA) if quick else (FULL, FULL_MLA)
+    """Three benchmarks, Llama, sliding-window Llama, then MLA, each running every case (engines
+    one after another)."""
+    llama, swa, mla = (QUICK, QUICK_SWA, QUICK_MLA) if quick else (FULL, FULL_SWA, FULL_MLA)
     return [
         Benchmark("vLLM TTFT with a cached prefix", functools.partial(_run_all, llama)),
+        Benchmark(
+            f"vLLM TTFT with a cached prefix, sliding window of {swa.window} in 3 layers of 4",
+            functools.partial(_run_all, swa),
+        ),
         Benchmark("vLLM TTFT with a cached prefix, MLA model", functools.partial(_run_all, mla)),
     ]
 
@@ -336,7 +358,8 @@ def register() -> None:
         s, m = (QUICK, QUICK_MLA) if quick else (FULL, FULL_MLA)
         desc = (
             f"{s.prefix}-token prefix + {s.suffix} new tokens, max_tokens=1, median of {s.repeats}; "
-            f"Llama {s.model['num_hidden_layers']} layers x hidden {s.model['hidden_size']}, then "
+            f"Llama {s.model['num_hidden_layers']} layers x hidden {s.model['hidden_size']}, the same "
+            f"with a sliding window in 3 layers of 4, then "
             f"DeepSeek-V2 (MLA, latent 576) {m.model['num_hidden_layers']} layers x hidden "
             f"{m.model['hidden_size']}; float32"
         )

@@ -87,6 +87,9 @@ def test_bad_block_tables_raise_and_copy_nothing() -> None:
     with pytest.raises(InvalidArgumentError, match="block ids"):
         copier.load(rows, [(1, 2), (3, BLOCKS)])
     assert all(not t.any() for t in caches.values())
+    copier.save([], rows)  # no pages (a store whose blocks staging already holds): no copy
+    copier.load(rows, [])
+    assert (rows == 1).all() and all(not t.any() for t in caches.values())
     with pytest.raises(InvalidArgumentError, match="groups"):
         GroupedCopier(LAYOUT, LAYERS, (0, 2, 0), caches, "cpu")
 

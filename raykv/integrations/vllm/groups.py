@@ -67,6 +67,8 @@ class GroupedCopier:
     def _table(self, block_ids: Sequence[Any]) -> npt.NDArray[np.int64]:
         """``block_ids`` as an ``[n, groups]`` int64 array, every id checked before any copy."""
         table = np.asarray(block_ids, dtype=np.int64)
+        if table.size == 0:  # no pages: nothing to copy
+            return np.empty((0, self.num_groups), dtype=np.int64)
         if table.ndim == 1 and self.num_groups == 1:
             table = table.reshape(-1, 1)
         if table.ndim != 2 or table.shape[1] != self.num_groups:
