@@ -364,3 +364,48 @@ def test_sliding_window_layers_beside_full_ones_keep_only_their_window(
         _same(other, generate(plain, branch))
     finally:
         testing.shutdown_engine(plain)
+
+
+@pytest.mark.timeout(600)
+def test_sliding_window_prefill_decode_pulls_every_groups_pages(
+    ray_address: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prefill/decode with the sliding-window model: a ``kv_producer`` engine on worker 0 stores
+    a prompt's pages; a ``kv_consumer`` engine on worker 1, given the producer's
+    ``kv_transfer_params``, has its worker pull them (a fetch, not a held hit) and loads each
+    group's blocks; it generates what an engine without a connector does, bit for bit."""
+    from vllm import LLM
+
+    from raykv.integrations.vllm import testing
+
+    for key, value in testing.THREAD_ENV.items():
+        monkeypatch.setenv(key, value)
+    model = testing.save_tiny_llama(
+        str(tmp_path_factory.mktemp("tiny-swa-pd")),
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=40,
+    )
+    tokens = prompt(67, 7 * TPB + 6)
+    with _engine_on(testing.tiny_layout(), 2, model, ray_address, 0) as (dep, producer):
+        first = generate(producer, tokens, max_tokens=1)
+        wait_held(dep, 0, tokens, 7, ReuseScope(), timeout=30)
+        kwargs = testing.engine_kwargs(model)
+        kwargs["kv_transfer_config"] = testing.connector_config(
+            dep.namespace, ray_address, worker=1, role="kv_consumer"
+        )
+        consumer = LLM(**kwargs)
+        try:
+            out = generate(consumer, tokens, params={"raykv": first.raykv})
+        finally:
+            testing.shutdown_engine(consumer)
+        assert held(dep, 1, tokens).num_blocks >= 7  # worker 1 pulled them
+    assert first.raykv["blocks"] == 7
+    assert out.raykv["loaded_blocks_ok"] == 7 and out.raykv["async_loads"] == 1
+    assert "load_errors" not in out.raykv and out.raykv["pulled_tokens"] == 7 * TPB
+    plain = LLM(**testing.engine_kwargs(model))
+    try:
+        _same(out, generate(plain, tokens))
+    finally:
+        testing.shutdown_engine(plain)
