@@ -122,8 +122,7 @@ def choose_pair(
     total = num_tokens // tpb
     nodes = nodes or {}
     pairs: list[tuple[WorkerId, WorkerId, float]] = []
-    best: list[tuple[WorkerId, float, int]] = []  # decode candidates of least cost after P
-    low = math.inf
+    after_chosen: list[tuple[WorkerId, float, int]] = []  # decode candidates after the chosen P
     for cand in _guarded(decode, rcfg):
         held = matches.get(cand.worker)
         own = min(total, held.blocks) if held is not None else 0
@@ -134,13 +133,11 @@ def choose_pair(
             factor = 1.0 if same else cfg.remote_node_factor
             after = decode_cost + cfg.transfer_cost * tpb * pull * factor
             pairs.append((pw, cand.worker, p_cost + after))
-            if pw != chosen.worker:
-                continue
-            if after < low - 1e-9:
-                best, low = [], after
-            if after <= low + 1e-9:
-                best.append((cand.worker, after, pull))
-    d, after, pull = best[0] if len(best) == 1 else rng.choice(best)
+            if pw == chosen.worker:
+                after_chosen.append((cand.worker, after, pull))
+    low = min(c[1] for c in after_chosen)
+    ties = [c for c in after_chosen if c[1] <= low + 1e-9]
+    d, after, pull = ties[0] if len(ties) == 1 else rng.choice(ties)
     held_p = matches.get(chosen.worker)
     return PDDecision(
         prefill=chosen.worker,

@@ -119,9 +119,9 @@ class _ConnectorImpl:
         return self._worker.take_failed() if self._worker is not None else set()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(None: no save ever holds blocks, requests of this step's asynchronous loads)."""
-        received = self._worker.take_received() if self._worker is not None else set()
-        return None, received or None
+        """(None: no save ever holds blocks, requests of this step's asynchronous loads): the
+        finished part of :meth:`get_transfer_results`, which vLLM 0.32 calls instead."""
+        return None, self.get_transfer_results(finished_req_ids).finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """vLLM's ``KVConnectorTransferResults``: no finished sends, this step's asynchronous

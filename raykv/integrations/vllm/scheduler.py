@@ -76,9 +76,10 @@ class _Request:
     """One request's state. ``hit``: blocks promised to vLLM; ``stored``: blocks the deployment
     holds or was offered. An async load: ``fetch`` (the link's, None once planned or dropped),
     ``fetch_held`` (blocks the paired worker held when it started, the fallback), ``fetch_since``
-    (its start, time.monotonic()), ``target`` (first block and engine blocks, once vLLM allocated
-    them). ``fetched``: a fetch ran for the request; later lookups (after a failed load, a
-    preemption) use the paired worker only, so a peer that keeps failing cannot make it loop."""
+    (its start, time.monotonic()), ``target`` (first block, its engine blocks and, on a grouped
+    engine, those of groups 1.., once vLLM allocated them). ``fetched``: a fetch ran for the
+    request; later lookups (after a failed load, a preemption) use the paired worker only, so a
+    peer that keeps failing cannot make it loop."""
 
     prompt: tuple[int, ...]
     scope: ReuseScope
@@ -91,9 +92,8 @@ class _Request:
     fetch: Any = None
     fetch_held: int = 0
     fetch_since: float = 0.0
-    target: tuple[int, tuple[int, ...]] | None = None
+    target: tuple[int, tuple[int, ...], tuple[tuple[int, ...], ...]] | None = None
     fetched: bool = False
-    more: tuple[tuple[int, ...], ...] = ()  # the target's blocks in groups 1.. (grouped engines)
     prefill_from: int = -1  # prompt tokens computed before the engine's first step on it (-1: none yet)
     prefill_since: float = 0.0  # when that step was planned
 
@@ -259,8 +259,8 @@ class SchedulerSide:
             if first < 0 or any(len(g) < state.hit for g in groups):
                 log.warning("raykv: %s: fewer blocks than the planned load", request.request_id)
             first = max(0, first)
-            state.target = (first, tuple(block_ids[first : state.hit]))
-            state.more = tuple(tuple(g[first : state.hit]) for g in groups[1:])
+            more = tuple(tuple(g[first : state.hit]) for g in groups[1:])
+            state.target = (first, tuple(block_ids[first : state.hit]), more)
             self._fetching[request.request_id] = state
             return
         if first < 0 or len(block_ids) < state.hit:
@@ -341,11 +341,16 @@ class SchedulerSide:
         """The async LoadOp of a finished fetch after which the paired worker holds ``held``
         leading blocks: those blocks of the target are loaded, the others are lost."""
         assert state.target is not None
-        first, blocks = state.target
+        first, blocks, more = state.target
         ok = max(0, min(held, state.hit, first + len(blocks)) - first)
-        more = tuple(g[:ok] for g in state.more)
         op = self._load_op(
-            req_id, state, first, tuple(state.keys[first : first + ok]), blocks[:ok], blocks[ok:], more
+            req_id,
+            state,
+            first,
+            tuple(state.keys[first : first + ok]),
+            blocks[:ok],
+            blocks[ok:],
+            tuple(g[:ok] for g in more),
         )
         pulled = max(0, min(held, state.hit) - max(state.stored, state.fetch_held))
         state.stored = max(state.stored, min(held, state.hit))
@@ -355,7 +360,6 @@ class SchedulerSide:
         state.counts["fetch_us"] += int((time.monotonic() - state.fetch_since) * 1e6)
         self.counters["async_loads"] += 1
         state.fetch = state.target = None
-        state.more = ()
         return op
 
     def _load_op(
