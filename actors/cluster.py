@@ -57,6 +57,9 @@ class DeploymentSpec:
     # detached placement group holding one GPU bundle per worker (None: CPU workers).
     routing: RoutingConfig | None = None
     placement_group: Any = None
+    # Whether each worker takes the page layout of the engines paired with it (a deployment
+    # started without a layout; ``CacheWorker.bind_engine``).
+    engine_layouts: bool = False
 
 
 class Registry:
@@ -434,6 +437,7 @@ def _start_workers(
             attach_to=(spec.namespace, spec.shards),
             token=spec.token,
             transfer=spec.transfer,
+            engine_layouts=spec.engine_layouts,
         )
 
 
@@ -460,6 +464,7 @@ def start(
     transfer: TransferConfig | None = None,
     worker_class: type[CacheWorker] = CacheWorker,
     routing: RoutingConfig | None = None,
+    engine_layouts: bool | None = None,
 ) -> RayKVCluster:
     """Start a deployment and return its handle.
 
@@ -473,6 +478,10 @@ def start(
     starts a page server checking a fresh deployment token; ``transfer`` sets where it binds and
     its limits (see ``actors.transfer``). ``worker_class``: CacheWorker or a subclass taking the
     same arguments (tests, ``raykv demo`` and replays pass ``actors.testing.TestingCacheWorker``).
+    ``engine_layouts`` (default: True when ``config`` is None): each worker takes the page layout
+    of the vLLM engines paired with it (:meth:`actors.worker.CacheWorker.bind_engine`; the
+    tiers keep their capacities in bytes), so engines of any model attach without a layout
+    written by hand; False: the workers keep ``config``'s layout and refuse other engines.
     """
     DeploymentConfig(namespace, num_workers, index_shards, max_restarts, tuple(worker_resources or ()))
     if not (isinstance(worker_class, type) and issubclass(worker_class, CacheWorker)):
@@ -485,6 +494,7 @@ def start(
         )
     resources = list(worker_resources or ())
     n, use_gpu = _plan_workers(num_workers, resources)
+    engine_layouts = config is None if engine_layouts is None else bool(engine_layouts)
     config = config or default_config(use_gpu)
     transfer = deployment_transfer_config(transfer)
     workers = tuple((f"raykv-worker-{i}", i) for i in range(n))
@@ -499,6 +509,7 @@ def start(
         transfer=transfer,
         routing=routing,
         placement_group=pg,
+        engine_layouts=engine_layouts,
     )
     ray.remote(Registry).options(name=REGISTRY, num_cpus=0, **_detached(namespace)).remote(spec)  # type: ignore[arg-type]
     _start_shards(spec)

@@ -44,7 +44,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from actors.cluster import REGISTRY
 from actors.index import IndexClient
 from actors.metrics import RouterMetrics
-from actors.serve_fields import capacity_of, pulls_of, timing_of, worker_of
+from actors.serve_fields import capacity_of, keys_of, pulls_of, timing_of, worker_of
 from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope, lora_id_from_name
 from raykv.core.types import WorkerId
@@ -73,6 +73,16 @@ class RoutedRequest:
     scope: ReuseScope
     target: WorkerId | None = None
     session: str | None = None
+
+
+def key_scheme(replicas: Sequence[Any]) -> tuple[int, bytes] | bool | None:
+    """How the replicas' engines key blocks (:func:`~actors.serve_fields.keys_of`): the one
+    (tokens per block, model fingerprint) those that announced one share; None when none did
+    (the deployment's block size then, no model); False when they announced different ones."""
+    found = {k for k in (keys_of(r) for r in replicas) if k is not None}
+    if len(found) > 1:
+        return False
+    return found.pop() if found else None
 
 
 def scope_of(lora_id: Any = None, cache_salt: Any = None) -> ReuseScope:
@@ -309,8 +319,16 @@ class CacheRanker:
         view = await self.link.get(self.time_budget_s)
         if view is None:
             return self.fallback(replicas)
+        scheme = key_scheme(replicas)
+        if scheme is False:  # replicas of several models behind one router: keys cannot agree
+            self._count("mixed_models")
+            return self.fallback(replicas)
+        tpb = view.tokens_per_block
+        if scheme is not None:  # the engines' block size and model fingerprint
+            tpb, model = scheme
+            request = replace(request, scope=request.scope.with_model(model))
         try:
-            keys = self.keys(request, view.tokens_per_block)
+            keys = self.keys(request, tpb)
         except ValueError:  # token ids out of range: no cache routing for this request
             return self.fallback(replicas)
         try:
@@ -320,9 +338,8 @@ class CacheRanker:
             self._count("index_timeouts" if isinstance(exc, asyncio.TimeoutError) else "index_errors")
             self.link.failed()
             return self.fallback(replicas)
-        policy = self.policy(view.tokens_per_block, all(pulls_of(r) for r in replicas))
+        policy = self.policy(tpb, all(pulls_of(r) for r in replicas))
         moved = policy.placement.moved
-        tpb = view.tokens_per_block
         ranks, worker, cached = self._by_cost(policy, replicas, keys, matches, len(request.tokens), tpb)
         placed = policy.placement.moved > moved
         if placed:

@@ -26,7 +26,7 @@ from typing import Any
 
 from actors.liveness import Pinger
 from actors.serve import IndexLink, RoutedRequest, connect_index
-from actors.serve_fields import CAPACITY_FIELD, PULLS_FIELD, TIMING_FIELD, WORKER_FIELD
+from actors.serve_fields import CAPACITY_FIELD, KEYS_FIELD, PULLS_FIELD, TIMING_FIELD, WORKER_FIELD
 from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope
 from raykv.core.records import ExportedBlock
@@ -66,14 +66,49 @@ def pool_names(workers: Sequence[str], pool: Sequence[str | int]) -> list[str]:
     return names
 
 
+class NoWorkerOnNode(Exception):
+    """No worker of the pool runs on the replica's node (:func:`pair_on_node`)."""
+
+
+def pair_on_node(cluster: Any, names: Sequence[str], engine: str, model: str) -> str:
+    """The worker of ``names`` a replica running ``model`` pairs with: one on the replica's own
+    Ray node (the engine's staging server listens on 127.0.0.1 and same-node paths need it),
+    rotated by replica rank; among those, first one it can claim for ``model``
+    (``CacheWorker.claim_engine``: free, or serving ``model`` already), else one serving other
+    models (it shares when their layouts agree). NoWorkerOnNode when the node has none."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    handles = cluster.workers
+    known = [n for n in names if WorkerId(n) in handles]
+    bindings = ray.get([handles[WorkerId(n)].binding.remote() for n in known], timeout=cluster.call_timeout_s)
+    local = [n for n, b in zip(known, bindings) if b.get("node_id") == node]
+    if not local:
+        raise NoWorkerOnNode(f"no raykv worker of {list(names)} runs on node {node}")
+    shift = replica_rank() % len(local)
+    local = local[shift:] + local[:shift]
+    for name in local:
+        if ray.get(
+            handles[WorkerId(name)].claim_engine.remote(engine, model), timeout=cluster.call_timeout_s
+        ):
+            return name
+    return local[0]
+
+
 class ReplicaCache:
     """A Serve replica's side of raykv: its paired CacheWorker, page moves and load numbers.
 
-    ``worker`` names the worker explicitly; otherwise the replica takes ``pool[rank % len(pool)]``
-    (``pool``: every worker of the deployment by default). Every async method has a
+    ``worker`` names the worker explicitly; given ``model`` (the replica's model, a name), the
+    replica pairs on its own node (:func:`pair_on_node`; NoWorkerOnNode when its node has no
+    worker of ``pool``); otherwise it takes ``pool[rank % len(pool)]`` (``pool``: every worker
+    of the deployment by default). Every async method has a
     ``timeout_s`` bound and degrades instead of raising: a fetch that fails returns no blocks (the
     model recomputes), a store or pull that fails stores nothing.
     """
+
+    model: bytes | None = None
+    """The model fingerprint in the keys of this replica's engine, once its engine bound to its
+    worker (:meth:`refresh_keys`; routers key requests with it)."""
 
     def __init__(
         self,
@@ -81,13 +116,19 @@ class ReplicaCache:
         pool: Sequence[str | int] | None = None,
         worker: str | None = None,
         timeout_s: float = 10.0,
+        model: str | None = None,
     ) -> None:
         from actors.cluster import connect
 
         self.cluster = connect(namespace)
         everyone = [str(w) for w in self.cluster.worker_ids]
         names = pool_names(everyone, pool) if pool else everyone
-        self.worker_id = WorkerId(worker or names[replica_rank() % len(names)])
+        self.engine = f"replica-{uuid.uuid4().hex[:12]}"
+        """The name this replica's engine binds to its worker under and reports its timing
+        totals under (its connector's ``kv_connector_extra_config["engine"]``)."""
+        chosen = worker or (pair_on_node(self.cluster, names, self.engine, model) if model else None)
+        chosen = chosen or names[replica_rank() % len(names)]
+        self.worker_id = WorkerId(chosen)
         self.worker: Any = self.cluster.workers[self.worker_id]
         self.tokens_per_block = self.cluster.config.tokens_per_block
         self.timeout_s = timeout_s
@@ -97,9 +138,6 @@ class ReplicaCache:
         """Does this replica's engine pull the blocks another worker holds (the raykv vLLM
         connector with loads on)? Announced to routers, which then price such blocks as pulls."""
         self.counters: collections.Counter[str] = collections.Counter()
-        self.engine = f"replica-{uuid.uuid4().hex[:12]}"
-        """The name this replica's engine reports its timing totals under (its connector's
-        ``kv_connector_extra_config["engine"]``)."""
         self.timing = [0, 0, 0, 0]
         """The engine's last timing totals read from the worker (:meth:`refresh_timing`)."""
         self.timing_warnings = WarnEvery(60.0)
@@ -115,9 +153,12 @@ class ReplicaCache:
         }
 
     def routing_stats(self) -> dict[str, Any]:
-        """For ``record_routing_stats``: :meth:`metadata` and the load numbers."""
+        """For ``record_routing_stats``: :meth:`metadata`, the engine's keys (tokens per block and
+        model fingerprint, once its engine bound) and the load numbers."""
+        keys = {KEYS_FIELD: [self.tokens_per_block, self.model.hex()]} if self.model is not None else {}
         return {
             **self.metadata(),
+            **keys,
             "queued_prefill_tokens": self.queued_prefill_tokens,
             "running_decodes": self.running_decodes,
             TIMING_FIELD: list(self.timing),
@@ -164,11 +205,14 @@ class ReplicaCache:
         return leading_blocks(blocks, keys)
 
     async def held(self, tokens: Sequence[int], scope: ReuseScope | None = None) -> int:
-        """How many leading full blocks of ``tokens`` the paired worker holds (0 on failure,
+        """How many leading full blocks of ``tokens`` the paired worker holds, in ``scope`` (for
+        the replica's engine's model when it names none) (0 on failure,
         counted as ``probe_errors`` and logged at most once a minute: every request probes)."""
         scope = scope or ReuseScope()
+        if scope.model is None:
+            scope = scope.with_model(self.model)
         try:
-            probe = self.worker.probe.remote(list(tokens), scope.lora_id, scope.salt)
+            probe = self.worker.probe.remote(list(tokens), scope.lora_id, scope.salt, scope.model)
             return int((await asyncio.wait_for(probe, self.timeout_s)).num_blocks)
         except Exception as exc:
             self.counters["probe_errors"] += 1
@@ -195,6 +239,24 @@ class ReplicaCache:
             if self.timing_warnings.due():
                 log.warning("raykv timing read from %s failed: %s", self.worker_id, exc)
         return self.timing
+
+    async def refresh_keys(self) -> bytes | None:
+        """Until it is known, read the model fingerprint and block size the replica's engine
+        bound to its worker with (``CacheWorker.binding``) into :attr:`model` and
+        :attr:`tokens_per_block`; returns :attr:`model` (None before the engine bound, or on a
+        failure, counted as ``binding_errors``)."""
+        if self.model is not None:
+            return self.model
+        try:
+            binding = await asyncio.wait_for(self.worker.binding.remote(), self.timeout_s)
+        except Exception:
+            self.counters["binding_errors"] += 1
+            return None
+        _, fingerprint = binding.get("engines", {}).get(self.engine, ("", ""))
+        if fingerprint:
+            self.model = bytes.fromhex(fingerprint)
+            self.tokens_per_block = binding["layout"].tokens_per_block
+        return self.model
 
     async def store(self, blocks: Sequence[ExportedBlock]) -> int:
         """Import ``blocks`` into the paired worker; returns how many were new (0 on failure)."""

@@ -48,9 +48,10 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
 
 from actors.serve import parse_request, router_config
 from actors.serve_fields import PULLS_FIELD, WORKER_FIELD
-from actors.serve_kv import ReplicaCache
+from actors.serve_kv import NoWorkerOnNode, ReplicaCache
 from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope
+from raykv.integrations.vllm.link import DISABLED_KEY
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ def with_raykv(
         "kv_connector": CONNECTOR,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": role,
+        "kv_load_failure_policy": "recompute",  # a raykv failure never fails a request
         "kv_connector_extra_config": user_extra,
     }
     register_backend()
@@ -128,8 +130,11 @@ class RaykvConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):  # ty
     the PD prefill and decode servers).
 
     :meth:`setup` runs in the replica before its engine starts: it pairs the replica with one
-    CacheWorker (``pool[rank % len(pool)]``) and writes that worker and the cluster's address
-    into the connector's ``kv_connector_extra_config`` (``worker``, ``ray_address``). Raises
+    CacheWorker on its own Ray node (:func:`actors.serve_kv.pair_on_node`: rotated by replica
+    rank, a worker free or serving the same model first) and writes that worker and the
+    cluster's address into the connector's ``kv_connector_extra_config`` (``worker``,
+    ``ray_address``); on a node without a worker it logs one warning and the engine runs
+    without raykv (the connector's ``disabled``). Raises
     what :func:`actors.cluster.connect` raises when the raykv deployment is not up (the replica
     then fails to start, and Serve retries it). :meth:`replica_metadata` announces the worker
     to routers (``raykv_worker``) and whether its connector loads, pulling remote hits
@@ -145,13 +150,21 @@ class RaykvConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):  # ty
         global _REPLICA_CACHE
         extra = self.kv_transfer_config.setdefault("kv_connector_extra_config", {})
         namespace = str(extra.get("namespace", "raykv"))
-        cache = ReplicaCache(namespace, pool=extra.pop(POOL_KEY, None))
+        pool = extra.pop(POOL_KEY, None)
+        try:
+            cache = ReplicaCache(namespace, pool=pool, model=str(self.llm_config.model_id))
+        except NoWorkerOnNode as exc:
+            log.warning("raykv: %s; this replica's engine runs without raykv", exc)
+            extra[DISABLED_KEY] = True  # the connector does nothing rather than store into nothing
+            _REPLICA_CACHE = None
+            return
         # a consumer's connector loads KV, fetching what another worker holds (vLLM's is_kv_consumer)
         cache.pulls = self.pulls = self.kv_transfer_config.get("kv_role") in LOADING_ROLES
         _REPLICA_CACHE = cache  # the replica's process state; the backend itself stays picklable
         self.worker = str(cache.worker_id)
         extra["worker"] = self.worker
-        extra["engine"] = cache.engine  # the engine's timing totals go to the worker under this name
+        extra["engine"] = cache.engine  # the engine binds and reports timing to the worker under this name
+        extra["model_name"] = str(self.llm_config.model_id)  # as the replica claimed the worker
         extra["ray_address"] = str(ray.get_runtime_context().gcs_address)
         log.info("raykv: replica paired with %s", self.worker)
 
@@ -176,6 +189,7 @@ class RaykvLLMServer(LLMServer):  # type: ignore[misc]
         cache = self._cache()
         if cache is not None:
             await cache.refresh_timing()
+            await cache.refresh_keys()
             stats.update(cache.routing_stats())
         return stats
 

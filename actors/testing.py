@@ -24,7 +24,7 @@ import ray
 from actors.vllm_link import RayDeploymentLink
 from actors.worker import CacheWorker
 from raykv.core.errors import OutOfPagesError, TransferError, TransferFailure
-from raykv.core.keys import ReuseScope
+from raykv.core.keys import MultimodalItem, ReuseScope
 from raykv.core.tiers import DiskPool
 from raykv.core.types import TierKind, WorkerId
 from raykv.integrations.vllm.link import Match
@@ -56,7 +56,14 @@ class TestingCacheWorker(CacheWorker):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.oracle = ContentOracle(self.manager.layout)
+        self._oracle = ContentOracle(self.manager.layout)
+
+    @property
+    def oracle(self) -> ContentOracle:
+        """The content oracle of the layout in force (an engine may have re-laid the worker out)."""
+        if self._oracle.layout != self.manager.layout:
+            self._oracle = ContentOracle(self.manager.layout)
+        return self._oracle
 
     def write_oracle(self, handle: int, first_block: int = 0) -> None:
         """Stand-in for the engine: write oracle KV into blocks ``first_block ..`` of the open
@@ -199,9 +206,14 @@ class FaultyDeploymentLink(RayDeploymentLink):
     """
 
     def lookup(
-        self, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes], hint: Mapping[str, Any]
+        self,
+        tokens: Sequence[int],
+        scope: ReuseScope,
+        keys: Sequence[bytes],
+        hint: Mapping[str, Any],
+        mm_items: tuple[MultimodalItem, ...] = (),
     ) -> Match:
-        held = super().lookup(tokens, scope, keys, hint)
+        held = super().lookup(tokens, scope, keys, hint, mm_items)
         faults = hint.get("faults") if isinstance(hint, Mapping) else None
         if not held.held or not isinstance(faults, Mapping):
             return held

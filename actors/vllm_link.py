@@ -35,7 +35,7 @@ import ray
 from actors.cluster import RayKVCluster, connect
 from raykv.core.config import KVLayout
 from raykv.core.errors import ConfigError, StateError
-from raykv.core.keys import ReuseScope, block_keys
+from raykv.core.keys import MultimodalItem, ReuseScope, block_keys, clip_mm_items
 from raykv.core.types import WorkerId
 from raykv.integrations.vllm.link import Match
 from raykv.integrations.vllm.plan import EngineLink, rank_scope
@@ -81,12 +81,13 @@ class RayDeploymentLink:
         self.cluster = _connect_keeping_signals(str(extra.get("namespace", "raykv")), str(address))
         self.worker = _worker_name(self.cluster, extra.get("worker", 0))
         self.handle = self.cluster.workers[self.worker]
-        self.layout: KVLayout = self.cluster.config.layout
+        self.layout: KVLayout = self.cluster.config.layout  # until :meth:`bind`
         self.tpb = self.layout.tokens_per_block
         self.timeout_s = float(extra.get("timeout_s", 10.0))
         self.use_index = bool(extra.get("use_index", True))
         self.engine = str(extra.get("engine") or f"{socket.gethostname()}:{os.getpid()}")
         self.ranks = int(extra.get("tensor_parallel_size", 1))
+        self._bound = False
         self.address: Any = ray.get(self.handle.page_server_address.remote(), timeout=self.timeout_s)
         if self.address is None:
             raise StateError(f"{self.worker} runs no page server")
@@ -100,6 +101,18 @@ class RayDeploymentLink:
             max_workers=8, thread_name_prefix="raykv-fetch"
         )
 
+    def bind(self, layout: KVLayout, model: str, fingerprint: bytes) -> None:
+        """Pair this engine with its worker (``CacheWorker.bind_engine``: a worker of a deployment
+        started without a layout takes ``layout``); ConfigError when the worker cannot serve
+        pages of ``layout``. The worker's page server may have moved: its address is read again."""
+        call = self.handle.bind_engine.remote(self.engine, layout, model, fingerprint.hex())
+        self.layout = ray.get(call, timeout=self.timeout_s)
+        self.tpb = self.layout.tokens_per_block
+        self._bound = True
+        self.address = ray.get(self.handle.page_server_address.remote(), timeout=self.timeout_s)
+        if self.address is None:
+            raise StateError(f"{self.worker} runs no page server")
+
     def engine_link(self, staging_bytes: int, listen_host: str) -> EngineLink:
         assert self.address is not None
         mine = ray.get_runtime_context().get_node_id()
@@ -109,10 +122,15 @@ class RayDeploymentLink:
         return EngineLink(str(self.worker), self.address, node, token, staging_bytes, listen_host)
 
     def lookup(
-        self, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes], hint: Mapping[str, Any]
+        self,
+        tokens: Sequence[int],
+        scope: ReuseScope,
+        keys: Sequence[bytes],
+        hint: Mapping[str, Any],
+        mm_items: tuple[MultimodalItem, ...] = (),
     ) -> Match:
         try:
-            held = self._held_by_all(tokens, scope)
+            held = self._held_by_all(tokens, scope, mm_items)
             if held >= len(keys):
                 return Match(held)
             named = hint.get("worker")
@@ -134,51 +152,72 @@ class RayDeploymentLink:
             log.warning("raykv lookup on %s failed: %s", self.worker, exc)
             return Match(0)
 
-    def _held_by_all(self, tokens: Sequence[int], scope: ReuseScope, handle: Any = None) -> int:
-        """Leading blocks of ``tokens`` a worker (``handle``; default the paired one) holds for
-        every tensor-parallel rank (one probe per rank, sent together)."""
+    def _held_by_all(
+        self,
+        tokens: Sequence[int],
+        scope: ReuseScope,
+        mm_items: tuple[MultimodalItem, ...],
+        handle: Any = None,
+    ) -> int:
+        """Leading blocks of ``tokens`` (with ``mm_items``) a worker (``handle``; default the
+        paired one) holds for every tensor-parallel rank (one probe per rank, sent together)."""
         handle = self.handle if handle is None else handle
         ids = list(tokens)
         scopes = [rank_scope(scope, r, self.ranks) for r in range(self.ranks)]  # [scope] for one rank
-        probes = [handle.probe.remote(ids, s.lora_id, s.salt) for s in scopes]
+        probes = [handle.probe.remote(ids, s.lora_id, s.salt, s.model, mm_items) for s in scopes]
         return min(int(p.num_blocks) for p in ray.get(probes, timeout=self.timeout_s))
 
     def start_fetch(
-        self, match: Match, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes]
+        self,
+        match: Match,
+        tokens: Sequence[int],
+        scope: ReuseScope,
+        keys: Sequence[bytes],
+        mm_items: tuple[MultimodalItem, ...] = (),
     ) -> Fetch:
         future: concurrent.futures.Future[int]
         try:
-            future = self._fetches.submit(self._fetch, match, list(tokens), scope, list(keys))
+            future = self._fetches.submit(self._fetch, match, list(tokens), scope, list(keys), mm_items)
         except RuntimeError:  # closed
             future = concurrent.futures.Future()
             future.set_result(match.held)
         return Fetch(future, match.held)
 
-    def _fetch(self, match: Match, tokens: list[int], scope: ReuseScope, keys: list[bytes]) -> int:
+    def _fetch(
+        self,
+        match: Match,
+        tokens: list[int],
+        scope: ReuseScope,
+        keys: list[bytes],
+        mm: tuple[MultimodalItem, ...],
+    ) -> int:
         """(On a fetch thread.) Wait for the peer's blocks when asked to, have the paired worker
         pull them, and return how many leading blocks of ``keys`` it holds afterwards."""
         assert match.peer is not None
         peer = WorkerId(match.peer)
         others = [rank_scope(scope, r, self.ranks) for r in range(1, self.ranks)]
         try:
-            have = self._await_peer(peer, tokens, scope, match.blocks) if match.wait else match.blocks
+            have = self._await_peer(peer, tokens, scope, mm, match.blocks) if match.wait else match.blocks
             if have > match.held and peer != self.worker:
                 self._pull_from(peer, keys[match.held : have])
                 for other in others:  # a tensor-parallel engine's other ranks' pages
-                    chain = block_keys(tokens[: have * self.tpb], self.tpb, other)
+                    upto = tokens[: have * self.tpb]
+                    chain = block_keys(upto, self.tpb, other, clip_mm_items(mm, len(upto)))
                     self._pull_from(peer, [bytes(k) for k in chain[match.held : have]])
         except Exception as exc:
             self._count("fetch_errors")
             log.warning("raykv fetch from %s into %s failed: %s", peer, self.worker, exc)
-        return min(len(keys), self._held_by_all(tokens, scope))
+        return min(len(keys), self._held_by_all(tokens, scope, mm))
 
-    def _await_peer(self, peer: WorkerId, tokens: list[int], scope: ReuseScope, want: int) -> int:
+    def _await_peer(
+        self, peer: WorkerId, tokens: list[int], scope: ReuseScope, mm: tuple[MultimodalItem, ...], want: int
+    ) -> int:
         """How many of the leading ``want`` blocks ``peer`` holds (for every tensor-parallel
         rank), once it holds them all or ``timeout_s`` passed."""
         handle = self.cluster.workers[peer]
         deadline = time.monotonic() + self.timeout_s
         while True:
-            have = min(want, self._held_by_all(tokens, scope, handle))
+            have = min(want, self._held_by_all(tokens, scope, mm, handle))
             if have >= want or time.monotonic() >= deadline:
                 if have < want:
                     self._count("fetch_wait_timeouts")
@@ -255,6 +294,11 @@ class RayDeploymentLink:
         self._fetches.shutdown(wait=False, cancel_futures=True)
         self._queue.put(None)
         self._thread.join(self.timeout_s)
+        if self._bound:
+            try:
+                self.handle.unbind_engine.remote(self.engine)
+            except Exception as exc:  # the worker may be gone: nothing to unbind
+                log.debug("raykv: unbinding %s failed: %s", self.engine, exc)
 
 
 def _connect_keeping_signals(namespace: str, address: str) -> RayKVCluster:

@@ -19,11 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from actors.engines import EngineBindings
 from actors.metrics import METRICS_INTERVAL_S, WorkerMetrics
 from actors.transfer import PeerRef, WorkerTransfer
-from raykv.core.config import CacheConfig
-from raykv.core.errors import InvalidArgumentError, UnavailableError
-from raykv.core.keys import ReuseScope
+from raykv.core.config import CacheConfig, KVLayout
+from raykv.core.errors import ConfigError, InvalidArgumentError, UnavailableError
+from raykv.core.keys import MultimodalItem, ReuseScope
 from raykv.core.kvcache import KvCache
 from raykv.core.manager import CacheManager
 from raykv.core.records import ExportedBlock, ImportResult, ProbeResult
@@ -60,6 +61,7 @@ class CacheWorker:
         attach_to: tuple[str, Sequence[str]] | None = None,
         token: bytes | None = None,
         transfer: TransferConfig | None = None,
+        engine_layouts: bool = False,
     ) -> None:
         self.worker_id = WorkerId(worker_id)
         self.lane = lane
@@ -80,14 +82,72 @@ class CacheWorker:
         self._metrics_lock = threading.Lock()  # one export at a time: each sends a delta
         self.metrics_exports = 0
         self._engine_timing: dict[str, list[int]] = {}  # by engine, in reporting order
+        self.engines = EngineBindings(engine_layouts)
         # Page transfers (actors/transfer.py): a page server starts when a token is given.
-        self.transfer = WorkerTransfer(self.worker_id, self.manager, attach_to[0] if attach_to else None)
-        if token is not None:
-            self.transfer.start(token, transfer)
+        self._transfer_args = (attach_to[0] if attach_to else None, token, transfer)
+        self.transfer = self._start_transfer()
         if attach_to is not None:
             self.attach(*attach_to)
 
+    def _start_transfer(self) -> WorkerTransfer:
+        """A page server and client on the current manager (the server only with a token)."""
+        namespace, token, config = self._transfer_args
+        transfer = WorkerTransfer(self.worker_id, self.manager, namespace)
+        if token is not None:
+            transfer.start(token, config)
+        return transfer
+
     # ---- attaching to a deployment (actor mode) -----------------------------------------------
+    # ---- engines (the vLLM connector pairs an engine with this worker) ---------------------------
+    def bind_engine(self, engine: str, layout: KVLayout, model: str, fingerprint: str = "") -> KVLayout:
+        """Pair engine ``engine`` (running ``model``, a name for messages, whose keys carry the
+        model fingerprint ``fingerprint``, hex) whose pages are ``layout`` with this worker, and
+        return the layout in force. A worker of a deployment
+        started without a layout takes the layout of the engines paired with it: when ``layout``
+        differs from its own and no other engine is bound and no request is open, it lays its
+        tiers out anew for ``layout`` (the same capacities in bytes, pages derived; the blocks
+        it held are dropped and it re-registers with the index under a new incarnation).
+        ConfigError, under 300 characters, naming the differing fields and the fix, when the
+        layouts differ otherwise (another engine's layout is in force, or the deployment was
+        started with a layout); nothing changes then."""
+        if self.engines.needs_relayout(engine, layout, self.manager.config.layout, model):
+            if self.manager.num_open_requests:
+                raise ConfigError("layout", f"{self.worker_id} has open requests; retry once they end")
+            self._relayout(layout)
+        self.engines.bind(engine, model, fingerprint)
+        return self.manager.config.layout
+
+    def claim_engine(self, engine: str, model: str) -> bool:
+        """Reserve this worker for ``engine`` of ``model`` before the engine starts (a Serve
+        replica pairing, ``actors.serve_kv.pair_on_node``): True when no engine of another model
+        is bound (``engine`` is then bound, its layout to follow in :meth:`bind_engine`)."""
+        return self.engines.claim(engine, model)
+
+    def unbind_engine(self, engine: str) -> None:
+        """``engine`` (:meth:`bind_engine`) is gone: the worker may take another engine's layout."""
+        self.engines.unbind(engine)
+
+    def binding(self) -> dict[str, Any]:
+        """What engine pairing reads: ``layout`` (the pages in force), ``engine_layouts`` (whether
+        it takes its engines' layouts), ``engines`` ({engine: (model, fingerprint hex)}) and
+        ``node_id`` (its Ray node; None outside Ray)."""
+        return {**self.engines.state(), "layout": self.manager.config.layout, "node_id": _node_id()}
+
+    def _relayout(self, layout: KVLayout) -> None:
+        """A new manager of ``layout`` (capacities kept), page server, incarnation and index
+        registration; the old manager's blocks and queued events are dropped."""
+        config = self.manager.config.replace(layout=layout)  # ConfigError: a tier smaller than a page
+        with self._publish_lock:
+            old = self.manager
+            self.transfer.close()
+            self.manager = CacheManager(config)
+            old.shutdown()
+            self.incarnation = time.time_ns()
+            self.transfer = self._start_transfer()
+        log.info("%s: laid out for an engine's pages: %s", self.worker_id, layout)
+        if self._shard_names:
+            self.attach(self._transfer_args[0] or "", self._shard_names)
+
     def attach(self, namespace: str, shard_names: Sequence[str]) -> None:
         """Actor mode: send events to the named IndexShard actors and register with them.
 
@@ -255,9 +315,16 @@ class CacheWorker:
 
     # ---- blocks --------------------------------------------------------------------------------
     def probe(
-        self, tokens: Sequence[int], lora_id: int | None = None, salt: int | None = None
+        self,
+        tokens: Sequence[int],
+        lora_id: int | None = None,
+        salt: int | None = None,
+        model: bytes | None = None,
+        mm_items: Sequence[MultimodalItem] = (),
     ) -> ProbeResult:
-        return self.manager.probe(tokens, ReuseScope(lora_id, salt))
+        """How many leading blocks of ``tokens`` (with ``mm_items``) in scope ``(lora_id, salt,
+        model)`` this worker holds, and on which tiers (``CacheManager.probe``)."""
+        return self.manager.probe(tokens, ReuseScope(lora_id, salt, model), mm_items=mm_items)
 
     def export_blocks(self, keys: Sequence[bytes]) -> list[ExportedBlock]:
         return self.manager.export_blocks(keys)
@@ -346,15 +413,11 @@ class CacheWorker:
         timing totals (:meth:`engine_timing`, summed)."""
         stats = self.manager.stats()
         transfer = self.transfer.stats()
-        node_id = node_ip = None
-        try:
+        node_id, node_ip = _node_id(), None
+        if node_id is not None:
             import ray
 
-            if ray.is_initialized():
-                node_id = ray.get_runtime_context().get_node_id()
-                node_ip = ray.util.get_node_ip_address()
-        except ImportError:  # pragma: no cover - ray is a dependency of actors/
-            pass
+            node_ip = ray.util.get_node_ip_address()
         return {
             "worker": str(self.worker_id),
             "node_id": node_id,
@@ -383,3 +446,10 @@ class CacheWorker:
             self.close(handle)
         self.flush_events()
         self.manager.shutdown()
+
+
+def _node_id() -> str | None:
+    """This process's Ray node id (None outside Ray)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None

@@ -209,6 +209,33 @@ class KVLayout:
         return tuple(self._regions.values())
 
 
+def layout_difference(have: KVLayout, want: KVLayout) -> str:
+    """The fields in which ``want`` differs from ``have``, as ``field have -> want`` phrases (at
+    most three; "" when they are equal): tokens per block, layer count, then the
+    first differing layer's buffers (roles, per-token shapes, dtypes)."""
+    out = []
+    if have.tokens_per_block != want.tokens_per_block:
+        out.append(f"tokens_per_block {have.tokens_per_block} -> {want.tokens_per_block}")
+    if len(have.layers) != len(want.layers):
+        out.append(f"layers {len(have.layers)} -> {len(want.layers)}")
+    for a, b in zip(have.layers, want.layers):
+        if a.buffers == b.buffers:
+            continue
+        pairs = list(zip(a.buffers, b.buffers))
+        if [x.role for x in a.buffers] != [y.role for y in b.buffers]:
+            out.append(
+                f"roles {'/'.join(x.role for x in a.buffers)} -> {'/'.join(y.role for y in b.buffers)}"
+            )
+        elif any(x.shape != y.shape for x, y in pairs):
+            x, y = next((x, y) for x, y in pairs if x.shape != y.shape)
+            out.append(f"{x.role} per token {list(x.shape)} -> {list(y.shape)}")
+        if any(x.dtype != y.dtype for x, y in pairs):
+            x, y = next((x, y) for x, y in pairs if x.dtype != y.dtype)
+            out.append(f"dtype {x.dtype} -> {y.dtype}")
+        break
+    return ", ".join(out[:3])
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """One storage tier.

@@ -1,10 +1,15 @@
 """Block keys: byte-identical in every process, on every node, in every run.
 
 Scope (root) key
-    ``ReuseScope(lora_id, salt)``: each present field is an unsigned 64-bit int. The root key is
-    ``SHA-256(mask || fields)``: ``mask`` is one byte with bit 0 set when ``lora_id`` is present and
-    bit 1 when ``salt`` is present, followed by each present field (in that order) as 8 bytes
-    little-endian unsigned. ``ReuseScope()`` -> ``SHA-256(b"\\x00")``. None and 0 are different.
+    ``ReuseScope(lora_id, salt, model)``: ``lora_id`` and ``salt`` are unsigned 64-bit ints,
+    ``model`` a 32-byte model fingerprint (what decides a block's bytes besides its tokens: the
+    weights, dtypes, page layout; :mod:`raykv.integrations.vllm.identity` computes it for vLLM
+    engines). The root key is ``SHA-256(mask || fields)``: ``mask`` is one byte with bit 0 set
+    when ``lora_id`` is present, bit 1 when ``salt`` is present and bit 2 when ``model`` is,
+    followed by each present field in that order: ``lora_id`` and ``salt`` as 8 bytes
+    little-endian unsigned, ``model`` as its 32 bytes. ``ReuseScope()`` ->
+    ``SHA-256(b"\\x00")``. None and 0 are different. A scope without ``model`` serializes as
+    TensorRT-LLM's does (bits 0 and 1 only).
 
 Text block key
     ``key_i = SHA-256(key_{i-1} || t_0 || ... || t_{n-1})`` with ``key_{-1}`` the root key and each
@@ -50,38 +55,51 @@ TokenSeq = Union[Sequence[int], npt.NDArray[np.integer]]  # noqa: UP007
 
 @dataclass(frozen=True)
 class ReuseScope:
-    """A reuse namespace: blocks only match within the same scope (LoRA adapter, cache salt).
+    """A reuse namespace: blocks only match within the same scope (LoRA adapter, cache salt,
+    model).
 
-    Both fields are None or an unsigned 64-bit int (full range: salts >= 2**63 are normal).
-    Raises ValueError for negative, too large, bool or non-int values. Hashable, pickles, compares
-    by value.
+    ``lora_id`` and ``salt`` are None or an unsigned 64-bit int (full range: salts >= 2**63 are
+    normal); ``model`` is None or a 32-byte fingerprint of the model whose KV the blocks hold.
+    Raises ValueError (InvalidArgumentError) for negative, too large, bool or non-int ids and a
+    ``model`` that is not 32 bytes. Hashable, pickles, compares by value.
     """
 
     lora_id: int | None = None
     salt: int | None = None
+    model: bytes | None = None
 
     def __post_init__(self) -> None:
         if self.lora_id is not None:
             check_u64("lora_id", self.lora_id)
         if self.salt is not None:
             check_u64("salt", self.salt)
+        if self.model is not None and (type(self.model) is not bytes or len(self.model) != BLOCK_KEY_BYTES):
+            raise InvalidArgumentError("model", "a model fingerprint is exactly 32 bytes")
 
     @classmethod
-    def from_cache_salt(cls, text: str, lora_id: int | None = None) -> ReuseScope:
+    def from_cache_salt(cls, text: str, lora_id: int | None = None, model: bytes | None = None) -> ReuseScope:
         """Scope whose salt is the low 8 bytes (little-endian) of SHA-256 of the UTF-8 text."""
         if not isinstance(text, str):
             raise InvalidArgumentError("text", f"cache salt must be a str, got {type(text).__name__}")
         digest = hashlib.sha256(text.encode("utf-8")).digest()
-        return cls(lora_id=lora_id, salt=int.from_bytes(digest[:8], "little"))
+        return cls(lora_id=lora_id, salt=int.from_bytes(digest[:8], "little"), model=model)
+
+    def with_model(self, model: bytes | None) -> ReuseScope:
+        """This scope for the model of fingerprint ``model`` (None: no model named)."""
+        return ReuseScope(self.lora_id, self.salt, model)
 
     def to_bytes(self) -> bytes:
-        """The serialized scope: mask byte then each present field as u64 little-endian."""
+        """The serialized scope: mask byte, each present id as u64 little-endian, the model's
+        32 bytes."""
         mask = (1 if self.lora_id is not None else 0) | (2 if self.salt is not None else 0)
+        mask |= 4 if self.model is not None else 0
         out = bytes([mask])
         if self.lora_id is not None:
             out += self.lora_id.to_bytes(8, "little")
         if self.salt is not None:
             out += self.salt.to_bytes(8, "little")
+        if self.model is not None:
+            out += self.model
         return out
 
     def root_key(self) -> BlockKey:
@@ -179,6 +197,17 @@ def check_mm_items(items: Iterable[MultimodalItem], num_tokens: int | None) -> t
             raise InvalidArgumentError("mm_items", "a multimodal item extends past the tokens")
         prev_end = item.end
     return out
+
+
+def clip_mm_items(items: tuple[MultimodalItem, ...], num_tokens: int) -> tuple[MultimodalItem, ...]:
+    """``items`` as seen by the first ``num_tokens`` tokens: those starting past them dropped, one
+    reaching past them cut short. The keys of the blocks within ``num_tokens`` are unchanged (a
+    multimodal position hashes its item's digest and its offset from the item's start)."""
+    return tuple(
+        it if it.end <= num_tokens else MultimodalItem(it.digest, it.start, num_tokens - it.start)
+        for it in items
+        if it.start < num_tokens
+    )
 
 
 def _mm_block_bytes(tokens: npt.NDArray[np.uint32], start: int, items: tuple[MultimodalItem, ...]) -> bytes:

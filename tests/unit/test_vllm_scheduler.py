@@ -54,13 +54,23 @@ class FakeLink:
         return None
 
     def lookup(
-        self, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes], hint: Mapping[str, Any]
+        self,
+        tokens: Sequence[int],
+        scope: ReuseScope,
+        keys: Sequence[bytes],
+        hint: Mapping[str, Any],
+        mm_items: tuple[Any, ...] = (),
     ) -> Match:
         self.lookups += 1
         return self.match
 
     def start_fetch(
-        self, match: Match, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes]
+        self,
+        match: Match,
+        tokens: Sequence[int],
+        scope: ReuseScope,
+        keys: Sequence[bytes],
+        mm_items: tuple[Any, ...] = (),
     ) -> FakeFetch:
         self.fetches.append(FakeFetch(match))
         return self.fetches[-1]

@@ -34,13 +34,26 @@ def held(
     deployment: RayKVCluster, index: int, tokens: list[int], salt: str | ReuseScope | None = None
 ) -> Any:
     """The ProbeResult of ``tokens`` on worker ``index`` (``salt``: a cache_salt's text, or a
-    scope)."""
+    scope; without a model, in that of the deployment's engines, :func:`engine_model`)."""
     if isinstance(salt, ReuseScope):
         scope = salt
     else:
         scope = ReuseScope.from_cache_salt(salt) if salt is not None else ReuseScope()
-    probe = worker(deployment, index).probe.remote(tokens, scope.lora_id, scope.salt)
+    if scope.model is None:
+        scope = scope.with_model(engine_model(deployment))
+    probe = worker(deployment, index).probe.remote(tokens, scope.lora_id, scope.salt, scope.model)
     return ray.get(probe, timeout=30)
+
+
+def engine_model(deployment: RayKVCluster) -> bytes:
+    """The model fingerprint in the keys of the engines bound to ``deployment``'s workers (the
+    one model they all run; AssertionError when none is bound or they run several)."""
+    found = set()
+    for handle in deployment.workers.values():
+        binding = ray.get(handle.binding.remote(), timeout=30)
+        found.update(fingerprint for _, fingerprint in binding["engines"].values())
+    assert len(found) == 1, f"engines of {len(found)} models are bound: pass a scope with its model"
+    return bytes.fromhex(found.pop())
 
 
 def wait_held(

@@ -30,7 +30,7 @@ from raykv.integrations.vllm.testing import generate
 from raykv.routing.pd import PDConfig, choose_pair
 from raykv.routing.policy import RoutingConfig, WorkerLoad
 
-from .helpers import TPB, held, prompt, usable_blocks, wait_held, worker
+from .helpers import TPB, engine_model, held, prompt, usable_blocks, wait_held, worker
 
 ENGINE_B_TIMEOUT_S = 4.0  # engine_b's timeout_s (conftest)
 
@@ -207,8 +207,9 @@ def test_a_tensor_parallel_engine_loads_each_ranks_own_heads(
         _same(again, first)
 
         paired, other = worker(one_rank, 1), worker(one_rank, 0)
+        model = engine_model(one_rank)
         for scope in scopes:  # only worker 0 holds them now
-            keys = [bytes(k) for k in block_keys(tokens[: 3 * TPB], TPB, scope)]
+            keys = [bytes(k) for k in block_keys(tokens[: 3 * TPB], TPB, scope.with_model(model))]
             assert len(ray.get(other.pull.remote(one_rank.worker_ids[1], keys), timeout=30).imported) == 3
         ray.get(paired.clear.remote(), timeout=30)
         one_rank.flush()  # the index knows worker 0 holds them, worker 1 not

@@ -34,6 +34,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from raykv.integrations.vllm.identity import model_fingerprint, model_name
 from raykv.integrations.vllm.kv_blocks import check_page_layout, resolve_layout
 from raykv.integrations.vllm.layout import (
     check_parallel,
@@ -60,8 +61,6 @@ class _ConnectorImpl:
     _raykv_vllm_config: Any
 
     def _setup(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-        from raykv import ConfigError
-
         ranks = check_parallel(vllm_config)  # before anything opens: a split engine fails to start
         transfer = vllm_config.kv_transfer_config
         extra = dict(transfer.kv_connector_extra_config or {})
@@ -78,12 +77,15 @@ class _ConnectorImpl:
         self._raykv_vllm_config = vllm_config
         self._scheduler = self._worker = None
         if role.name == "SCHEDULER":
+            model = model_fingerprint(vllm_config, layout, extra["tensor_parallel_size"], extra)
+            extra["model_fingerprint"] = model  # in every key's scope: no match across models
             link = open_link(extra)
-            if link is not None and link.layout != layout:
-                link.close()
-                raise ConfigError(
-                    "layout", f"the deployment's pages ({link.layout}) do not fit the engine's ({layout})"
-                )
+            if link is not None:
+                try:
+                    link.bind(layout, model_name(vllm_config, extra), model)
+                except BaseException:
+                    link.close()
+                    raise
             loads, stores = transfer.is_kv_consumer, transfer.is_kv_producer
             self._scheduler = SchedulerSide(layout, link, loads, stores, extra)
         else:

@@ -16,13 +16,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from raykv import ConfigError, KVLayout, ReuseScope
+from raykv import ConfigError, KVLayout, MultimodalItem, ReuseScope
 from raykv.integrations.vllm.plan import EngineLink
 from raykv.transfer import PeerAddress
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LINK = "actors.vllm_link:RayDeploymentLink"
+DISABLED_KEY = "disabled"
+"""Extra config key: True runs the engine without raykv (a Serve replica on a node with no
+CacheWorker; the replica warned once)."""
 
 
 @dataclass(frozen=True)
@@ -55,20 +58,37 @@ class DeploymentLink(Protocol):
     layout: KVLayout
     timeout_s: float
 
+    def bind(self, layout: KVLayout, model: str, fingerprint: bytes) -> None:
+        """Pair the engine (pages of ``layout``, running ``model``, keys carrying ``fingerprint``)
+        with its worker, which may take ``layout`` (a deployment started without one); sets
+        :attr:`layout` to the layout in force. ConfigError (short, naming the differing fields
+        and the fix) when the worker cannot serve such pages."""
+
     def engine_link(self, staging_bytes: int, listen_host: str) -> EngineLink:
         """The worker side's :class:`EngineLink` (address, node id, token)."""
 
     def lookup(
-        self, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes], hint: Mapping[str, Any]
+        self,
+        tokens: Sequence[int],
+        scope: ReuseScope,
+        keys: Sequence[bytes],
+        hint: Mapping[str, Any],
+        mm_items: tuple[MultimodalItem, ...] = (),
     ) -> Match:
-        """Where the leading blocks of ``keys`` (the full blocks of ``tokens`` in ``scope``) are:
+        """Where the leading blocks of ``keys`` (the full blocks of ``tokens`` with multimodal
+        items ``mm_items`` in ``scope``) are:
         how many the paired CacheWorker holds, and which other worker holds more when the index
         says so, or when ``hint`` (a producer's ``kv_transfer_params["raykv"]``: ``worker``,
         ``blocks``) names one (then ``wait``: its blocks may still be on their way). Moves no
         page. ``Match(0)`` on any failure."""
 
     def start_fetch(
-        self, match: Match, tokens: Sequence[int], scope: ReuseScope, keys: Sequence[bytes]
+        self,
+        match: Match,
+        tokens: Sequence[int],
+        scope: ReuseScope,
+        keys: Sequence[bytes],
+        mm_items: tuple[MultimodalItem, ...] = (),
     ) -> Any:
         """Start having the paired CacheWorker pull blocks ``match.held .. match.blocks - 1`` of
         ``keys`` from ``match.peer`` (after waiting, at most ``timeout_s``, for the peer to hold
@@ -104,7 +124,10 @@ class DeploymentLink(Protocol):
 
 def open_link(extra: Mapping[str, Any]) -> DeploymentLink | None:
     """The link named by ``extra["link"]`` connected to the deployment, or None (one warning
-    logged) when it cannot connect. ConfigError for a malformed ``link`` name."""
+    logged) when it cannot connect, or when ``extra["disabled"]``. ConfigError for a malformed ``link`` name."""
+    if extra.get(DISABLED_KEY):
+        log.info("raykv: the connector is disabled for this engine (no raykv worker to pair with)")
+        return None
     target = extra.get("link", DEFAULT_LINK)
     if not isinstance(target, str) or target.count(":") != 1:
         raise ConfigError("link", f"must be 'module:attribute', got {target!r}")

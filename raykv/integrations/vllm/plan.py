@@ -29,7 +29,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from raykv import InvalidArgumentError, ReuseScope
+from raykv import InvalidArgumentError, MultimodalItem, ReuseScope
 from raykv.transfer import PeerAddress
 
 
@@ -50,15 +50,15 @@ class EngineLink:
 
 def rank_scope(scope: ReuseScope, rank: int, ranks: int) -> ReuseScope:
     """The scope rank ``rank`` of a ``ranks``-way tensor-parallel engine keys its pages in:
-    ``scope`` itself for rank 0 (and for an engine of one rank), else ``scope``'s LoRA with a
-    salt derived from ``scope``'s salt, ``rank`` and ``ranks`` (SHA-256; deterministic in every
+    ``scope`` itself for rank 0 (and for an engine of one rank), else ``scope``'s LoRA and model
+    with a salt derived from ``scope``'s salt, ``rank`` and ``ranks`` (SHA-256; deterministic in every
     process). InvalidArgumentError unless ``0 <= rank < ranks``."""
     if not (isinstance(rank, int) and isinstance(ranks, int) and 0 <= rank < ranks):
         raise InvalidArgumentError("rank", f"need 0 <= rank < ranks, got rank {rank!r} of {ranks!r}")
     if rank == 0:
         return scope
     text = f"raykv-tensor-parallel/{ranks}/{rank}/{scope.salt}".encode()
-    return ReuseScope(scope.lora_id, int.from_bytes(hashlib.sha256(text).digest()[:8], "little"))
+    return ReuseScope(scope.lora_id, int.from_bytes(hashlib.sha256(text).digest()[:8], "little"), scope.model)
 
 
 NULL_BLOCK = 0
@@ -89,12 +89,12 @@ class LoadOp:
     reports ``req_id`` as finished receiving (``get_finished``) in the step that carries the op,
     after loading, with the failed blocks in the same step's load errors. An async op with no
     keys and no lost blocks only releases a request that finished while its load was pending.
-    ``tokens`` and ``scope`` (sent to tensor-parallel engines only): the prompt through the last
-    block of the load and its scope, from which ranks above 0 key their own pages
-    (:func:`rank_scope`); ``keys`` are rank 0's. ``group_ids``: for an engine whose layers sit in
-    several KV cache groups, the blocks of groups 1.. for the same pages, each aligned with
-    ``block_ids`` (group 0's); ``NULL_BLOCK`` where a group keeps no block (outside a sliding
-    window): that group's layers of that page are not loaded.
+    ``tokens``, ``scope`` and ``mm_items`` (sent to tensor-parallel engines only): the prompt
+    through the last block of the load, its scope and its multimodal items, from which ranks
+    above 0 key their own pages (:func:`rank_scope`); ``keys`` are rank 0's. ``group_ids``: for
+    an engine whose layers sit in several KV cache groups, the blocks of groups 1.. for the same
+    pages, each aligned with ``block_ids`` (group 0's); ``NULL_BLOCK`` where a group keeps no
+    block (outside a sliding window): that group's layers of that page are not loaded.
     """
 
     req_id: str
@@ -106,6 +106,7 @@ class LoadOp:
     tokens: tuple[int, ...] = ()
     scope: ReuseScope | None = None
     group_ids: tuple[tuple[int, ...], ...] = ()
+    mm_items: tuple[MultimodalItem, ...] = ()
 
     def blocks(self) -> list[tuple[int, ...]] | list[int]:
         """Per page its engine block, or with ``group_ids`` its block in every group (group 0
@@ -115,25 +116,22 @@ class LoadOp:
 
 @dataclass(frozen=True)
 class StoreOp:
-    """Stage blocks ``0 .. end_block - 1`` of a request (``tokens`` are their tokens, ``block_ids``
-    the engine blocks holding them, ``group_ids`` those of groups 1.. as in :class:`LoadOp`) and
-    offer blocks ``first_block ..`` to the CacheWorker."""
+    """Stage blocks ``0 .. end_block - 1`` of a request (``tokens`` are their tokens, ``scope`` and
+    ``mm_items`` what else their keys name, ``block_ids`` the engine blocks holding them,
+    ``group_ids`` those of groups 1.. as in :class:`LoadOp`) and offer blocks ``first_block ..``
+    to the CacheWorker."""
 
     req_id: str
     tokens: tuple[int, ...]
-    lora_id: int | None
-    salt: int | None
+    scope: ReuseScope
     block_ids: tuple[int, ...]
     first_block: int
     group_ids: tuple[tuple[int, ...], ...] = ()
+    mm_items: tuple[MultimodalItem, ...] = ()
 
     def blocks(self) -> list[tuple[int, ...]] | list[int]:
         """As :meth:`LoadOp.blocks`."""
         return grouped_ids(self.block_ids, self.group_ids)
-
-    @property
-    def scope(self) -> ReuseScope:
-        return ReuseScope(self.lora_id, self.salt)
 
     @property
     def end_block(self) -> int:

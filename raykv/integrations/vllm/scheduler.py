@@ -2,8 +2,9 @@
 
 Per request it keeps the prompt's block keys (``raykv.block_keys`` over the full prompt blocks,
 in the request's scope: ``cache_salt`` hashed by ``ReuseScope.from_cache_salt``, the LoRA's
-``lora_int_id``), how many blocks the deployment holds (``hit``) and how many are stored or
-offered (``stored``). Each step it plans:
+``lora_int_id``; blocks overlapping an image or another multimodal input are keyed by its
+content, :func:`~raykv.integrations.vllm.multimodal.mm_items`), how many blocks the deployment
+holds (``hit``) and how many are stored or offered (``stored``). Each step it plans:
 
 - loads: after vLLM allocated blocks for an external hit, copy those blocks' pages in
   (``LoadOp``), once. When the paired CacheWorker holds the blocks, the load is synchronous
@@ -61,7 +62,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from raykv import InvalidArgumentError, KVLayout, ReuseScope, block_keys, lora_id_from_name
+from raykv import InvalidArgumentError, KVLayout, MultimodalItem, ReuseScope, block_keys
+from raykv.core.keys import clip_mm_items
+from raykv.integrations.vllm.identity import lora_identity
 from raykv.integrations.vllm.link import DeploymentLink
 from raykv.integrations.vllm.plan import EngineLink, LoadOp, RaykvMetadata, StoreOp, WorkerReport
 
@@ -84,6 +87,7 @@ class _Request:
     prompt: tuple[int, ...]
     scope: ReuseScope
     keys: list[bytes]
+    mm: tuple[MultimodalItem, ...] = ()  # the prompt's multimodal items (keys name their content)
     hit: int = 0
     stored: int = 0
     load: LoadOp | None = None
@@ -98,20 +102,19 @@ class _Request:
     prefill_since: float = 0.0  # when that step was planned
 
 
-def request_scope(request: Any) -> ReuseScope:
-    """The ReuseScope of a vLLM request: its ``cache_salt`` (str, hashed) and its LoRA adapter
-    (``lora_int_id``, else the name through ``lora_id_from_name``)."""
+def request_scope(request: Any, model: bytes | None = None) -> ReuseScope:
+    """The ReuseScope of a vLLM request of the engine whose model fingerprint is ``model``
+    (:mod:`~raykv.integrations.vllm.identity`): its ``cache_salt`` (str, hashed) and its LoRA
+    adapter by identity (:func:`~raykv.integrations.vllm.identity.lora_identity`, never the
+    engine-local ``lora_int_id``). InvalidArgumentError for a ``cache_salt`` that is not a str."""
     lora = getattr(request, "lora_request", None)
-    lora_id = None
-    if lora is not None:
-        number = getattr(lora, "lora_int_id", None)
-        lora_id = int(number) if number is not None else lora_id_from_name(str(lora.lora_name))
+    lora_id = None if lora is None else lora_identity(lora)
     salt = getattr(request, "cache_salt", None)
     if salt is None:
-        return ReuseScope(lora_id, None)
+        return ReuseScope(lora_id, None, model)
     if not isinstance(salt, str):
         raise InvalidArgumentError("cache_salt", f"must be a str, got {type(salt).__name__}")
-    return ReuseScope.from_cache_salt(salt, lora_id)
+    return ReuseScope.from_cache_salt(salt, lora_id, model)
 
 
 class _Held:
@@ -144,6 +147,7 @@ class SchedulerSide:
         self.store_generated = bool(extra.get("store_generated", True))
         self.ranks = int(extra.get("tensor_parallel_size", 1))  # set by the connector
         self.grouped = bool(extra.get("grouped", False))  # set by the connector
+        self.model: bytes | None = extra.get("model_fingerprint")  # set by the connector
         self._engine_link: EngineLink | None = None
         self.fetch_limit_s = 2 * float(extra.get("timeout_s", 10.0))
         if link is not None:
@@ -180,12 +184,13 @@ class SchedulerSide:
             return 0, False
         tokens = state.prompt[: usable * self.tpb]
         params = (getattr(request, "kv_transfer_params", None) or {}).get(PARAMS_KEY) or {}
-        match = self.link.lookup(tokens, state.scope, state.keys[:usable], params)
+        items = clip_mm_items(state.mm, len(tokens))
+        match = self.link.lookup(tokens, state.scope, state.keys[:usable], params, items)
         self.counters["lookups"] += 1
         held = max(0, min(usable, match.held))
         fetch = min(usable, match.blocks) if match.fetchable else 0
         if fetch > held and fetch * self.tpb > num_computed_tokens and not state.fetched:
-            state.fetch = self.link.start_fetch(match, tokens, state.scope, state.keys[:usable])
+            state.fetch = self.link.start_fetch(match, tokens, state.scope, state.keys[:usable], items)
             state.fetch_held, state.fetch_since, state.fetched = held, time.monotonic(), True
             self.counters["fetches"] += 1
             return self._hit(state, fetch, held, num_computed_tokens), True
@@ -238,11 +243,15 @@ class SchedulerSide:
     def _state(self, request: Any) -> _Request:
         state = self._requests.get(request.request_id)
         if state is None:
+            from raykv.integrations.vllm.multimodal import mm_items
+
             prompt = tuple(request.prompt_token_ids or ())
-            scope = request_scope(request)
-            full = len(prompt) // self.tpb
-            keys = [bytes(k) for k in block_keys(prompt[: full * self.tpb], self.tpb, scope)]
-            state = self._requests[request.request_id] = _Request(prompt, scope, keys, request=request)
+            scope = request_scope(request, self.model)
+            items = mm_items(request, len(prompt))  # full blocks only are keyed: whole prompt
+            keys = [bytes(k) for k in block_keys(prompt, self.tpb, scope, items)]
+            state = self._requests[request.request_id] = _Request(
+                prompt, scope, keys, request=request, mm=items
+            )
         return state
 
     def after_alloc(self, request: Any, groups: Sequence[Sequence[int]], num_external_tokens: int) -> None:
@@ -377,11 +386,13 @@ class SchedulerSide:
         pages."""
         tokens: tuple[int, ...] = ()
         scope: ReuseScope | None = None
+        items: tuple[MultimodalItem, ...] = ()
         if self.ranks > 1:
             tokens, scope = state.prompt[: (first + len(keys)) * self.tpb], state.scope
+            items = clip_mm_items(state.mm, len(tokens))
         if lost is None:
-            return LoadOp(req_id, first, keys, block_ids, tokens=tokens, scope=scope, group_ids=more)
-        return LoadOp(req_id, first, keys, block_ids, True, lost, tokens, scope, more)
+            return LoadOp(req_id, first, keys, block_ids, False, (), tokens, scope, more, items)
+        return LoadOp(req_id, first, keys, block_ids, True, lost, tokens, scope, more, items)
 
     def _store_op(
         self,
@@ -404,7 +415,8 @@ class SchedulerSide:
         tokens = tokens[: end * self.tpb]
         scope = state.scope
         more = tuple(tuple(g[:end]) for g in groups[1:])
-        return StoreOp(req_id, tokens, scope.lora_id, scope.salt, tuple(groups[0][:end]), first, more)
+        items = clip_mm_items(state.mm, len(tokens))
+        return StoreOp(req_id, tokens, scope, tuple(groups[0][:end]), first, more, items)
 
     def on_report(self, report: Any, invalid_block_ids: set[int] | None = None) -> None:
         """Fold a step's worker report: ask the CacheWorker to pull what was staged."""
@@ -444,6 +456,8 @@ class SchedulerSide:
         self._add_timing(result)
         result["worker"] = self.link.worker
         result["blocks"] = state.stored
+        if self.model is not None:
+            result["model"] = self.model.hex()  # the fingerprint in its keys' scope
         return {PARAMS_KEY: result}
 
     def _add_timing(self, result: Mapping[str, int]) -> None:

@@ -45,6 +45,7 @@ from raykv import (
     TransferError,
     block_keys,
 )
+from raykv.core.keys import clip_mm_items
 from raykv.core.tiers.host import HostPool
 from raykv.integrations.vllm.copier import BlockCopier, is_pinned
 from raykv.integrations.vllm.groups import GroupedCopier
@@ -197,7 +198,9 @@ class WorkerSide:
         if op.scope is None or len(op.tokens) < end * self.tpb:
             return []
         scope = rank_scope(op.scope, self.rank, self.ranks)
-        return [bytes(k) for k in block_keys(op.tokens[: end * self.tpb], self.tpb, scope)[op.first_block :]]
+        tokens = op.tokens[: end * self.tpb]
+        items = clip_mm_items(op.mm_items, len(tokens))
+        return [bytes(k) for k in block_keys(tokens, self.tpb, scope, items)[op.first_block :]]
 
     def _load(self, op: LoadOp) -> int:
         """Load the leading pages of ``op`` that the CacheWorker still has; how many. A CUDA
@@ -306,7 +309,8 @@ class WorkerSide:
         """Write blocks ``0 .. op.end_block - 1`` into staging pages and commit them; the keys of
         blocks ``op.first_block ..`` (empty when staging has no room)."""
         assert self.staging is not None and self.copier is not None
-        kv = self.staging.create(list(op.tokens), rank_scope(op.scope, self.rank, self.ranks))
+        scope = rank_scope(op.scope, self.rank, self.ranks)
+        kv = self.staging.create(list(op.tokens), scope, mm_items=op.mm_items)
         try:
             if not kv.resume():
                 self._report.counters["store_skipped"] += 1
