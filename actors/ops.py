@@ -118,6 +118,7 @@ def up_main(args: argparse.Namespace) -> int:
             max_restarts=d.max_restarts,
             transfer=s.transfer,
             routing=s.routing,
+            engine_layouts=s.engine_layouts,
         )
         try:
             print(

@@ -70,10 +70,10 @@ class NoWorkerOnNode(Exception):
     """No worker of the pool runs on the replica's node (:func:`pair_on_node`)."""
 
 
-def pair_on_node(cluster: Any, names: Sequence[str], engine: str, model: str) -> str:
+def pair_on_node(cluster: Any, names: Sequence[str], engine: str, model: str, rank: int) -> str:
     """The worker of ``names`` a replica running ``model`` pairs with: one on the replica's own
     Ray node (the engine's staging server listens on 127.0.0.1 and same-node paths need it),
-    rotated by replica rank; among those, first one it can claim for ``model``
+    rotated by ``rank`` (the replica's); among those, first one it can claim for ``model``
     (``CacheWorker.claim_engine``: free, or serving ``model`` already), else one serving other
     models (it shares when their layouts agree). NoWorkerOnNode when the node has none."""
     import ray
@@ -85,7 +85,7 @@ def pair_on_node(cluster: Any, names: Sequence[str], engine: str, model: str) ->
     local = [n for n, b in zip(known, bindings) if b.get("node_id") == node]
     if not local:
         raise NoWorkerOnNode(f"no raykv worker of {list(names)} runs on node {node}")
-    shift = replica_rank() % len(local)
+    shift = rank % len(local)
     local = local[shift:] + local[:shift]
     for name in local:
         if ray.get(
@@ -126,7 +126,9 @@ class ReplicaCache:
         self.engine = f"replica-{uuid.uuid4().hex[:12]}"
         """The name this replica's engine binds to its worker under and reports its timing
         totals under (its connector's ``kv_connector_extra_config["engine"]``)."""
-        chosen = worker or (pair_on_node(self.cluster, names, self.engine, model) if model else None)
+        chosen = worker or (
+            pair_on_node(self.cluster, names, self.engine, model, replica_rank()) if model else None
+        )
         chosen = chosen or names[replica_rank() % len(names)]
         self.worker_id = WorkerId(chosen)
         self.worker: Any = self.cluster.workers[self.worker_id]

@@ -96,12 +96,15 @@ class DeploymentConfig:
 
 @dataclass(frozen=True)
 class Settings:
-    """A validated configuration file: ``cache`` None means ``start()``'s default cache config."""
+    """A validated configuration file: ``cache`` None means ``start()``'s default cache config;
+    ``engine_layouts`` (no ``[layout]`` given): each worker takes the page layout of the vLLM
+    engines paired with it (``start(engine_layouts=...)``)."""
 
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
     cache: CacheConfig | None = None
     transfer: TransferConfig = field(default_factory=lambda: TransferConfig(host=NODE_IP))
     routing: RoutingConfig = DEFAULT_ROUTING
+    engine_layouts: bool = True
 
 
 _LAYOUT_DEFAULTS: dict[str, Any] = {
@@ -290,7 +293,7 @@ def settings_from_dict(doc: Mapping[str, Any]) -> Settings:
     routing_t = _checked("routing", _table(doc, "routing"), RoutingConfig, skip=("tokens_per_block",))
     tpb = cache.tokens_per_block if cache is not None else _LAYOUT_DEFAULTS["tokens_per_block"]
     routing = _build("routing", RoutingConfig, tokens_per_block=tpb, **routing_t)
-    return Settings(deployment, cache, transfer, routing)
+    return Settings(deployment, cache, transfer, routing, engine_layouts=not _table(doc, "layout"))
 
 
 def load_settings(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
@@ -359,6 +362,8 @@ def defaults_toml() -> str:
         "# The cache: omit [layout], [cache] and [tiers.*] for the default (8 layers x 8 KV heads x",
         "# 128 dims, 16 tokens per block, float16; host 512 MiB, disk 2 GiB, and a 4 GiB GPU tier",
         "# with one worker per GPU). Given any of them, [tiers.*] is required. Tiers go warm to cold.",
+        "# Without [layout], each worker takes the page layout of the vLLM engines paired with it",
+        "# (tier capacities stay in bytes); with it, workers keep it and refuse other engines.",
         "# [layout]   (latent_size > 0, without num_kv_heads and head_dim: an MLA engine's latents)",
         *(f"# {k} = {_toml_value(v)}" for k, v in _LAYOUT_DEFAULTS.items()),
         "# [cache]",

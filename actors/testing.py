@@ -224,3 +224,25 @@ class FaultyDeploymentLink(RayDeploymentLink):
         if replacement:
             ray.get(self.handle.run_request.remote(list(replacement)), timeout=self.timeout_s)
         return held
+
+
+class PairingProbe:
+    """Stands in for a Serve replica's connector backend on one node (run it as an actor pinned to
+    that node): pairs as :func:`actors.serve_kv.pair_on_node` does for a replica."""
+
+    def __init__(self, namespace: str) -> None:
+        from actors.cluster import connect
+
+        self.cluster = connect(namespace)
+
+    def pair(self, engine: str, model: str, rank: int) -> str:
+        """The worker a replica of ``model`` with ``rank`` pairs with, or ``"none: <why>"``."""
+        from actors.serve_kv import NoWorkerOnNode, pair_on_node
+
+        try:
+            return pair_on_node(self.cluster, [str(w) for w in self.cluster.worker_ids], engine, model, rank)
+        except NoWorkerOnNode as exc:
+            return f"none: {exc}"
+
+    def node(self) -> str:
+        return str(ray.get_runtime_context().get_node_id())

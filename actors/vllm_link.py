@@ -106,7 +106,12 @@ class RayDeploymentLink:
         started without a layout takes ``layout``); ConfigError when the worker cannot serve
         pages of ``layout``. The worker's page server may have moved: its address is read again."""
         call = self.handle.bind_engine.remote(self.engine, layout, model, fingerprint.hex())
-        self.layout = ray.get(call, timeout=self.timeout_s)
+        try:
+            self.layout = ray.get(call, timeout=self.timeout_s)
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, ConfigError):  # the worker's own short message, not Ray's trace
+                raise exc.cause.with_traceback(None) from None
+            raise
         self.tpb = self.layout.tokens_per_block
         self._bound = True
         self.address = ray.get(self.handle.page_server_address.remote(), timeout=self.timeout_s)

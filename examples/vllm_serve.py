@@ -31,6 +31,7 @@ from ray import serve
 import raykv
 from actors.serve import router_counters
 from actors.serve_llm import with_raykv
+from raykv import ReuseScope
 from raykv.integrations.vllm import testing
 
 NAMESPACE = "raykv-vllm-serve"
@@ -43,15 +44,21 @@ done-callback that can run after the client has read the response; a repeat sent
 find its holder still counted busy with the request before it (and rightly go elsewhere)."""
 
 
-def llm_config(model_dir: str, namespace: str = NAMESPACE, replicas: int = 2) -> Any:
+def llm_config(
+    model_dir: str,
+    namespace: str = NAMESPACE,
+    replicas: int = 2,
+    model_id: str = MODEL_ID,
+    **engine_changes: Any,
+) -> Any:
     """The ``LLMConfig`` of the example: CPU settings for vLLM (one CPU bundle per replica,
     float32, eager, one-block prefill chunks so outputs are exact), served with raykv."""
     from ray.serve.llm import LLMConfig
 
-    engine = testing.engine_kwargs(model_dir)
+    engine = testing.engine_kwargs(model_dir, **engine_changes)
     engine.pop("model")
     config = LLMConfig(
-        model_loading_config={"model_id": MODEL_ID, "model_source": model_dir},
+        model_loading_config={"model_id": model_id, "model_source": model_dir},
         engine_kwargs=engine,
         placement_group_config={"bundles": [{"CPU": 1}]},
         deployment_config={"num_replicas": replicas, "max_ongoing_requests": 4},
@@ -83,6 +90,44 @@ def build_pd_app(model_dir: str, namespace: str = NAMESPACE) -> Any:
     )
 
 
+MLA_ID = "tiny-mla"
+
+
+def build_two_model_app(llama_dir: str, mla_dir: str, namespace: str) -> Any:
+    """One OpenAI app serving two models, a Llama and a DeepSeek-V2-style MLA model (one replica
+    each), over one raykv deployment started without a layout: each replica claims a worker of
+    its own node for its model, and that worker takes the engine's page layout."""
+    from ray.serve.llm import build_openai_app
+
+    llama = llm_config(llama_dir, namespace, replicas=1)
+    mla = llm_config(mla_dir, namespace, replicas=1, model_id=MLA_ID, block_size=testing.MLA_BLOCK_SIZE)
+    return build_openai_app({"llm_configs": [llama, mla]})
+
+
+def verify_two_models(port: int, deployment: Any) -> dict[str, str]:
+    """Each model's repeat of a prompt loads its own blocks through raykv on its own worker,
+    exactly (same tokens as its first run); the MLA model, given the Llama's prompt, loads
+    nothing of it. Returns the worker of each model."""
+    rng = random.Random(13)
+    tokens = [rng.randrange(1, 500) for _ in range(4 * testing.BLOCK_SIZE + 3)]
+    workers = {}
+    for model, block in ((MODEL_ID, testing.BLOCK_SIZE), (MLA_ID, testing.MLA_BLOCK_SIZE)):
+        prompt = tokens if model == MODEL_ID else [t + 1 for t in tokens]
+        first = complete(port, prompt, model=model)
+        stats = raykv_stats(first)
+        blocks = len(prompt) // block
+        workers[model] = holder(deployment, prompt, blocks, stats["model"])
+        again = complete(port, prompt, model=model)
+        loaded = raykv_stats(again)
+        assert loaded.get("loaded_blocks_ok", 0) == (len(prompt) - 1) // block, loaded
+        assert loaded["worker"] == workers[model] and loaded["model"] == stats["model"], loaded
+        assert output(again)[0] == output(first)[0], f"{model}: a repeat over loaded blocks differs"
+    crossed = raykv_stats(complete(port, tokens, model=MLA_ID))  # the Llama's prompt, MLA's keys
+    assert crossed.get("hit_blocks", 0) == 0, crossed
+    assert workers[MODEL_ID] != workers[MLA_ID], workers
+    return workers
+
+
 def workload(num_prefixes: int = 2, repeats: int = 3) -> list[tuple[int, list[int]]]:
     """Interleaved requests: ``repeats`` per system prompt (PREFIX_BLOCKS blocks), own tails."""
     rng = random.Random(7)
@@ -95,13 +140,15 @@ def workload(num_prefixes: int = 2, repeats: int = 3) -> list[tuple[int, list[in
     ]
 
 
-def holder(deployment: Any, tokens: list[int], blocks: int, timeout: float = 60.0) -> str:
-    """The worker holding ``blocks`` leading blocks of ``tokens`` once the index knows it
-    (stores are pulled by the CacheWorker shortly after the engine computed them)."""
+def holder(deployment: Any, tokens: list[int], blocks: int, model: str, timeout: float = 60.0) -> str:
+    """The worker holding ``blocks`` leading blocks of ``tokens`` of the model whose fingerprint
+    is ``model`` (hex, as the connector reports it) once the index knows it (stores are pulled
+    by the CacheWorker shortly after the engine computed them)."""
     deadline = time.monotonic() + timeout
+    scope = ReuseScope(model=bytes.fromhex(model))
     while True:
         deployment.flush()
-        held = [str(w) for w, m in deployment.route(tokens).items() if m.blocks >= blocks]
+        held = [str(w) for w, m in deployment.route(tokens, scope).items() if m.blocks >= blocks]
         if held:
             return held[0]
         if time.monotonic() > deadline:
@@ -122,7 +169,7 @@ def verify(port: int, deployment: Any) -> dict[int, list[str]]:
             first = workers[prefix][0]
             assert served_by == first, f"prefix {prefix} left {first}: router {router_counters()}"
             assert stats.get("hit_blocks", 0) >= PREFIX_BLOCKS, stats
-        assert holder(deployment, tokens, len(tokens) // testing.BLOCK_SIZE) is not None
+        assert holder(deployment, tokens, len(tokens) // testing.BLOCK_SIZE, stats["model"]) is not None
         workers.setdefault(prefix, []).append(served_by)
         time.sleep(THINK_S)
     return workers
@@ -149,12 +196,12 @@ def pd_prompt() -> list[int]:
 
 
 def complete(
-    port: int, tokens: list[int], max_tokens: int = 4, cache_salt: str | None = None
+    port: int, tokens: list[int], max_tokens: int = 4, cache_salt: str | None = None, model: str = MODEL_ID
 ) -> dict[str, Any]:
-    """POST one greedy ``/v1/completions`` request with token ids (5 logprobs per step); the
-    JSON response."""
+    """POST one greedy ``/v1/completions`` request with token ids (5 logprobs per step) to
+    ``model``; the JSON response."""
     body: dict[str, Any] = {
-        "model": MODEL_ID,
+        "model": model,
         "prompt": tokens,
         "max_tokens": max_tokens,
         "temperature": 0.0,

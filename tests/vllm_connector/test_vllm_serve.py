@@ -109,3 +109,35 @@ def _streamed(port: int, tokens: list[int], cache_salt: str) -> list[int]:
         for choice in json.loads(event)["choices"]:
             ids.extend(choice.get("token_ids") or [])
     return ids
+
+
+@pytest.mark.timeout(1200)
+def test_one_default_deployment_serves_an_app_of_two_models(
+    deployment: RayKVCluster, model_dir: str, http_port: int, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``build_openai_app`` with two ``llm_configs`` (a Llama and a DeepSeek-V2-style MLA model)
+    over one ``raykv.start(num_workers=2)`` (no layout): each replica claims its own worker, which
+    takes its engine's layout; each model reuses its own blocks and never the other's."""
+    import uuid
+
+    import ray
+    from ray import serve
+
+    import raykv
+    from raykv.integrations.vllm import testing
+
+    example = load_example("vllm_serve.py")
+    mla_dir = testing.save_tiny_mla(str(tmp_path_factory.mktemp("serve-mla")))
+    shared = raykv.start(num_workers=2, namespace=f"raykv-two-{uuid.uuid4().hex[:8]}")
+    try:
+        app = example.build_two_model_app(model_dir, mla_dir, shared.namespace)
+        serve.run(app, name="two", route_prefix="/")
+        workers = example.verify_two_models(http_port, shared)
+        layouts = {
+            str(w): ray.get(h.binding.remote(), timeout=30)["layout"] for w, h in shared.workers.items()
+        }
+        assert layouts[workers[example.MODEL_ID]] == testing.tiny_layout()
+        assert layouts[workers[example.MLA_ID]] == testing.tiny_mla_layout()
+        serve.delete("two")
+    finally:
+        shared.shutdown()

@@ -172,14 +172,14 @@ def model_record(vllm_config: Any, layout: KVLayout, ranks: int, extra: Mapping[
 
 def model_name(vllm_config: Any, extra: Mapping[str, Any]) -> str:
     """A short name of the engine's model for messages and worker claims: ``model_name`` (a
-    Serve replica sets its model id), else ``model_id``, else the served name, else the model's
-    last path component."""
+    Serve replica sets its model id), else ``model_id``, else the served name, else the model;
+    the last component of a path."""
     model = getattr(vllm_config, "model_config", None)
     named = extra.get("model_name") or extra.get("model_id") or getattr(model, "served_model_name", None)
     if isinstance(named, (list, tuple)):
         named = named[0] if named else None
-    source = str(getattr(model, "model", "") or "model")
-    return str(named or os.path.basename(source.rstrip("/")) or source)[:60]
+    name = str(named or getattr(model, "model", "") or "model").rstrip("/")
+    return (os.path.basename(name) or name)[:60]
 
 
 def fingerprint(record: Mapping[str, Any]) -> bytes:

@@ -124,7 +124,8 @@ class DeploymentLink(Protocol):
 
 def open_link(extra: Mapping[str, Any]) -> DeploymentLink | None:
     """The link named by ``extra["link"]`` connected to the deployment, or None (one warning
-    logged) when it cannot connect, or when ``extra["disabled"]``. ConfigError for a malformed ``link`` name."""
+    logged) when it cannot connect, or when ``extra["disabled"]``. ConfigError for a malformed
+    ``link`` name."""
     if extra.get(DISABLED_KEY):
         log.info("raykv: the connector is disabled for this engine (no raykv worker to pair with)")
         return None

@@ -30,6 +30,7 @@ so its keys are the text keys.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from typing import Any, Final
 
 from raykv.core.errors import InvalidArgumentError
@@ -73,7 +74,7 @@ def mm_items(request: Any, num_tokens: int) -> tuple[MultimodalItem, ...]:
             )
         spans.append((start, length, index, feature_digest(modality, identifier)))
     spans.sort()
-    for (start_a, length_a, a, _), (start_b, _, b, _) in zip(spans, spans[1:]):
+    for (start_a, length_a, a, _), (start_b, _, b, _) in itertools.pairwise(spans):
         if start_b < start_a + length_a:
             raise InvalidArgumentError(
                 "mm_features",
