@@ -42,7 +42,7 @@ class EngineBindings:
         if self.engine_layouts and not others:
             return True
         diff = layout_difference(current, layout)
-        if others:
+        if others and self.engine_layouts:
             fix = f"pair {model} with another worker (pool=...); this one serves {', '.join(others)}"
         else:
             fix = "start the deployment without a layout, or with the engine's"

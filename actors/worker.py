@@ -135,18 +135,27 @@ class CacheWorker:
 
     def _relayout(self, layout: KVLayout) -> None:
         """A new manager of ``layout`` (capacities kept), page server, incarnation and index
-        registration; the old manager's blocks and queued events are dropped."""
+        registration; the old manager's blocks and queued events are dropped. When the new
+        manager cannot be built, the worker goes on with an empty one of its old layout and the
+        error propagates."""
         config = self.manager.config.replace(layout=layout)  # ConfigError: a tier smaller than a page
-        with self._publish_lock:
-            old = self.manager
-            self.transfer.close()
-            self.manager = CacheManager(config)
-            old.shutdown()
-            self.incarnation = time.time_ns()
-            self.transfer = self._start_transfer()
-        log.info("%s: laid out for an engine's pages: %s", self.worker_id, layout)
-        if self._shard_names:
-            self.attach(self._transfer_args[0] or "", self._shard_names)
+        try:
+            with self._publish_lock:
+                old = self.manager
+                self.transfer.close()
+                old.shutdown()  # first: a GPU tier's memory is freed before the new one is allocated
+                try:
+                    self.manager = CacheManager(config)
+                except Exception:
+                    self.manager = CacheManager(old.config)
+                    raise
+                finally:
+                    self.incarnation = time.time_ns()
+                    self.transfer = self._start_transfer()
+            log.info("%s: laid out for an engine's pages: %s", self.worker_id, layout)
+        finally:
+            if self._shard_names:
+                self.attach(self._transfer_args[0] or "", self._shard_names)
 
     def attach(self, namespace: str, shard_names: Sequence[str]) -> None:
         """Actor mode: send events to the named IndexShard actors and register with them.
