@@ -219,6 +219,8 @@ def test_fetch_done_before_admission_turns_synchronous() -> None:
     assert side.lookup(request, 0) == (5 * TPB, False)
     side.after_alloc(request, [BLOCKS], 5 * TPB)
     assert side._requests["r1"].load is not None and not side._requests["r1"].load.is_async
+    counts = side._requests["r1"].counts  # the pull brought blocks 1..4: priced as a pull
+    assert counts["pulled_tokens"] == 4 * TPB and counts["fetch_us"] > 0
 
 
 def test_no_second_fetch_after_a_failed_one() -> None:

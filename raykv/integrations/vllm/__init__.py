@@ -16,9 +16,13 @@ Use::
         },
     )
 
-The deployment's layout must be the engine's (:func:`~raykv.integrations.vllm.layout.engine_layout`;
-for a transformers config ``raykv.integrations.hf.kv_layout(config, block_size, dtype)`` gives the
-same), else ConfigError at engine start. An fp8 KV cache (``kv_cache_dtype="fp8"``/``"fp8_e4m3"``,
+At start the connector binds the engine to its paired CacheWorker: a deployment started without
+a layout (``raykv.start()``, ``raykv up`` without ``[layout]``) lets the worker take the engine's
+(:func:`~raykv.integrations.vllm.layout.engine_layout`); one started with a layout must have the
+engine's (for a transformers config ``raykv.integrations.hf.kv_layout(config, block_size, dtype)``
+gives it), else one short ConfigError at engine start. Every block key carries the engine's model
+fingerprint, its LoRA adapter's identity, ``cache_salt`` and its multimodal inputs
+(:mod:`~raykv.integrations.vllm.identity`). An fp8 KV cache (``kv_cache_dtype="fp8"``/``"fp8_e4m3"``,
 ``"fp8_e5m2"``, kept by vLLM in uint8 tensors) needs a layout of ``float8_e4m3fn`` /
 ``float8_e5m2``. A multi-head latent attention engine (DeepSeek V2/V3 style, any of
 :data:`~raykv.integrations.vllm.kv_blocks.MLA_BACKENDS`) caches one latent per token: its layout
@@ -62,7 +66,10 @@ Process topology (one engine, one CacheWorker on the same node):
   tier in the worker process that the CacheWorker reads the same way. Ray's object store never
   carries a page.
 
-Extra config: ``namespace``, ``ray_address``, ``worker``, ``page_layout`` (``"token_major"``, the
+Extra config: ``namespace``, ``ray_address``, ``worker``, ``model_id`` (names the weights in
+the model fingerprint every key carries, instead of their content: two copies of the same
+weights that differ on disk share under one ``model_id``; see
+:mod:`~raykv.integrations.vllm.identity`), ``page_layout`` (``"token_major"``, the
 default, "k"/"v" per layer as the HF adapter reads them, the same bytes whichever attention
 backend wrote them; or ``"engine_native"``, the CPU attention backend's block bytes verbatim:
 loads and stores without transposition, ~2x faster copies on CPU, refused by GPU backends, see
@@ -93,8 +100,10 @@ pages came: ``gpu_peer``, ``gpu_read``, ``shm_read``, ``shm``, ``ucx``), ``dma_d
 load was planned), ``pulled_tokens`` (the tokens of the blocks that fetch brought to the paired
 worker), ``prefilled_tokens`` and ``prefill_us`` (the prompt tokens the engine computed, and the
 wall time from planning the step that computed the first of them to planning the step after the
-last), ``offered_blocks``, ``staged_blocks``, ``worker`` and
-``blocks`` (prompt blocks the deployment holds or was offered; a PD proxy hands these to the
+last), ``offered_blocks``, ``staged_blocks``, ``model`` (the engine's model fingerprint, hex:
+the scope of its keys, :mod:`~raykv.integrations.vllm.identity`), ``worker`` and
+``blocks`` (leading blocks the deployment holds or was offered: the prompt's, and with
+``store_generated`` those of generated tokens too; a PD proxy hands these to the
 decode engine's request as ``kv_transfer_params``). The worker side's
 figures of a step reach the scheduler after the requests finishing in that step are freed, so a
 request that ends in the step that loaded it (``max_tokens=1``) lacks ``loaded_blocks_ok``,

@@ -211,15 +211,20 @@ class SchedulerSide:
         return max(0, hit * self.tpb - num_computed_tokens)
 
     def _lookup_again(self, state: _Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """A lookup of a request whose fetch started before it was admitted."""
+        """A lookup of a request whose fetch started before it was admitted (once the fetch is
+        done, the load is synchronous; what the pull brought still counts as pulled)."""
         done = self._poll(state.fetch)
         if done is None and time.monotonic() - state.fetch_since <= self.fetch_limit_s:
             new = max(0, state.hit * self.tpb - num_computed_tokens)
             if new > 0:
                 return new, True
         self._cancel(state.fetch)
-        state.fetch = None
+        fetched, state.fetch = not isinstance(state.fetch, _Held), None
         held = state.fetch_held if done is None else max(0, min(state.hit, done))
+        if done is not None and fetched:  # what the pull brought, for the engine's timing totals
+            pulled = max(0, held - max(state.stored, state.fetch_held))
+            state.counts["pulled_tokens"] += pulled * self.tpb
+            state.counts["fetch_us"] += int((time.monotonic() - state.fetch_since) * 1e6)
         state.stored = max(state.stored, held)
         state.hit = held
         state.counts["hit_blocks"] = held
@@ -436,7 +441,8 @@ class SchedulerSide:
         """vLLM's ``request_finished`` (the caller returns False with it: blocks are never held
         after a request, stores copy them in the step that computed them). The request's results
         for its output's ``kv_transfer_params`` (None when unknown): its counters, the paired
-        ``worker`` and ``blocks``, the prompt blocks the deployment holds or was offered (a PD
+        ``worker`` and ``blocks``, the leading blocks the deployment holds or was offered (the
+        prompt's, and with ``store_generated`` generated ones; a PD
         proxy passes these to the decode engine's request, whose lookup then fetches those blocks
         from that worker). A pending fetch is dropped; if vLLM already allocated blocks for it
         (the request waits in WAITING_FOR_REMOTE_KVS, and vLLM frees them only once the worker
