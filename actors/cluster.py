@@ -148,7 +148,10 @@ class RayKVCluster:
     def keys(
         self, tokens: TokenSeq, scope: ReuseScope | None = None, mm_items: Sequence[MultimodalItem] = ()
     ) -> list[bytes]:
-        """Block keys for this deployment's tokens_per_block (ValueError for bad tokens)."""
+        """Block keys for this deployment's tokens_per_block (ValueError for bad tokens). The keys
+        of a vLLM engine's blocks carry its model fingerprint and block size (in a deployment
+        started without a layout, the engine's, not this default): :meth:`route_keys` takes
+        those keys as they are."""
         return list(block_keys(tokens, self.config.tokens_per_block, scope, mm_items))
 
     def route(self, tokens: TokenSeq, scope: ReuseScope | None = None) -> dict[WorkerId, RouteMatch]:

@@ -31,7 +31,7 @@ from ray import serve
 import raykv
 from actors.serve import router_counters
 from actors.serve_llm import with_raykv
-from raykv import ReuseScope
+from raykv import ReuseScope, block_keys
 from raykv.integrations.vllm import testing
 
 NAMESPACE = "raykv-vllm-serve"
@@ -116,7 +116,7 @@ def verify_two_models(port: int, deployment: Any) -> dict[str, str]:
         first = complete(port, prompt, model=model)
         stats = raykv_stats(first)
         blocks = len(prompt) // block
-        workers[model] = holder(deployment, prompt, blocks, stats["model"])
+        workers[model] = holder(deployment, prompt, blocks, stats["model"], block)
         again = complete(port, prompt, model=model)
         loaded = raykv_stats(again)
         assert loaded.get("loaded_blocks_ok", 0) == (len(prompt) - 1) // block, loaded
@@ -140,15 +140,17 @@ def workload(num_prefixes: int = 2, repeats: int = 3) -> list[tuple[int, list[in
     ]
 
 
-def holder(deployment: Any, tokens: list[int], blocks: int, model: str, timeout: float = 60.0) -> str:
+def holder(
+    deployment: Any, tokens: list[int], blocks: int, model: str, block_size: int = testing.BLOCK_SIZE
+) -> str:
     """The worker holding ``blocks`` leading blocks of ``tokens`` of the model whose fingerprint
-    is ``model`` (hex, as the connector reports it) once the index knows it (stores are pulled
-    by the CacheWorker shortly after the engine computed them)."""
-    deadline = time.monotonic() + timeout
-    scope = ReuseScope(model=bytes.fromhex(model))
+    is ``model`` (hex, as the connector reports it) and block size ``block_size`` once the index
+    knows it (stores are pulled by the CacheWorker shortly after the engine computed them)."""
+    deadline = time.monotonic() + 60.0
+    keys = block_keys(tokens, block_size, ReuseScope(model=bytes.fromhex(model)))
     while True:
         deployment.flush()
-        held = [str(w) for w, m in deployment.route(tokens, scope).items() if m.blocks >= blocks]
+        held = [str(w) for w, m in deployment.route_keys(keys).items() if m.blocks >= blocks]
         if held:
             return held[0]
         if time.monotonic() > deadline:

@@ -147,11 +147,12 @@ def test_lora_blocks_are_keyed_by_adapter_identity_not_lora_int_id(
 
     with _llm(model_dir, ns, ray_address, worker=0) as engine_1:
         stored = _generate(engine_1, tokens, lora_a)
+        model = bytes.fromhex(stored.raykv["model"])
+        scope_a = ReuseScope(lora_identity(lora_a), None, model)
+        # the worker pulls stores from the engine's staging server: wait before shutting it down
+        wait_held(deployment, 0, tokens, full, scope_a, timeout=60)
     assert stored.raykv.get("hit_blocks", 0) == 0 and stored.cached_tokens == 0
     assert stored.tokens == want_a.tokens and stored.logprobs == want_a.logprobs
-    model = bytes.fromhex(stored.raykv["model"])
-    scope_a = ReuseScope(lora_identity(lora_a), None, model)
-    wait_held(deployment, 0, tokens, full, scope_a, timeout=30)
     assert held(deployment, 0, tokens, ReuseScope(1, None, model)).num_blocks == 0  # not by int id
 
     with _llm(model_dir, ns, ray_address, worker=0) as engine_2:
@@ -159,7 +160,7 @@ def test_lora_blocks_are_keyed_by_adapter_identity_not_lora_int_id(
         assert other.raykv.get("hit_blocks", 0) == 0 and other.cached_tokens == 0  # none of A's
         assert other.raykv.get("loaded_blocks_ok", 0) == 0
         assert other.tokens == want_b.tokens and other.logprobs == want_b.logprobs
-        wait_held(deployment, 0, tokens, full, ReuseScope(lora_identity(lora_b), None, model), timeout=30)
+        wait_held(deployment, 0, tokens, full, ReuseScope(lora_identity(lora_b), None, model), timeout=60)
 
         copy = _generate(engine_2, tokens, lora_a2)  # A's content: other name, path and int id
         assert copy.raykv["hit_blocks"] == full and copy.raykv["loaded_blocks_ok"] == full

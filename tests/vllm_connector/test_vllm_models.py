@@ -79,10 +79,10 @@ def test_two_models_of_one_architecture_never_load_each_others_blocks(
         want_a = [generate(baseline_a, p) for p in prompts]
     with _llm(model_dir, ns, ray_address, worker=0) as engine_a:
         stored = [generate(engine_a, p) for p in prompts]
-    scope_a = _scope(stored[0])
-    for p, got in zip(prompts, stored, strict=True):
-        assert got.tokens == want_a[prompts.index(p)].tokens
-        wait_held(deployment, 0, p, len(p) // TPB, scope_a)
+        scope_a = _scope(stored[0])
+        for p, got in zip(prompts, stored, strict=True):  # held before the engine's staging goes
+            assert got.tokens == want_a[prompts.index(p)].tokens
+            wait_held(deployment, 0, p, len(p) // TPB, scope_a)
     with _llm(model_b, ns, ray_address, worker=0) as engine_b:
         first_b = [generate(engine_b, p) for p in prompts]
         scope_b = _scope(first_b[0])
