@@ -1,0 +1,41 @@
+"""``with_raykv``: what it puts in a user's ``LLMConfig`` (no Ray cluster needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("ray.llm")
+
+from ray.serve.llm import LLMConfig
+
+from actors.serve_llm import RaykvLLMServer, with_raykv
+from raykv import ConfigError
+
+
+def _config(**engine: object) -> LLMConfig:
+    return LLMConfig(
+        model_loading_config={"model_id": "m", "model_source": "/models/m"}, engine_kwargs=engine
+    )
+
+
+def test_a_raykv_failure_never_fails_a_request() -> None:
+    """vLLM's default ``kv_load_failure_policy`` fails a request whose load fails; with_raykv
+    recomputes instead, and keeps the user's extra config."""
+    user = {"kv_transfer_config": {"kv_connector_extra_config": {"staging_bytes": 1 << 20}}}
+    original = _config(**user)
+    served = with_raykv(original, namespace="ns", timeout_s=4.0)
+    transfer = served.engine_kwargs["kv_transfer_config"]
+    assert transfer["kv_load_failure_policy"] == "recompute"
+    assert transfer["kv_connector"] == "RaykvConnector" and transfer["kv_role"] == "kv_both"
+    assert transfer["kv_connector_extra_config"] == {
+        "staging_bytes": 1 << 20,
+        "timeout_s": 4.0,
+        "namespace": "ns",
+    }
+    assert served.server_cls is RaykvLLMServer
+    assert original.engine_kwargs == user  # the original is not changed
+
+
+def test_another_connector_is_refused() -> None:
+    with pytest.raises(ConfigError):
+        with_raykv(_config(kv_transfer_config={"kv_connector": "NixlConnector"}))
