@@ -17,8 +17,9 @@ WORKER_FIELD = "raykv_worker"
 CAPACITY_FIELD = "raykv_cache_blocks"  # the paired worker's capacity in blocks (routing stats)
 PULLS_FIELD = "raykv_pulls"  # True: the replica's engine pulls blocks other workers hold
 KEYS_FIELD = "raykv_keys"
-"""Routing stats: ``[tokens per block, model fingerprint hex]`` of the replica's engine (once it
-bound to its worker): how a router keys requests for it (:func:`keys_of`)."""
+"""Replica metadata and routing stats: ``[tokens per block, model fingerprint hex]`` of the
+replica's engine (once it bound to its worker): how a router keys requests for it
+(:func:`keys_of`)."""
 TIMING_FIELD = "raykv_timing"
 """Routing stats: the replica's totals since it started, ``[pulled tokens, pull us, prefilled
 tokens, prefill us]`` (its engine's per-request ``pulled_tokens``/``fetch_us`` and
@@ -63,9 +64,13 @@ def timing_of(replica: Any) -> tuple[int, int, int, int] | None:
 
 def keys_of(replica: Any) -> tuple[int, bytes] | None:
     """(tokens per block, model fingerprint) a replica's engine keys its blocks with, as it
-    announced them in :data:`KEYS_FIELD` (None: not announced or malformed)."""
-    stats = getattr(replica, "routing_stats", None)
-    got = stats.get(KEYS_FIELD) if isinstance(stats, Mapping) else None
+    announced them in :data:`KEYS_FIELD` (replica metadata first, then routing stats; None: not
+    announced or malformed)."""
+    got = None
+    for source in (getattr(replica, "replica_metadata", None), getattr(replica, "routing_stats", None)):
+        got = source.get(KEYS_FIELD) if isinstance(source, Mapping) else None
+        if got is not None:
+            break
     if not (isinstance(got, (list, tuple)) and len(got) == 2 and type(got[0]) is int and got[0] > 0):
         return None
     try:

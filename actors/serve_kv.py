@@ -146,21 +146,21 @@ class ReplicaCache:
         self.probe_warnings = WarnEvery(60.0)  # every request probes: a dead worker warns once a minute
 
     def metadata(self) -> dict[str, Any]:
-        """For ``record_replica_metadata``: the paired worker, its capacity in blocks and whether
-        the replica pulls remote hits."""
+        """For ``record_replica_metadata``: the paired worker, its capacity in blocks, whether
+        the replica pulls remote hits, and the engine's keys (:data:`KEYS_FIELD`: tokens per
+        block and model fingerprint, once its engine bound to the worker)."""
+        keys = {KEYS_FIELD: [self.tokens_per_block, self.model.hex()]} if self.model is not None else {}
         return {
             WORKER_FIELD: str(self.worker_id),
             CAPACITY_FIELD: self.cluster.config.capacity_blocks,
             PULLS_FIELD: self.pulls,
+            **keys,
         }
 
     def routing_stats(self) -> dict[str, Any]:
-        """For ``record_routing_stats``: :meth:`metadata`, the engine's keys (tokens per block and
-        model fingerprint, once its engine bound) and the load numbers."""
-        keys = {KEYS_FIELD: [self.tokens_per_block, self.model.hex()]} if self.model is not None else {}
+        """For ``record_routing_stats``: :meth:`metadata` and the load numbers."""
         return {
             **self.metadata(),
-            **keys,
             "queued_prefill_tokens": self.queued_prefill_tokens,
             "running_decodes": self.running_decodes,
             TIMING_FIELD: list(self.timing),
@@ -242,6 +242,18 @@ class ReplicaCache:
                 log.warning("raykv timing read from %s failed: %s", self.worker_id, exc)
         return self.timing
 
+    def refresh_keys_now(self) -> bytes | None:
+        """:meth:`refresh_keys` for synchronous callers (a connector backend's
+        ``replica_metadata``, which Ray Serve LLM calls once the engine started)."""
+        import ray
+
+        if self.model is None:
+            try:
+                self._take_binding(ray.get(self.worker.binding.remote(), timeout=self.timeout_s))
+            except Exception:
+                self.counters["binding_errors"] += 1
+        return self.model
+
     async def refresh_keys(self) -> bytes | None:
         """Until it is known, read the model fingerprint and block size the replica's engine
         bound to its worker with (``CacheWorker.binding``) into :attr:`model` and
@@ -254,11 +266,15 @@ class ReplicaCache:
         except Exception:
             self.counters["binding_errors"] += 1
             return None
+        self._take_binding(binding)
+        return self.model
+
+    def _take_binding(self, binding: Mapping[str, Any]) -> None:
+        """The fingerprint and block size this replica's engine bound with, if it did."""
         _, fingerprint = binding.get("engines", {}).get(self.engine, ("", ""))
         if fingerprint:
             self.model = bytes.fromhex(fingerprint)
             self.tokens_per_block = binding["layout"].tokens_per_block
-        return self.model
 
     async def store(self, blocks: Sequence[ExportedBlock]) -> int:
         """Import ``blocks`` into the paired worker; returns how many were new (0 on failure)."""

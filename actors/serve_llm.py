@@ -47,7 +47,6 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
 )
 
 from actors.serve import parse_request, router_config
-from actors.serve_fields import PULLS_FIELD, WORKER_FIELD
 from actors.serve_kv import NoWorkerOnNode, ReplicaCache
 from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope
@@ -169,7 +168,14 @@ class RaykvConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):  # ty
         log.info("raykv: replica paired with %s", self.worker)
 
     def replica_metadata(self) -> dict[str, Any]:
-        return {WORKER_FIELD: self.worker, PULLS_FIELD: self.pulls} if self.worker is not None else {}
+        """The worker, whether the engine pulls, and the engine's keys (Ray Serve LLM asks once the
+        engine started, so it has bound to its worker: a PD prefill router keys requests with
+        them)."""
+        cache = _REPLICA_CACHE
+        if self.worker is None or cache is None:
+            return {}
+        cache.refresh_keys_now()
+        return cache.metadata()
 
 
 class RaykvLLMServer(LLMServer):  # type: ignore[misc]
@@ -182,7 +188,10 @@ class RaykvLLMServer(LLMServer):  # type: ignore[misc]
 
     async def record_replica_metadata(self) -> dict[str, Any]:
         cache = self._cache()
-        return cache.metadata() if cache is not None else {}
+        if cache is None:
+            return {}
+        await cache.refresh_keys()  # the engine started, so it bound to its worker
+        return cache.metadata()
 
     async def record_routing_stats(self) -> dict[str, Any]:
         stats = dict(await super().record_routing_stats() or {})

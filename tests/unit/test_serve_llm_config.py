@@ -39,3 +39,29 @@ def test_a_raykv_failure_never_fails_a_request() -> None:
 def test_another_connector_is_refused() -> None:
     with pytest.raises(ConfigError):
         with_raykv(_config(kv_transfer_config={"kv_connector": "NixlConnector"}))
+
+
+def test_routers_key_requests_as_the_replicas_engines_do() -> None:
+    """A replica announces its engine's block size and model fingerprint (replica metadata once
+    its engine bound, routing stats after); the router keys with the one scheme they share,
+    falls back to load when they disagree, and to the deployment's block size when none told."""
+    from types import SimpleNamespace
+
+    from actors.serve import key_scheme
+    from actors.serve_fields import KEYS_FIELD, keys_of
+
+    model = bytes(range(32))
+
+    def replica(meta: object = None, stats: object = None) -> SimpleNamespace:
+        return SimpleNamespace(replica_metadata=meta or {}, routing_stats=stats or {})
+
+    told = replica({KEYS_FIELD: [32, model.hex()]})
+    later = replica(stats={KEYS_FIELD: [32, model.hex()]})
+    assert keys_of(told) == keys_of(later) == (32, model)
+    assert (
+        keys_of(replica({KEYS_FIELD: [32, "zz"]})) is None
+        and keys_of(replica({KEYS_FIELD: [0, model.hex()]})) is None
+    )
+    assert key_scheme([told, later, replica()]) == (32, model)
+    assert key_scheme([replica(), replica()]) is None
+    assert key_scheme([told, replica({KEYS_FIELD: [16, model.hex()]})]) is False
