@@ -22,7 +22,9 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -138,16 +140,21 @@ def status_main(args: argparse.Namespace) -> int:
         from actors.cluster import connect
 
         dep = connect(namespace=s.deployment.namespace)
+        stop = threading.Event()
+        watching = args.watch is not None and threading.current_thread() is threading.main_thread()
+        # Ctrl-C while watching ends the loop between reports, never inside a Ray call
+        previous = signal.signal(signal.SIGINT, lambda *_: stop.set()) if watching else None
         try:
             while True:
                 report = collect_status(dep)
                 print(json.dumps(report, indent=2) if args.json else format_status(report), flush=True)
-                if args.watch is None:
+                if args.watch is None or stop.wait(args.watch):
                     return 0
-                time.sleep(args.watch)
         except KeyboardInterrupt:
             return 0
         finally:
+            if watching:
+                signal.signal(signal.SIGINT, previous)
             dep.close()
 
     return _run(args, body)
