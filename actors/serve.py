@@ -45,6 +45,7 @@ from actors.cluster import REGISTRY
 from actors.index import IndexClient
 from actors.metrics import RouterMetrics
 from actors.serve_fields import capacity_of, keys_of, pulls_of, timing_of, worker_of
+from actors.serve_prompts import RENDER_BUDGET_S, RequestTokens, renderable
 from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope, lora_id_from_name
 from raykv.core.types import WorkerId
@@ -129,17 +130,28 @@ def parse_request(args: Sequence[Any], kwargs: Mapping[str, Any]) -> RoutedReque
                 tokens = prompt_ids(tokens)
             if tokens is None:
                 continue
-            try:
-                ids = tuple(int(t) for t in tokens)
-                scope = scope_of(_lora_of(source), _get(source, "cache_salt"))
-            except (TypeError, ValueError):
-                return None
-            target = _get(source, "target_worker")
-            session = _get(source, "session_id")
-            return RoutedRequest(
-                ids, scope, WorkerId(str(target)) if target else None, str(session) if session else None
-            )
+            return routed_request(source, tokens)
     return None
+
+
+def routed_request(source: Any, tokens: Sequence[Any]) -> RoutedRequest | None:
+    """The RoutedRequest of ``tokens`` with the scope, ``target_worker`` and ``session_id`` read
+    from ``source`` (the request they belong to); None when any is malformed."""
+    try:
+        ids = tuple(int(t) for t in tokens)
+        scope = scope_of(_lora_of(source), _get(source, "cache_salt"))
+    except (TypeError, ValueError):
+        return None
+    target = _get(source, "target_worker") or _extra(source, "target_worker")
+    session = _get(source, "session_id") or _extra(source, "session_id")
+    worker = WorkerId(str(target)) if target else None
+    return RoutedRequest(ids, scope, worker, str(session) if session else None)
+
+
+def _extra(source: Any, name: str) -> Any:
+    """A field an OpenAI request (a pydantic model) took as an extra (``extra_body``)."""
+    extra = getattr(source, "model_extra", None)
+    return extra.get(name) if isinstance(extra, Mapping) else None
 
 
 def prompt_ids(prompt: Any) -> list[int] | None:
@@ -504,7 +516,9 @@ def router_counters() -> dict[str, dict[str, int]]:
     """Decision counters of the CacheAwareRouters living in this process (a Serve router runs in
     each caller: the proxy, an upstream replica, or a driver holding a handle), by deployment:
     ``decisions``, ``cache_routed``, ``targeted``, ``fallback``, ``index_timeouts``,
-    ``index_errors``, ``decision_us_total``."""
+    ``index_errors``, ``decision_us_total``; for chat and text requests ``rendered``,
+    ``render_us_total``, ``unrendered`` (and ``unrendered_<reason>``), ``render_timeouts``,
+    ``render_errors`` (:class:`actors.serve_prompts.RequestTokens`)."""
     return {dep: dict(c) for dep, c in list(_COUNTERS.items())}
 
 
@@ -513,7 +527,10 @@ class CacheAwareRouter(RequestRouter):
 
     ``request_router_kwargs``: ``namespace`` (raykv deployment, default "raykv"), ``routing``
     (RoutingConfig overrides), ``time_budget_s`` (per decision, default 0.05), ``retry_after_s``
-    (index back-off, default 5) and ``seed`` (tie-breaks and fallback choices).
+    (index back-off, default 5), ``seed`` (tie-breaks and fallback choices), ``tokenizer`` (where
+    the model's tokenizer loads from: chat and text requests are then rendered to the engine's
+    token ids, :mod:`actors.serve_prompts`; :func:`actors.serve_llm.with_raykv` sets the
+    model's) and ``render_budget_s`` (per request, default 0.25: past it, routed by load).
     """
 
     def initialize_state(  # type: ignore[override]
@@ -523,6 +540,8 @@ class CacheAwareRouter(RequestRouter):
         time_budget_s: float = 0.05,
         retry_after_s: float = 5.0,
         seed: int = 0,
+        tokenizer: str | None = None,
+        render_budget_s: float = RENDER_BUDGET_S,
         **_: Any,
     ) -> None:
         deployment = str(self._deployment_id)
@@ -539,6 +558,9 @@ class CacheAwareRouter(RequestRouter):
         import actors.serve as home
 
         home._COUNTERS[deployment] = self.ranker.counters
+        counts = self.ranker.counters
+        self.prompts = RequestTokens(tokenizer, render_budget_s, counters=counts) if tokenizer else None
+        self._rendered: collections.OrderedDict[str, RoutedRequest | None] = collections.OrderedDict()
 
     def _ranker(self) -> CacheRanker:
         if getattr(self, "ranker", None) is None:
@@ -552,12 +574,32 @@ class CacheAwareRouter(RequestRouter):
         try:
             if pending_request is None:
                 return await ranker.rank(candidate_replicas, None)
-            request = parse_request(pending_request.args, pending_request.kwargs)
             rid = pending_request.metadata.internal_request_id
+            request = await self._request(pending_request.args, pending_request.kwargs, rid)
             return await ranker.rank(candidate_replicas, request, rid)
         except Exception:
             log.exception("cache-aware routing failed; using power of two choices")
             return ranker.fallback(candidate_replicas)
+
+    async def _request(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], rid: str
+    ) -> RoutedRequest | None:
+        """The request's token ids: given (``parse_request``), else rendered from its chat
+        messages or text prompt (once per request: Serve may ask again for a retry); None when
+        neither (routed by load, counted in ``unrendered`` when it had messages or text)."""
+        request = parse_request(args, kwargs)
+        prompts = getattr(self, "prompts", None)
+        if request is not None or prompts is None:
+            return request
+        if rid in self._rendered:
+            return self._rendered[rid]
+        source = renderable(args, kwargs)
+        if source is None:
+            return None
+        ids = await prompts.tokens(source)
+        routed = routed_request(source, ids) if ids else None
+        CacheRanker._remember(self._rendered, rid, routed)
+        return routed
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         try:
@@ -568,6 +610,7 @@ class CacheAwareRouter(RequestRouter):
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._ranker().completed(internal_request_id)
+        getattr(self, "_rendered", {}).pop(internal_request_id, None)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -20,7 +20,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -93,6 +93,30 @@ def pair_on_node(cluster: Any, names: Sequence[str], engine: str, model: str, ra
         ):
             return name
     return local[0]
+
+
+class Queued:
+    """One request's prompt tokens counted in its replica's ``queued_prefill_tokens`` (see
+    :meth:`ReplicaCache.prefilling`)."""
+
+    def __init__(self, cache: ReplicaCache) -> None:
+        self._cache = cache
+        self.left = 0
+        self.done = False
+
+    def add(self, n: int) -> None:
+        if not self.done and n > 0:
+            self.left += n
+            self._cache.queued_prefill_tokens += n
+
+    def lower(self, n: int) -> None:
+        n = max(0, min(n, self.left))
+        self.left -= n
+        self._cache.queued_prefill_tokens -= n
+
+    def finish(self) -> None:
+        self.lower(self.left)
+        self.done = True
 
 
 class ReplicaCache:
@@ -168,23 +192,18 @@ class ReplicaCache:
         }
 
     @contextlib.contextmanager
-    def prefilling(self, tokens: int) -> Iterator[Callable[[int], None]]:
-        """Count ``tokens`` prompt tokens as queued while the block runs. Yields ``lower(n)``,
-        which takes up to ``n`` of them off the count (tokens found cached once the request
-        started: the engine loads them, it does not prefill them); a no-op once the block ended."""
-        left = [tokens]
-        self.queued_prefill_tokens += tokens
-
-        def lower(n: int) -> None:
-            n = max(0, min(n, left[0]))
-            left[0] -= n
-            self.queued_prefill_tokens -= n
-
+    def prefilling(self, tokens: int) -> Iterator[Queued]:
+        """Count ``tokens`` prompt tokens as queued while the block runs. Yields their
+        :class:`Queued` count: ``add(n)`` more once the prompt is known, ``lower(n)`` takes up to
+        ``n`` off (tokens found cached once the request started: the engine loads them, it does
+        not prefill them), ``finish()`` takes all off (the prompt was computed); each a no-op once
+        the block ended or ``finish`` was called."""
+        queued = Queued(self)
+        queued.add(tokens)
         try:
-            yield lower
+            yield queued
         finally:
-            self.queued_prefill_tokens -= left[0]
-            left[0] = 0
+            queued.finish()
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:

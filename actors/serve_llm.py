@@ -19,8 +19,9 @@ routed by raykv's CacheAwareRouter.
   a hit another worker holds, so the router prices those blocks as pulls rather than recomputes;
 - deployment routes with :class:`actors.serve.CacheAwareRouter` (``request_router_config``), which
   runs where the deployment's handle is called (the OpenAI ingress) and reads the token ids of a
-  ``/v1/completions`` request (``prompt`` as a list of ids). Requests without token ids (chat,
-  text prompts) are routed by load.
+  ``/v1/completions`` request (``prompt`` as a list of ids), or renders a chat request's messages
+  or a text prompt to the ids the engine will see with the model's own tokenizer and chat
+  template (:mod:`actors.serve_prompts`). A request it cannot render is routed by load.
 
 Build the app with Ray's own builders: ``build_openai_app({"llm_configs": [with_raykv(cfg)]})``.
 For prefill/decode, ``build_pd_openai_app`` with ``with_raykv(prefill, role="kv_producer",
@@ -46,10 +47,10 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
     DefaultPDProtocolMixin,
 )
 
-from actors.serve import parse_request, router_config
+from actors.serve import RoutedRequest, parse_request, routed_request, router_config
 from actors.serve_kv import NoWorkerOnNode, ReplicaCache
+from actors.serve_prompts import RequestTokens, renderable, tokenizer_source
 from raykv.core.errors import ConfigError
-from raykv.core.keys import ReuseScope
 from raykv.integrations.vllm.link import DISABLED_KEY
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ POOL_KEY = "raykv_pool"  # kv_connector_extra_config key: the workers this deplo
 _REPLICA_CACHE: ReplicaCache | None = None
 """This replica's pairing and load numbers (a Serve replica is one process). Ray serializes the
 LLMConfig, which holds the backend, so the backend keeps only the worker's name."""
+_REPLICA_PROMPTS: RequestTokens | None = None
+"""Renders this replica's chat and text requests to count their prompt tokens in its load."""
 
 
 def with_raykv(
@@ -76,7 +79,9 @@ def with_raykv(
 
     ``role``: vLLM's kv_role; ``pool``: worker names or indices this deployment's replicas pair
     with (default: every worker); ``router``: keyword arguments of
-    :func:`actors.serve.router_config` (``routing``, ``time_budget_s``, ...); ``extra``: more
+    :func:`actors.serve.router_config` (``routing``, ``time_budget_s``, ``render_budget_s``, ...;
+    ``tokenizer`` defaults to the config's tokenizer or model source, from which the router
+    renders chat and text requests to token ids; None turns that off); ``extra``: more
     ``kv_connector_extra_config`` keys (``staging_bytes``, ``timeout_s``, ...). ConfigError for a
     bad role, or when the config already names another connector or server class. The original
     is not changed.
@@ -105,7 +110,8 @@ def with_raykv(
     }
     register_backend()
     deployment_config = dict(llm_config.deployment_config or {})
-    deployment_config["request_router_config"] = router_config(namespace, **dict(router or {}))
+    router_kwargs = {"tokenizer": tokenizer_source(llm_config), **dict(router or {})}
+    deployment_config["request_router_config"] = router_config(namespace, **router_kwargs)
     return llm_config.model_copy(
         update={
             "engine_kwargs": engine_kwargs,
@@ -146,7 +152,7 @@ class RaykvConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):  # ty
     pulls: bool = False
 
     def setup(self) -> None:
-        global _REPLICA_CACHE
+        global _REPLICA_CACHE, _REPLICA_PROMPTS
         extra = self.kv_transfer_config.setdefault("kv_connector_extra_config", {})
         namespace = str(extra.get("namespace", "raykv"))
         pool = extra.pop(POOL_KEY, None)
@@ -160,6 +166,7 @@ class RaykvConnectorBackend(DefaultPDProtocolMixin, BaseConnectorBackend):  # ty
         # a consumer's connector loads KV, fetching what another worker holds (vLLM's is_kv_consumer)
         cache.pulls = self.pulls = self.kv_transfer_config.get("kv_role") in LOADING_ROLES
         _REPLICA_CACHE = cache  # the replica's process state; the backend itself stays picklable
+        _REPLICA_PROMPTS = RequestTokens(tokenizer_source(self.llm_config), eager=False)
         self.worker = str(cache.worker_id)
         extra["worker"] = self.worker
         extra["engine"] = cache.engine  # the engine binds and reports timing to the worker under this name
@@ -206,44 +213,72 @@ class RaykvLLMServer(LLMServer):  # type: ignore[misc]
         """vLLM's completions, with the request counted in the replica's load while it runs
         (:meth:`_counting`: the router's load signal)."""
         stream = await super().completions(request, raw_request_info)
-        routed = parse_request((request,), {})  # as the router reads it: token ids and scope
-        if routed is None:
-            return self._counting(stream, ())
-        return self._counting(stream, routed.tokens, routed.scope)
+        return self._counting(stream, request)
 
     async def chat(self, request: Any, raw_request_info: Any = None) -> Any:
+        """vLLM's chat completions, counted in the replica's load as :meth:`completions`."""
         stream = await super().chat(request, raw_request_info)
-        return self._counting(stream, ())
+        return self._counting(stream, request)
 
-    async def _counting(
-        self, stream: AsyncIterator[Any], prompt: Sequence[int], scope: ReuseScope | None = None
-    ) -> AsyncIterator[Any]:
+    @staticmethod
+    def _prompt(request: Any) -> asyncio.Future[RoutedRequest | None]:
+        """The request's token ids and scope as the router reads them: given (a done future),
+        else rendered (chat messages, a text prompt) with the model's tokenizer; None when
+        neither."""
+        routed = parse_request((request,), {})
+        prompts = _REPLICA_PROMPTS
+        if routed is not None or prompts is None or renderable((request,), {}) is None:
+            done: asyncio.Future[RoutedRequest | None] = asyncio.get_running_loop().create_future()
+            done.set_result(routed)
+            return done
+
+        async def render() -> RoutedRequest | None:
+            assert prompts is not None
+            ids = await prompts.tokens(request)
+            return routed_request(request, ids) if ids else None
+
+        return asyncio.ensure_future(render())
+
+    async def _counting(self, stream: AsyncIterator[Any], request: Any) -> AsyncIterator[Any]:
         """``stream`` as it is, while the replica counts the request in its load: its prompt's
-        tokens as queued prefill, less the leading blocks of ``scope`` its paired worker turns
-        out to hold (probed beside the request, which does not wait for it: the engine loads those
-        blocks, so the report stays in the units the router counts, tokens to compute) until its
-        first streamed chunk (a whole response ends the request), and one running decode."""
+        tokens as queued prefill (once known: rendering a chat runs beside the request, which
+        does not wait for it), less the leading blocks its paired worker turns out to hold
+        (probed beside the request too: the engine loads those blocks, so the report stays in
+        the units the router counts, tokens to compute) until its first streamed chunk (a whole
+        response ends the request), and one running decode."""
         cache = self._cache()
         if cache is None:
             async for item in stream:
                 yield item
             return
-        with cache.prefilling(len(prompt)) as lower, cache.decoding():
-            probe = asyncio.ensure_future(cache.held(prompt, scope)) if prompt else None
-            if probe is not None:
-                usable = len(prompt) - 1  # the engine computes the last token in any case
+        with cache.prefilling(0) as queued, cache.decoding():
+            known = self._prompt(request)
+            probe: list[asyncio.Future[int]] = []
+
+            def prompt_known(task: asyncio.Future[RoutedRequest | None]) -> None:
+                routed = None if task.cancelled() or task.exception() else task.result()
+                if routed is None or queued.done:
+                    return
+                queued.add(len(routed.tokens))
+                usable = len(routed.tokens) - 1  # the engine computes the last token in any case
                 tpb = cache.tokens_per_block
 
-                def found(task: asyncio.Future[int]) -> None:
-                    if not task.cancelled() and task.exception() is None:
-                        lower(min(usable, task.result() * tpb))
+                def found(held: asyncio.Future[int]) -> None:
+                    if not held.cancelled() and held.exception() is None:
+                        queued.lower(min(usable, held.result() * tpb))
 
-                probe.add_done_callback(found)
+                probe.append(asyncio.ensure_future(cache.held(routed.tokens, routed.scope)))
+                probe[0].add_done_callback(found)
+
+            if known.done():  # token ids given: counted at once
+                prompt_known(known)
+            else:
+                known.add_done_callback(prompt_known)
             try:
                 async for item in stream:
                     if isinstance(item, str):  # a streamed chunk: the prompt was computed
-                        lower(len(prompt))
+                        queued.finish()
                     yield item
             finally:
-                if probe is not None:
-                    probe.cancel()
+                for task in (known, *probe):
+                    task.cancel()

@@ -15,6 +15,7 @@ pytest.importorskip("ray.llm")
 from actors.serve_kv import ReplicaCache
 from actors.serve_llm import RaykvLLMServer
 from actors.worker import CacheWorker
+from raykv.core.keys import ReuseScope
 
 
 class _Cache:
@@ -51,11 +52,12 @@ class _Server(RaykvLLMServer):  # type: ignore[misc]
         return self.cache
 
 
-def _counted(cache: _Cache, stream: AsyncIterator[Any], prompt: list[int]) -> list[Any]:
+def _counted(cache: _Cache, stream: AsyncIterator[Any], prompt: Any) -> list[Any]:
     """What ``_counting`` passes on from ``stream``; then the probe may answer (``release``)."""
 
     async def drain() -> list[Any]:
-        out = [item async for item in _Server(cache)._counting(stream, prompt, None)]
+        request = prompt if isinstance(prompt, dict) else {"prompt": prompt}  # token ids, or a chat
+        out = [item async for item in _Server(cache)._counting(stream, request)]
         if cache.release is not None:
             cache.release.set()
         await asyncio.sleep(0.01)
@@ -79,6 +81,37 @@ def test_a_replica_counts_a_request_queued_until_its_first_chunk_then_decoding()
     assert _counted(cache, stream(), list(range(48))) == items  # passed through unchanged
     assert seen == [(48, 1), (0, 1), (0, 1)]  # queued until its first streamed chunk, then decoding
     assert cache.counts() == (0, 0)
+
+
+def test_a_chat_request_counts_its_rendered_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chat request's prompt tokens (rendered with the model's tokenizer beside the request)
+    count as queued until its first chunk; one the replica cannot render counts as a decode only
+    and is served all the same."""
+    import actors.serve_llm as serve_llm
+    from actors.serve_prompts import RequestTokens
+    from raykv.routing.local_tokenizer import build_chat_tokenizer
+    from raykv.routing.prompts import PromptRenderer
+
+    renderer = PromptRenderer(build_chat_tokenizer())
+    prompts = RequestTokens("local", loader=lambda _: renderer)
+    monkeypatch.setattr(serve_llm, "_REPLICA_PROMPTS", prompts)
+    messages = [{"role": "system", "content": "w1 w2 w3"}, {"role": "user", "content": "w4 w5"}]
+    want = len(renderer.chat(messages))
+    for request, queued in (
+        ({"messages": messages}, want),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 0),
+    ):
+        cache, seen = _Cache(), []
+
+        async def stream() -> AsyncIterator[Any]:
+            await _until(lambda: prompts.counters["rendered"] + prompts.counters["unrendered"] > len(seen))
+            await asyncio.sleep(0.01)
+            seen.append(cache.counts())
+            yield "data: {}\n\n"
+
+        assert _counted(cache, stream(), request) == ["data: {}\n\n"]
+        assert seen == [(queued, 1)] and cache.counts() == (0, 0)
+    assert prompts.counters["unrendered_multimodal"] == 1
 
 
 async def _until(cond: Any) -> None:
@@ -108,7 +141,7 @@ def test_the_blocks_the_paired_worker_holds_leave_the_queued_count(prompt: int, 
     cache, seen = _Cache(held=2), []
     cache.release = asyncio.Event()
     assert _counted(cache, _two_steps(cache, prompt, seen), list(range(prompt))) == [1, 2]
-    assert seen == [(prompt, 1), (after, 1)] and cache.probed == [(prompt, None)]
+    assert seen == [(prompt, 1), (after, 1)] and cache.probed == [(prompt, ReuseScope())]
     assert cache.counts() == (0, 0)
 
 
