@@ -102,9 +102,12 @@ def test_a_chat_request_counts_its_rendered_prompt(monkeypatch: pytest.MonkeyPat
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 0),
     ):
         cache, seen = _Cache(), []
+        answered = prompts.counters["rendered"] + prompts.counters["unrendered"]
 
-        async def stream() -> AsyncIterator[Any]:
-            await _until(lambda: prompts.counters["rendered"] + prompts.counters["unrendered"] > len(seen))
+        async def stream(
+            cache: _Cache = cache, seen: list[Any] = seen, before: int = answered
+        ) -> AsyncIterator[Any]:
+            await _until(lambda: prompts.counters["rendered"] + prompts.counters["unrendered"] > before)
             await asyncio.sleep(0.01)
             seen.append(cache.counts())
             yield "data: {}\n\n"

@@ -28,6 +28,14 @@ def _chat(turns: int) -> list[dict[str, Any]]:
     return out
 
 
+def _template_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The ids vLLM's renderer computes: the template applied and tokenized by transformers."""
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return list(ids)
+
+
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
     return build_chat_tokenizer()
