@@ -5,7 +5,9 @@ Runs in vLLM's EngineCore process: joins the deployment's Ray cluster as a drive
 talks to the paired CacheWorker and the index with actor calls that carry keys and counts only.
 Pages never travel through Ray: the worker process moves them (raykv.transfer).
 
-Lookups probe the paired CacheWorker (and read the index) and return at once. Fetches (the paired
+Lookups return a Future at once; a background thread answers them in batches, asking the paired
+CacheWorker which leading blocks it holds (one call per batch) and the index which other worker
+holds more (actors.vllm_lookups). Fetches (the paired
 worker pulling a longer prefix from another worker, after waiting for a producer's hinted blocks
 to arrive there) run on a small thread pool, each bounded by ``timeout_s`` per wait; the
 connector's scheduler side polls them without blocking. Stores are pulled by the paired
@@ -27,12 +29,14 @@ import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from actors.cluster import RayKVCluster, connect
+from actors.vllm_lookups import LookupThread, Query
 from raykv.core.config import KVLayout
 from raykv.core.errors import ConfigError, StateError
 from raykv.core.keys import MultimodalItem, ReuseScope, block_keys, clip_mm_items
@@ -100,6 +104,7 @@ class RayDeploymentLink:
         self._fetches: concurrent.futures.ThreadPoolExecutor = concurrent.futures.ThreadPoolExecutor(
             max_workers=8, thread_name_prefix="raykv-fetch"
         )
+        self._lookups = LookupThread(self._held_many, self._answer, self._count)
 
     def bind(self, layout: KVLayout, model: str, fingerprint: bytes) -> None:
         """Pair this engine with its worker (``CacheWorker.bind_engine``: a worker of a deployment
@@ -133,29 +138,45 @@ class RayDeploymentLink:
         keys: Sequence[bytes],
         hint: Mapping[str, Any],
         mm_items: tuple[MultimodalItem, ...] = (),
-    ) -> Match:
-        try:
-            held = self._held_by_all(tokens, scope, mm_items)
-            if held >= len(keys):
-                return Match(held)
-            named = hint.get("worker")
-            if isinstance(named, str) and WorkerId(named) in self.cluster.workers:
-                # The hinted worker itself is asked, by the fetch (the index may credit blocks a
-                # routing decision only predicted, and the producer's may still be on their way;
-                # when it is the paired worker, the fetch only waits for them).
-                want = min(len(keys), int(hint.get("blocks", len(keys))))
-                return Match(held, named, want, wait=True)
-            if not self.use_index:
-                return Match(held)
-            best, most = None, held
-            for worker, match in self.cluster.route_keys(list(keys)).items():
-                if worker != self.worker and match.blocks > most:
-                    best, most = worker, match.blocks
-            return Match(held) if best is None else Match(held, str(best), most)
-        except Exception as exc:
-            self._count("lookup_errors")
-            log.warning("raykv lookup on %s failed: %s", self.worker, exc)
-            return Match(0)
+    ) -> Future[Match]:
+        """A Future of the Match, answered on the lookup thread (actors.vllm_lookups), batched
+        with the other lookups queued by then; the other ranks' keys of a tensor-parallel
+        engine are computed there (the scheduler keys rank 0 only)."""
+        others = None
+        if self.ranks > 1:
+            ids, count = list(tokens), len(keys)
+
+            def others() -> list[list[bytes]]:
+                scopes = [rank_scope(scope, r, self.ranks) for r in range(1, self.ranks)]
+                return [[bytes(k) for k in block_keys(ids, self.tpb, s, mm_items)][:count] for s in scopes]
+
+        return self._lookups.submit(Query(list(keys), dict(hint), others))
+
+    def _held_many(self, chains: list[list[bytes]]) -> list[int]:
+        """(On the lookup thread.) The paired worker's leading held blocks of each chain."""
+        call = self.handle.held_many.remote(chains)
+        return [int(n) for n in ray.get(call, timeout=self.timeout_s)]
+
+    def _answer(self, query: Query, held: int) -> Match:
+        """(On the lookup thread.) The Match of ``query`` whose every rank the paired worker
+        holds ``held`` leading blocks of: a producer's hinted worker, else the index's best."""
+        keys, hint = query.keys, query.hint
+        if held >= len(keys):
+            return Match(held)
+        named = hint.get("worker")
+        if isinstance(named, str) and WorkerId(named) in self.cluster.workers:
+            # The hinted worker itself is asked, by the fetch (the index may credit blocks a
+            # routing decision only predicted, and the producer's may still be on their way;
+            # when it is the paired worker, the fetch only waits for them).
+            want = min(len(keys), int(hint.get("blocks", len(keys))))
+            return Match(held, named, want, wait=True)
+        if not self.use_index:
+            return Match(held)
+        best, most = None, held
+        for worker, match in self.cluster.route_keys(keys).items():
+            if worker != self.worker and match.blocks > most:
+                best, most = worker, match.blocks
+        return Match(held) if best is None else Match(held, str(best), most)
 
     def _held_by_all(
         self,
@@ -296,6 +317,7 @@ class RayDeploymentLink:
         self._queue.join()
 
     def close(self) -> None:
+        self._lookups.close()
         self._fetches.shutdown(wait=False, cancel_futures=True)
         self._queue.put(None)
         self._thread.join(self.timeout_s)

@@ -335,6 +335,12 @@ class CacheWorker:
         model)`` this worker holds, and on which tiers (``CacheManager.probe``)."""
         return self.manager.probe(tokens, ReuseScope(lora_id, salt, model), mm_items=mm_items)
 
+    def held_many(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
+        """How many leading blocks of each key chain this worker holds (``CacheManager.probe``
+        by keys; one call answers a batch of lookups). InvalidArgumentError for a malformed key
+        (nothing is answered)."""
+        return [self.manager.probe(keys=chain).num_blocks for chain in chains]
+
     def export_blocks(self, keys: Sequence[bytes]) -> list[ExportedBlock]:
         return self.manager.export_blocks(keys)
 

@@ -474,3 +474,72 @@ def test_group_ids_must_align_with_the_block_ids() -> None:
     with pytest.raises(InvalidArgumentError):
         LoadOp("r1", 0, (b"k" * 16,), (1, 2), group_ids=((3,),)).blocks()
     assert LoadOp("r1", 0, (), (1, 2)).blocks() == [1, 2]
+
+
+class LaterLink(FakeLink):
+    """A FakeLink whose lookups answer with a Future the test resolves (as the Ray link's
+    lookup thread does)."""
+
+    def __init__(self) -> None:
+        super().__init__(Match(0))
+        self.asked: list[Any] = []
+
+    def lookup(self, *args: Any, **kwargs: Any) -> Any:
+        from concurrent.futures import Future
+
+        self.lookups += 1
+        self.asked.append(Future())
+        return self.asked[-1]
+
+
+def test_a_lookup_on_its_way_defers_the_request_and_never_blocks_the_step() -> None:
+    """Until the link's answer arrives, vLLM gets (None, False) (the request waits a step; the
+    link is asked once); the answer then counts as usual; a step with nothing scheduled waits a
+    few ms for it rather than spin."""
+    link = LaterLink()
+    side = SchedulerSide(LAYOUT, link)  # type: ignore[arg-type]
+    request = _request()
+    assert side.lookup(request, 0) == (None, False)
+    assert side.lookup(request, 0) == (None, False) and link.lookups == 1
+    start = time.monotonic()
+    _build(side)  # idle: waits for the answer at most 5 ms
+    assert time.monotonic() - start < 1.0
+    link.asked[0].set_result(Match(4))
+    assert side.lookup(request, 0) == (4 * TPB, False)
+    assert side.counters["lookups_deferred"] == 2 and side.counters["lookups"] == 1
+    side.after_alloc(request, [BLOCKS], 4 * TPB)
+    meta = side.build(_scheduled_new("r1", 4 * TPB), lambda rid: [list(BLOCKS)])
+    assert [op.block_ids for op in meta.loads] == [tuple(BLOCKS[:4])]
+
+
+def _scheduled_new(req_id: str, computed: int) -> Any:
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req_id, num_computed_tokens=computed)],
+        num_scheduled_tokens={req_id: 1},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        total_num_scheduled_tokens=1,
+    )
+
+
+def test_a_lookup_past_its_budget_or_failed_is_a_miss_and_an_aborted_one_is_cancelled() -> None:
+    link = LaterLink()
+    side = SchedulerSide(LAYOUT, link, extra={"lookup_budget_ms": 20})  # type: ignore[arg-type]
+    late, failed, aborted = _request("late"), _request("failed"), _request("aborted")
+    for request in (late, failed, aborted):
+        assert side.lookup(request, 0) == (None, False)
+    time.sleep(0.05)
+    assert side.lookup(late, 0) == (0, False) and link.asked[0].cancelled()
+    link.asked[1].set_exception(RuntimeError("worker gone"))
+    assert side.lookup(failed, 0) == (0, False)
+    side.finished(aborted)
+    assert link.asked[2].cancelled()
+    assert side.counters["lookup_timeouts"] == 1 and link.lookups == 3
+
+
+def test_a_deferred_request_whose_prompt_vllm_now_holds_drops_its_lookup() -> None:
+    link = LaterLink()
+    side = SchedulerSide(LAYOUT, link)  # type: ignore[arg-type]
+    request = _request()
+    assert side.lookup(request, 0) == (None, False)
+    assert side.lookup(request, 6 * TPB) == (0, False)  # another request computed it meanwhile
+    assert link.asked[0].cancelled()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,9 +51,10 @@ class Match:
 
 
 class DeploymentLink(Protocol):
-    """What the scheduler side needs from a deployment. Every call is bounded in time, and only
-    :meth:`lookup` and :meth:`engine_link` wait for the deployment; fetches run in the background
-    and are polled."""
+    """What the scheduler side needs from a deployment. Every call is bounded in time; only
+    :meth:`bind` and :meth:`engine_link` (once, as the engine starts) wait for the deployment;
+    lookups (:meth:`lookup` may answer with a Future) and fetches run in the background and are
+    polled."""
 
     worker: str
     layout: KVLayout
@@ -74,13 +76,15 @@ class DeploymentLink(Protocol):
         keys: Sequence[bytes],
         hint: Mapping[str, Any],
         mm_items: tuple[MultimodalItem, ...] = (),
-    ) -> Match:
+    ) -> Match | Future[Match]:
         """Where the leading blocks of ``keys`` (the full blocks of ``tokens`` with multimodal
         items ``mm_items`` in ``scope``) are:
         how many the paired CacheWorker holds, and which other worker holds more when the index
         says so, or when ``hint`` (a producer's ``kv_transfer_params["raykv"]``: ``worker``,
         ``blocks``) names one (then ``wait``: its blocks may still be on their way). Moves no
-        page. ``Match(0)`` on any failure."""
+        page. A link that must ask another process returns at once with a Future of the Match
+        (the scheduler side polls it each step and never waits for it on a busy engine; it may
+        cancel it); either way ``Match(0)`` on any failure, never an exception."""
 
     def start_fetch(
         self,

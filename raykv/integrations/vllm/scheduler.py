@@ -4,7 +4,14 @@ Per request it keeps the prompt's block keys (``raykv.block_keys`` over the full
 in the request's scope: ``cache_salt`` hashed by ``ReuseScope.from_cache_salt``, the LoRA's
 ``lora_int_id``; blocks overlapping an image or another multimodal input are keyed by its
 content, :func:`~raykv.integrations.vllm.multimodal.mm_items`), how many blocks the deployment
-holds (``hit``) and how many are stored or offered (``stored``). Each step it plans:
+holds (``hit``) and how many are stored or offered (``stored``).
+
+Lookups never block the scheduler: a link that asks another process (the Ray link asks the
+paired CacheWorker and the index from a background thread, batched) answers with a Future, and
+until it is answered ``get_num_new_matched_tokens`` returns ``(None, False)``, so vLLM leaves
+the request waiting for that step and schedules the others. Past ``lookup_budget_ms`` the
+request is admitted without a hit (``lookup_timeouts``). An idle engine waits up to 5 ms for an
+answer instead of spinning. Each step it plans:
 
 - loads: after vLLM allocated blocks for an external hit, copy those blocks' pages in
   (``LoadOp``), once. When the paired CacheWorker holds the blocks, the load is synchronous
@@ -54,24 +61,29 @@ which price a pulled token against a recomputed one from them.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from raykv import InvalidArgumentError, KVLayout, MultimodalItem, ReuseScope, block_keys
 from raykv.core.keys import clip_mm_items
 from raykv.integrations.vllm.identity import lora_identity
-from raykv.integrations.vllm.link import DeploymentLink
+from raykv.integrations.vllm.link import DeploymentLink, Match
 from raykv.integrations.vllm.plan import EngineLink, LoadOp, RaykvMetadata, StoreOp, WorkerReport
 
 log = logging.getLogger(__name__)
 
 PARAMS_KEY = "raykv"
 TIMING_EVERY_S = 0.5  # at most this often the timing totals go to the paired worker
+LOOKUP_BUDGET_MS = 250.0
+"""Default ``lookup_budget_ms``: how long a new request may wait for its lookup's answer before
+the engine computes its prompt instead."""
 
 
 @dataclass
@@ -98,6 +110,8 @@ class _Request:
     fetch_since: float = 0.0
     target: tuple[int, tuple[int, ...], tuple[tuple[int, ...], ...]] | None = None
     fetched: bool = False
+    asking: Future[Match] | None = None  # the link's lookup on its way (None: none pending)
+    asked_at: float = 0.0  # when it was asked (time.monotonic())
     prefill_from: int = -1  # prompt tokens computed before the engine's first step on it (-1: none yet)
     prefill_since: float = 0.0  # when that step was planned
 
@@ -150,11 +164,13 @@ class SchedulerSide:
         self.model: bytes | None = extra.get("model_fingerprint")  # set by the connector
         self._engine_link: EngineLink | None = None
         self.fetch_limit_s = 2 * float(extra.get("timeout_s", 10.0))
+        self.lookup_budget_s = float(extra.get("lookup_budget_ms", LOOKUP_BUDGET_MS)) / 1e3
         if link is not None:
             staging = int(extra.get("staging_bytes", 256 << 20))
             self._engine_link = link.engine_link(staging, str(extra.get("listen_host", "127.0.0.1")))
         self._requests: dict[str, _Request] = {}
         self._fetching: dict[str, _Request] = {}  # allocated, waiting for their fetch
+        self._asking: dict[str, _Request] = {}  # waiting for their lookup's answer
         self._releases: list[LoadOp] = []  # of requests that finished while waiting
         self._prefilled: dict[str, _Request] = {}  # prompt computed by the last step: timed next step
         self.counters: collections.Counter[str] = collections.Counter()
@@ -171,7 +187,11 @@ class SchedulerSide:
         deployment can supply (a multiple of the block size; 0 when it holds no more, or when
         disabled) and whether they come asynchronously (a fetch from another worker runs; see
         the module docstring). Asked again before the request is admitted, a pending fetch is
-        not started twice: its answer is repeated, or, once it is done, turned synchronous."""
+        not started twice: its answer is repeated, or, once it is done, turned synchronous.
+        ``(None, False)`` while the link's answer is on its way (vLLM skips the request this step
+        and asks again next step: the step never waits on the deployment), at most
+        ``lookup_budget_ms`` (default :data:`LOOKUP_BUDGET_MS`), after which the prompt is
+        computed."""
         state = self._state(request)
         if self.link is None or not self.loads or not state.keys:
             return 0, False
@@ -180,13 +200,14 @@ class SchedulerSide:
         usable = (len(state.prompt) - 1) // self.tpb
         if state.fetch is not None:
             return self._lookup_again(state, num_computed_tokens)
-        if usable <= num_computed_tokens // self.tpb:
+        if usable <= num_computed_tokens // self.tpb:  # vLLM's own cache has it all
+            self._drop_lookup(request.request_id, state)
             return 0, False
         tokens = state.prompt[: usable * self.tpb]
-        params = (getattr(request, "kv_transfer_params", None) or {}).get(PARAMS_KEY) or {}
         items = clip_mm_items(state.mm, len(tokens))
-        match = self.link.lookup(tokens, state.scope, state.keys[:usable], params, items)
-        self.counters["lookups"] += 1
+        match = self._match(request, state, tokens, usable, items)
+        if match is None:
+            return None, False  # vLLM asks again next step; the request waits, the step does not
         held = max(0, min(usable, match.held))
         fetch = min(usable, match.blocks) if match.fetchable else 0
         if fetch > held and fetch * self.tpb > num_computed_tokens and not state.fetched:
@@ -199,6 +220,45 @@ class SchedulerSide:
             state.fetch, state.fetch_held, state.fetch_since = _Held(held), held, time.monotonic()
             return new, True
         return new, False
+
+    def _match(
+        self,
+        request: Any,
+        state: _Request,
+        tokens: tuple[int, ...],
+        usable: int,
+        items: tuple[MultimodalItem, ...],
+    ) -> Match | None:
+        """The link's answer for the request's first ``usable`` blocks: asked once, then polled
+        (None while it is on its way, up to ``lookup_budget_s``; past it ``Match(0)``, counted in
+        ``lookup_timeouts``: the engine computes the prompt rather than wait)."""
+        assert self.link is not None
+        if state.asking is None:
+            params = (getattr(request, "kv_transfer_params", None) or {}).get(PARAMS_KEY) or {}
+            answer = self.link.lookup(tokens, state.scope, state.keys[:usable], params, items)
+            self.counters["lookups"] += 1
+            if isinstance(answer, Match):
+                return answer
+            state.asking, state.asked_at = answer, time.monotonic()
+            self._asking[request.request_id] = state
+        future = state.asking
+        if not future.done():
+            if time.monotonic() - state.asked_at <= self.lookup_budget_s:
+                self.counters["lookups_deferred"] += 1
+                return None
+            future.cancel()
+            self.counters["lookup_timeouts"] += 1
+        self._drop_lookup(request.request_id, state)
+        if future.cancelled() or future.exception() is not None:
+            return Match(0)
+        return future.result()
+
+    def _drop_lookup(self, req_id: str, state: _Request) -> None:
+        """Forget the request's pending lookup (cancelled when still on its way)."""
+        if state.asking is not None:
+            state.asking.cancel()
+            state.asking = None
+        self._asking.pop(req_id, None)
 
     def _hit(self, state: _Request, hit: int, held: int, num_computed_tokens: int) -> int:
         """Record a lookup's ``hit`` (``held`` of them on the paired worker); new tokens. The
@@ -298,7 +358,11 @@ class SchedulerSide:
         self._end_prefills()
         self._report_timing()
         idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
-        self._async_loads(meta, 0.01 if idle else 0.0)
+        self._async_loads(meta, 0.01 if idle and not self._asking else 0.0)
+        if idle and self._asking:  # nothing else to do: wait a little for an answer, not spin
+            first = next(iter(self._asking.values()))
+            if first.asking is not None:
+                concurrent.futures.wait([first.asking], timeout=0.005)
         for req_id, before, computed in _scheduled(scheduler_output):
             state = self._requests.get(req_id)
             if state is None:
@@ -452,6 +516,7 @@ class SchedulerSide:
         state = self._requests.pop(request.request_id, None)
         if state is None or self.link is None:
             return None
+        self._drop_lookup(request.request_id, state)  # finished or aborted before an answer
         if state.fetch is not None:
             self._cancel(state.fetch)
             if self._fetching.pop(request.request_id, None) is not None:
@@ -513,7 +578,8 @@ class SchedulerSide:
             if timer is not None:
                 timer.cancel()
             self._report_timing()
-            for state in self._requests.values():
+            for req_id, state in self._requests.items():
+                self._drop_lookup(req_id, state)
                 if state.fetch is not None:
                     self._cancel(state.fetch)
             self.link.close()
