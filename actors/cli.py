@@ -12,6 +12,7 @@
 ``raykv bench soak``  fault soak: a live deployment under injected faults, content-checked
                       (``--minutes N --workers W --seed S``; exit 1 on a wrong page or failure)
 ``raykv bench vllm``  vLLM TTFT with a cached prefix: RaykvConnector vs vLLM's caches (needs vllm)
+``raykv bench scheduler`` what RaykvConnector adds to vLLM's scheduler step per new request (needs vllm)
 ``raykv up``          start a deployment on a running Ray cluster (``--config FILE``, ``--address``)
 ``raykv status``      tables of its workers and index shards (``--json``, ``--watch S``)
 ``raykv down``        stop every raykv actor of the namespace and remove its disk-tier files
@@ -54,6 +55,10 @@ def _bench(args: argparse.Namespace) -> int:
         from actors.vllm_bench import register as register_vllm
 
         register_vllm()
+    if args.suite == "scheduler":  # not part of "all": it needs vllm
+        from actors.vllm_sched_bench import register as register_scheduler
+
+        register_scheduler()
     if args.suite is None:
         return run_all_benchmarks(quick=args.quick)
     return run_benchmarks(args.suite, quick=args.quick)
@@ -87,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         "suite",
         nargs="?",
         default=None,
-        choices=["core", "index", "routing", "gpu", "transfer", "vllm", "soak"],
+        choices=["core", "index", "routing", "gpu", "transfer", "vllm", "scheduler", "soak"],
         help="default: all (soak and vllm only when named)",
     )
     bench.add_argument("--quick", action="store_true", help="short run (CI)")

@@ -163,6 +163,10 @@ class RayKVCluster:
     def route_keys(self, keys: Sequence[bytes]) -> dict[WorkerId, RouteMatch]:
         return self.index.route(keys)
 
+    def route_many(self, queries: Sequence[Sequence[bytes]]) -> list[dict[WorkerId, RouteMatch]]:
+        """:meth:`route_keys` of several key lists, one index call per shard."""
+        return self.index.route_many(queries)
+
     def pick_worker(
         self,
         tokens: TokenSeq,

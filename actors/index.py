@@ -186,6 +186,14 @@ class IndexShard:
         await self._ensure_ready()
         return [self.index.route(keys) for keys in queries]
 
+    async def lookup_batch(self, queries: Sequence[Sequence[bytes]]) -> list[tuple[list[Any], list[int]]]:
+        """:meth:`lookup` of several key lists in one call."""
+        await self._ensure_ready()
+        start = time.perf_counter()
+        out = [self.index.lookup(keys) for keys in queries]
+        self._observe(start)
+        return out
+
     async def load_batches(self, batches: Sequence[EventBatch]) -> int:
         """Apply many batches at once (benchmarks and bulk loading); returns how many applied."""
         await self._ensure_ready()
@@ -296,6 +304,29 @@ class IndexClient:
         got = self._collect(refs)
         answers = [got.get(i, ([None] * len(p), [])) for i, p in enumerate(parts)]
         return self._merge(keys, parts, answers)
+
+    def route_many(self, queries: Sequence[Sequence[bytes]]) -> list[dict[WorkerId, RouteMatch]]:
+        """:meth:`route` of several queries with one call per live shard (blocking, within
+        ``timeout_s``; a shard that does not answer degrades every query as :meth:`route` does)."""
+        if not queries:
+            return []
+        live = self.live()
+        if len(self.shards) == 1:
+            if not live:
+                return [{} for _ in queries]
+            got = self._collect({0: self.shards[0].route_batch.remote([list(q) for q in queries])})
+            return got.get(0) or [{} for _ in queries]  # type: ignore[no-any-return]
+        parts = [self._split(q) for q in queries]
+        refs = {
+            i: self.shards[i].lookup_batch.remote([[q[k] for k in p[i]] for q, p in zip(queries, parts)])
+            for i in live
+        }
+        got = self._collect(refs)
+        out = []
+        for n, (q, p) in enumerate(zip(queries, parts)):
+            answers = [got[i][n] if i in got else ([None] * len(p[i]), []) for i in range(len(self.shards))]
+            out.append(self._merge(q, p, answers))
+        return out
 
     def _collect(self, refs: dict[int, Any]) -> dict[int, Any]:
         """The answers of ``refs`` (shard position -> ref) that arrive within ``timeout_s``."""

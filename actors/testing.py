@@ -198,7 +198,8 @@ class FaultyDeploymentLink(RayDeploymentLink):
       :class:`TestingCacheWorker`) runs a request of ``tokens``, whose new blocks may take the
       freed slots, so the load may find other blocks' pages where its own were.
 
-    Either way the engine must recompute those blocks.
+    Either way the engine must recompute those blocks. Its lookups wait for their answer (the
+    fault must follow the lookup it hooks).
 
     Named in the connector's extra config as ``link="actors.testing:FaultyDeploymentLink"``; the
     production link (:class:`actors.vllm_link.RayDeploymentLink`) has no such hook.
@@ -213,7 +214,7 @@ class FaultyDeploymentLink(RayDeploymentLink):
         hint: Mapping[str, Any],
         mm_items: tuple[MultimodalItem, ...] = (),
     ) -> Match:
-        held = super().lookup(tokens, scope, keys, hint, mm_items)
+        held = super().lookup(tokens, scope, keys, hint, mm_items).result(timeout=self.timeout_s)
         faults = hint.get("faults") if isinstance(hint, Mapping) else None
         if not held.held or not isinstance(faults, Mapping):
             return held

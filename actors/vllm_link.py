@@ -150,33 +150,42 @@ class RayDeploymentLink:
                 scopes = [rank_scope(scope, r, self.ranks) for r in range(1, self.ranks)]
                 return [[bytes(k) for k in block_keys(ids, self.tpb, s, mm_items)][:count] for s in scopes]
 
-        return self._lookups.submit(Query(list(keys), dict(hint), others))
+        return self._lookups.submit(Query(keys, dict(hint), others))
 
     def _held_many(self, chains: list[list[bytes]]) -> list[int]:
         """(On the lookup thread.) The paired worker's leading held blocks of each chain."""
         call = self.handle.held_many.remote(chains)
         return [int(n) for n in ray.get(call, timeout=self.timeout_s)]
 
-    def _answer(self, query: Query, held: int) -> Match:
-        """(On the lookup thread.) The Match of ``query`` whose every rank the paired worker
-        holds ``held`` leading blocks of: a producer's hinted worker, else the index's best."""
-        keys, hint = query.keys, query.hint
-        if held >= len(keys):
-            return Match(held)
-        named = hint.get("worker")
-        if isinstance(named, str) and WorkerId(named) in self.cluster.workers:
-            # The hinted worker itself is asked, by the fetch (the index may credit blocks a
-            # routing decision only predicted, and the producer's may still be on their way;
-            # when it is the paired worker, the fetch only waits for them).
-            want = min(len(keys), int(hint.get("blocks", len(keys))))
-            return Match(held, named, want, wait=True)
-        if not self.use_index:
-            return Match(held)
-        best, most = None, held
-        for worker, match in self.cluster.route_keys(keys).items():
-            if worker != self.worker and match.blocks > most:
-                best, most = worker, match.blocks
-        return Match(held) if best is None else Match(held, str(best), most)
+    def _answer(self, queries: Sequence[Query], held: list[int]) -> list[Match]:
+        """(On the lookup thread.) The Matches of ``queries`` whose every rank the paired worker
+        holds ``held`` leading blocks of: a producer's hinted worker, else the index's best (one
+        index call for those that need it)."""
+        out: list[Match | None] = []
+        asking = []
+        for query, n in zip(queries, held):
+            keys, hint = query.chain_all()[0], query.hint
+            named = hint.get("worker")
+            if n >= len(keys):
+                out.append(Match(n))
+            elif isinstance(named, str) and WorkerId(named) in self.cluster.workers:
+                # The hinted worker itself is asked, by the fetch (the index may credit blocks a
+                # routing decision only predicted, and the producer's may still be on their way;
+                # when it is the paired worker, the fetch only waits for them).
+                out.append(Match(n, named, min(len(keys), int(hint.get("blocks", len(keys)))), wait=True))
+            elif not self.use_index:
+                out.append(Match(n))
+            else:
+                out.append(None)
+                asking.append(len(out) - 1)
+        routes = self.cluster.route_many([queries[i].chain_all()[0] for i in asking]) if asking else []
+        for i, found in zip(asking, routes):
+            best, most = None, held[i]
+            for worker, match in found.items():
+                if worker != self.worker and match.blocks > most:
+                    best, most = worker, match.blocks
+            out[i] = Match(held[i]) if best is None else Match(held[i], str(best), most)
+        return [m if m is not None else Match(0) for m in out]
 
     def _held_by_all(
         self,

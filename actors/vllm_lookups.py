@@ -6,7 +6,7 @@ Future at once, and answers queries on one background thread, in batches: everyt
 when the thread wakes goes to the paired CacheWorker in one actor call
 (``CacheWorker.held_many``: the leading blocks it holds of each key chain, every tensor-parallel
 rank's chain included), then, for the queries the paired worker does not hold whole and no
-producer's hint names a worker for, to the index (one route per query). A query whose Future was
+producer's hint names a worker for, to the index (one call per shard for the batch). A query whose Future was
 cancelled before its batch left is skipped. A batch that fails answers ``Match(0)`` for each of
 its queries (counted as ``lookup_errors``); nothing raises into the scheduler.
 """
@@ -36,7 +36,7 @@ class Query:
     worker counts; ``hint`` (a producer's ``kv_transfer_params["raykv"]``) and the Future its
     Match goes to."""
 
-    keys: list[bytes]
+    keys: Sequence[bytes]
     hint: Mapping[str, Any]
     others: Callable[[], list[list[bytes]]] | None = None
     """The other tensor-parallel ranks' chains, computed on the lookup thread."""
@@ -46,7 +46,7 @@ class Query:
     def chain_all(self) -> list[list[bytes]]:
         """Every rank's chain (rank 0's first), computed once."""
         if not self.chains:
-            self.chains = [self.keys, *(self.others() if self.others is not None else [])]
+            self.chains = [list(self.keys), *(self.others() if self.others is not None else [])]
         return self.chains
 
 
@@ -54,14 +54,15 @@ class LookupThread:
     """Answers :class:`Query` objects on a daemon thread (module docstring).
 
     ``held_many(chains)``: the paired worker's answer for a batch's chains (blocking, bounded);
-    ``answer(query, held)``: the Match of a query whose chains' least held count is ``held``
-    (may ask the index; blocking, bounded); ``count(name)``: counts an event.
+    ``answer(queries, held)``: the Matches of queries whose chains' least held counts are
+    ``held`` (may ask the index, once for the batch; blocking, bounded); ``count(name)``: counts
+    an event.
     """
 
     def __init__(
         self,
         held_many: Callable[[list[list[bytes]]], list[int]],
-        answer: Callable[[Query, int], Match],
+        answer: Callable[[Sequence[Query], list[int]], list[Match]],
         count: Callable[[str], None],
     ) -> None:
         self._held_many = held_many
@@ -117,16 +118,17 @@ class LookupThread:
                 self._count("lookup_errors")
                 q.future.set_result(Match(0))
             return
-        at = 0
+        least, at = [], 0
         for q in batch:
-            counts = held[at : at + len(q.chains)]
+            least.append(min(held[at : at + len(q.chains)]))
             at += len(q.chains)
-            try:
-                match = self._answer(q, min(counts))
-            except Exception as exc:
-                self._count("lookup_errors")
-                log.warning("raykv lookup failed: %s", exc)
-                match = Match(0)
+        try:
+            matches = self._answer(batch, least)
+        except Exception as exc:  # the index failed: what the paired worker holds still loads
+            self._count("lookup_errors")
+            log.warning("raykv index lookup of %d requests failed: %s", len(batch), exc)
+            matches = [Match(n) for n in least]
+        for q, match in zip(batch, matches):
             q.future.set_result(match)
 
     def _drain(self) -> None:

@@ -289,9 +289,11 @@ class CacheWorker:
         salt: int | None = None,
         priority: int = 35,
         request_id: int | None = None,
+        model: bytes | None = None,
     ) -> tuple[int, int]:
-        """Open a request; returns (handle, num_reused_tokens)."""
-        cache = self.manager.create(tokens, ReuseScope(lora_id, salt), priority, request_id)
+        """Open a request in scope ``(lora_id, salt, model)``; returns (handle,
+        num_reused_tokens)."""
+        cache = self.manager.create(tokens, ReuseScope(lora_id, salt, model), priority, request_id)
         handle = next(self._ids)
         self._requests[handle] = cache
         return handle, cache.num_reused_tokens

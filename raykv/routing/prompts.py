@@ -149,7 +149,8 @@ class PromptRenderer:
         """Token ids of a chat (module docstring). Unrenderable for non-text content or when the
         template fails."""
         kwargs = dict(chat_template_kwargs or {})
-        kwargs.update(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+        kwargs["add_generation_prompt"] = add_generation_prompt
+        kwargs["continue_final_message"] = continue_final_message
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
         if tools:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 from raykv import ConfigError, KVLayout, MultimodalItem, ReuseScope
 from raykv.integrations.vllm.plan import EngineLink
@@ -27,6 +28,39 @@ DEFAULT_LINK = "actors.vllm_link:RayDeploymentLink"
 DISABLED_KEY = "disabled"
 """Extra config key: True runs the engine without raykv (a Serve replica on a node with no
 CacheWorker; the replica warned once)."""
+
+
+class LazyKeys(Sequence[bytes]):
+    """A prompt's leading block keys, computed on first use by whichever thread reads them first
+    (the Ray link's lookup thread, so that hashing stays off vLLM's scheduler thread), once;
+    ``len`` is known without computing them. Thread-safe."""
+
+    def __init__(self, compute: Callable[[], Sequence[bytes]], count: int) -> None:
+        self._compute = compute
+        self._count = count
+        self._keys: list[bytes] | None = None
+        self._lock = threading.Lock()
+
+    def keys(self) -> list[bytes]:
+        """The keys (computed now unless they were)."""
+        with self._lock:
+            if self._keys is None:
+                self._keys = [bytes(k) for k in self._compute()][: self._count]
+            return self._keys
+
+    def head(self, count: int) -> LazyKeys:
+        """The first ``count`` keys, as lazy (computing them computes these)."""
+        return LazyKeys(self.keys, min(count, self._count))
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[bytes]: ...
+    def __getitem__(self, index: int | slice) -> bytes | list[bytes]:
+        return self.keys()[index]
 
 
 @dataclass(frozen=True)
@@ -78,7 +112,8 @@ class DeploymentLink(Protocol):
         mm_items: tuple[MultimodalItem, ...] = (),
     ) -> Match | Future[Match]:
         """Where the leading blocks of ``keys`` (the full blocks of ``tokens`` with multimodal
-        items ``mm_items`` in ``scope``) are:
+        items ``mm_items`` in ``scope``; the scheduler side passes :class:`LazyKeys`, which a
+        link reads off the scheduler thread when it can) are:
         how many the paired CacheWorker holds, and which other worker holds more when the index
         says so, or when ``hint`` (a producer's ``kv_transfer_params["raykv"]``: ``worker``,
         ``blocks``) names one (then ``wait``: its blocks may still be on their way). Moves no

@@ -74,13 +74,15 @@ from typing import Any
 from raykv import InvalidArgumentError, KVLayout, MultimodalItem, ReuseScope, block_keys
 from raykv.core.keys import clip_mm_items
 from raykv.integrations.vllm.identity import lora_identity
-from raykv.integrations.vllm.link import DeploymentLink, Match
+from raykv.integrations.vllm.link import DeploymentLink, LazyKeys, Match
 from raykv.integrations.vllm.plan import EngineLink, LoadOp, RaykvMetadata, StoreOp, WorkerReport
+from raykv.routing.session_keys import SessionKeys
 
 log = logging.getLogger(__name__)
 
 PARAMS_KEY = "raykv"
 TIMING_EVERY_S = 0.5  # at most this often the timing totals go to the paired worker
+KEY_MEMO_BYTES = 16 << 20  # recently keyed blocks, reused by later prompts that share them
 LOOKUP_BUDGET_MS = 250.0
 """Default ``lookup_budget_ms``: how long a new request may wait for its lookup's answer before
 the engine computes its prompt instead."""
@@ -98,7 +100,7 @@ class _Request:
 
     prompt: tuple[int, ...]
     scope: ReuseScope
-    keys: list[bytes]
+    keys: LazyKeys
     mm: tuple[MultimodalItem, ...] = ()  # the prompt's multimodal items (keys name their content)
     hit: int = 0
     stored: int = 0
@@ -171,6 +173,8 @@ class SchedulerSide:
         self._requests: dict[str, _Request] = {}
         self._fetching: dict[str, _Request] = {}  # allocated, waiting for their fetch
         self._asking: dict[str, _Request] = {}  # waiting for their lookup's answer
+        self._keys = SessionKeys(self.tpb, memo_bytes=KEY_MEMO_BYTES)
+        self._keys_lock = threading.Lock()
         self._releases: list[LoadOp] = []  # of requests that finished while waiting
         self._prefilled: dict[str, _Request] = {}  # prompt computed by the last step: timed next step
         self.counters: collections.Counter[str] = collections.Counter()
@@ -235,7 +239,7 @@ class SchedulerSide:
         assert self.link is not None
         if state.asking is None:
             params = (getattr(request, "kv_transfer_params", None) or {}).get(PARAMS_KEY) or {}
-            answer = self.link.lookup(tokens, state.scope, state.keys[:usable], params, items)
+            answer = self.link.lookup(tokens, state.scope, state.keys.head(usable), params, items)
             self.counters["lookups"] += 1
             if isinstance(answer, Match):
                 return answer
@@ -313,11 +317,21 @@ class SchedulerSide:
             prompt = tuple(request.prompt_token_ids or ())
             scope = request_scope(request, self.model)
             items = mm_items(request, len(prompt))  # full blocks only are keyed: whole prompt
-            keys = [bytes(k) for k in block_keys(prompt, self.tpb, scope, items)]
+            keys = LazyKeys(lambda: self._key_chain(prompt, scope, items), len(prompt) // self.tpb)
             state = self._requests[request.request_id] = _Request(
                 prompt, scope, keys, request=request, mm=items
             )
         return state
+
+    def _key_chain(
+        self, prompt: tuple[int, ...], scope: ReuseScope, items: tuple[MultimodalItem, ...]
+    ) -> Sequence[bytes]:
+        """The keys of ``prompt``'s full blocks (on whichever thread first reads a request's
+        :class:`LazyKeys`): blocks keyed before, by any request, are not hashed again."""
+        if items:
+            return block_keys(prompt, self.tpb, scope, items)
+        with self._keys_lock:  # SessionKeys is not thread-safe
+            return self._keys.keys(prompt, scope)
 
     def after_alloc(self, request: Any, groups: Sequence[Sequence[int]], num_external_tokens: int) -> None:
         """Plan the load of the external hit into the blocks vLLM just allocated (``groups``: the
@@ -470,12 +484,12 @@ class SchedulerSide:
         computed: int,
         block_ids_of: Callable[[str], Sequence[Sequence[int]]],
     ) -> StoreOp | None:
-        tokens = state.prompt
-        if self.store_generated and computed > len(tokens) and state.request is not None:
-            tokens = tuple(state.request.all_token_ids[:computed])
-        end = min(computed, len(tokens)) // self.tpb
+        generated = self.store_generated and computed > len(state.prompt) and state.request is not None
+        known = len(state.request.all_token_ids) if generated else len(state.prompt)
+        end = min(computed, known) // self.tpb
         if not self.stores or end <= state.stored:
             return None
+        tokens = tuple(state.request.all_token_ids[:computed]) if generated else state.prompt
         groups = block_ids_of(req_id)
         if any(len(g) < end for g in groups):
             return None
