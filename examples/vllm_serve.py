@@ -241,6 +241,97 @@ def verify_pd(port: int, deployment: Any, reference: dict[str, Any]) -> dict[str
     return stats
 
 
+CHAT_TURNS = 3
+
+
+def build_chat_app(model_dir: str, namespace: str = NAMESPACE) -> Any:
+    """The routed app over engines that read chat and text (the model directory holds a
+    tokenizer with a chat template; the router renders requests with it)."""
+    from ray.serve.llm import build_openai_app
+
+    return build_openai_app({"llm_configs": [llm_config(model_dir, namespace, skip_tokenizer_init=False)]})
+
+
+def post(port: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POST ``body`` to ``path`` on the app; the JSON response (RuntimeError for an HTTP error)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            result: dict[str, Any] = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"HTTP {exc.code}: {exc.read()[:500]!r}") from None
+    return result
+
+
+def chat(port: int, messages: list[dict[str, str]]) -> dict[str, Any]:
+    """One greedy ``/v1/chat/completions`` request; the response carries the engine's prompt ids."""
+    body = {
+        "model": MODEL_ID,
+        "messages": messages,
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
+    return post(port, "/v1/chat/completions", body)
+
+
+def conversations(count: int = 2) -> list[list[str]]:
+    """``count`` conversations' user turns (word text of the local tokenizer), each opened by its
+    own 2-block system prompt."""
+    from raykv.routing.local_tokenizer import FIRST_WORD, words
+
+    rng = random.Random(17)
+    out = []
+    for _ in range(count):
+        system = words(rng.randrange(FIRST_WORD, 500) for _ in range(2 * testing.BLOCK_SIZE))
+        turns = [words(rng.randrange(FIRST_WORD, 500) for _ in range(20)) for _ in range(CHAT_TURNS)]
+        out.append([system, *turns])
+    return out
+
+
+def verify_chat(port: int, model_dir: str) -> dict[int, list[str]]:
+    """Multi-turn chats, the turns of both conversations interleaved, each turn re-sending the
+    history with the replies: the engine's prompt ids equal the router's rendering (checked with
+    the same tokenizer here), every later turn lands on the worker that served the first and
+    loads at least the previous turn's full prompt blocks. Then a text prompt and its repeat:
+    the repeat lands on its holder and loads. Returns the workers that served each conversation."""
+    from raykv.routing.prompts import PromptRenderer
+
+    renderer = PromptRenderer.from_pretrained(model_dir)
+    talks = conversations()
+    histories: list[list[dict[str, str]]] = [[{"role": "system", "content": t[0]}] for t in talks]
+    previous = [0] * len(talks)
+    served: dict[int, list[str]] = {}
+    for turn in range(CHAT_TURNS):
+        for c, talk in enumerate(talks):
+            histories[c].append({"role": "user", "content": talk[turn + 1]})
+            out = chat(port, histories[c])
+            stats = raykv_stats(out)
+            assert out["prompt_token_ids"] == renderer.chat(histories[c]), (
+                "the router's ids differ from vLLM's"
+            )
+            if turn:
+                assert stats.get("worker") == served[c][0], f"chat {c} left {served[c][0]}: {stats}"
+                assert stats.get("hit_blocks", 0) >= previous[c] // testing.BLOCK_SIZE, stats
+            served.setdefault(c, []).append(str(stats.get("worker")))
+            previous[c] = len(out["prompt_token_ids"])
+            histories[c].append(
+                {"role": "assistant", "content": out["choices"][0]["message"]["content"] or ""}
+            )
+            time.sleep(THINK_S)
+    text = talks[0][1] + " " + talks[1][1] * 3
+    body = {"model": MODEL_ID, "prompt": text, "max_tokens": 4, "temperature": 0.0, "return_token_ids": True}
+    first = raykv_stats(post(port, "/v1/completions", body))
+    time.sleep(THINK_S)
+    again = raykv_stats(post(port, "/v1/completions", body))
+    assert again.get("worker") == first.get("worker") and again.get("hit_blocks", 0) >= 1, (first, again)
+    return served
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,10 +10,13 @@ Text is 16 characters per 512-token block (the replay's encoding) and, in a seco
 characters per block (about 4 characters per token, what Ray's character-level tree sees with real
 prompts). Figures are decisions/s (median
 over passes, higher is better); ``info`` gives the median per-decision latency.
+
+A second benchmark times the tokenize path a router runs for chat requests (``_render_rows``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import statistics
 import time
@@ -38,10 +41,11 @@ WORKERS = 8
 class RoutingSettings:
     requests: int
     passes: int
+    chat_turns: int = 16
 
 
-QUICK = RoutingSettings(requests=300, passes=3)
-FULL = RoutingSettings(requests=1500, passes=5)
+QUICK = RoutingSettings(requests=300, passes=3, chat_turns=8)
+FULL = RoutingSettings(requests=1500, passes=5, chat_turns=24)
 
 
 def _placed(n: int) -> tuple[list[Request], list[list[bytes]], list[int]]:
@@ -126,9 +130,58 @@ def _rows(settings: RoutingSettings) -> list[Row]:
     return rows
 
 
+def _render_rows(turns: int) -> list[Row]:
+    """A router's tokenize path: a ``turns``-turn chat (a 400-word system prompt, 60-word user
+    turns, 30-word replies) rendered turn after turn by one :class:`PromptRenderer` (each turn
+    reuses the ids of the turn before), against transformers' ``apply_chat_template(...,
+    tokenize=True)`` per turn (what vLLM runs), same ids checked. The locally made word-level
+    tokenizer: a BPE tokenizer costs more per character, so reuse saves more."""
+    from raykv.routing.local_tokenizer import FIRST_WORD, build_chat_tokenizer, words
+    from raykv.routing.prompts import PromptRenderer
+
+    rng = random.Random(3)
+    tokenizer = build_chat_tokenizer()
+    say = lambda n: words(rng.randrange(FIRST_WORD, 512) for _ in range(n))  # noqa: E731
+    chat = [{"role": "system", "content": say(400)}]
+    histories = []
+    for _ in range(turns):
+        chat = [*chat, {"role": "user", "content": say(60)}]
+        histories.append(chat)
+        chat = [*chat, {"role": "assistant", "content": say(30)}]
+    renderer = PromptRenderer(tokenizer)
+    ours, base = [], []
+    for history in histories:
+        t0 = time.perf_counter()
+        got = renderer.chat(history)
+        t1 = time.perf_counter()
+        want = tokenizer.apply_chat_template(
+            history, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        t2 = time.perf_counter()
+        if got != list(want):
+            raise AssertionError("rendered ids differ from the chat template's")
+        ours.append(t1 - t0)
+        base.append(t2 - t1)
+    tokens = len(got)
+    p50 = f"p50 {statistics.median(ours) * 1e6:.0f} vs {statistics.median(base) * 1e6:.0f} us"
+    info = f"{p50}; last turn {tokens} tokens"
+    return [
+        Row(
+            f"render a chat turn, {turns} turns, reuse vs whole",
+            1 / statistics.mean(ours),
+            1 / statistics.mean(base),
+            "turns/s",
+            info=info,
+        )
+    ]
+
+
 def routing_benchmarks(settings: RoutingSettings) -> list[Benchmark]:
-    """One benchmark producing both rows (the workload is built once)."""
-    return [Benchmark("routing decision", lambda: _rows(settings))]
+    """One benchmark producing both rows (the workload is built once), and the chat render."""
+    benches = [Benchmark("routing decision", lambda: _rows(settings))]
+    if importlib.util.find_spec("transformers") is not None:
+        benches.append(Benchmark("chat render", lambda: _render_rows(settings.chat_turns)))
+    return benches
 
 
 def suite(quick: bool) -> tuple[list[Benchmark], str]:

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 CACHE_CHARS = 32 << 20
 """Characters of rendered text kept for prefix reuse (least recently used first out)."""
+TAIL = 64  # characters of a remembered text's end that find it (with its length)
 
 
 class Unrenderable(ValueError):
@@ -94,7 +95,10 @@ class PromptRenderer:
         self.tokenizer = tokenizer
         self.cache_chars = cache_chars
         self.verify_every = max(1, verify_every)
-        self._cache: collections.OrderedDict[tuple[bool, str], tuple[int, ...]] = collections.OrderedDict()
+        # (add_special_tokens, length, last TAIL characters) -> (the text, its ids)
+        self._cache: collections.OrderedDict[tuple[bool, int, str], tuple[str, tuple[int, ...]]] = (
+            collections.OrderedDict()
+        )
         self._chars = 0
         self._lock = threading.Lock()
         self.stats: collections.Counter[str] = collections.Counter()
@@ -194,14 +198,16 @@ class PromptRenderer:
 
     def _longest_prefix(self, text: str, special: bool) -> tuple[int, tuple[int, ...]]:
         """(characters, ids) of the longest remembered text that ``text`` starts with, ending at
-        one of ``text``'s special tokens; (0, ()) when none."""
+        one of ``text``'s special tokens; (0, ()) when none. A candidate is found by its length
+        and last characters (no copy of the prefix), then compared in place."""
         ends = self._ends(text)
         with self._lock:
             for end in reversed(ends[-64:]):
-                ids = self._cache.get((special, text[:end]))
-                if ids is not None:
-                    self._cache.move_to_end((special, text[:end]))
-                    return end, ids
+                key = (special, end, text[max(0, end - TAIL) : end])
+                entry = self._cache.get(key)
+                if entry is not None and text.startswith(entry[0]):
+                    self._cache.move_to_end(key)
+                    return end, entry[1]
         return 0, ()
 
     def _remember(self, text: str, special: bool, head: int, ids: list[int]) -> None:
@@ -213,14 +219,14 @@ class PromptRenderer:
         if end <= head or end > self.cache_chars:
             return
         count = len(ids) - (len(self._encode(text[end:], False)) if end < len(text) else 0)
-        key = (special, text[:end])
+        key = (special, end, text[max(0, end - TAIL) : end])
         with self._lock:
-            if key in self._cache:
+            if key in self._cache and self._cache[key][0] == text[:end]:
                 return
-            self._cache[key] = tuple(ids[:count])
+            self._cache[key] = (text[:end], tuple(ids[:count]))
             self._chars += end
             while self._chars > self.cache_chars and self._cache:
-                (_, old), _ids = self._cache.popitem(last=False)
+                _, (old, _ids) = self._cache.popitem(last=False)
                 self._chars -= len(old)
 
     def _should_verify(self) -> bool:

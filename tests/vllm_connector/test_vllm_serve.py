@@ -141,3 +141,34 @@ def test_one_default_deployment_serves_an_app_of_two_models(
         serve.delete("two")
     finally:
         shared.shutdown()
+
+
+@pytest.mark.timeout(1200)
+def test_chat_and_text_are_routed_by_their_rendered_tokens(
+    deployment: RayKVCluster, model_dir: str, http_port: int
+) -> None:
+    """Chat and text requests through Ray Serve LLM: the router renders them to the engine's
+    prompt ids (equal to vLLM's, checked per turn), a conversation's later turns land on its
+    holder and load the previous turn's blocks, a repeated text prompt too; a batch of text
+    prompts (which the router does not render) is served, routed by load and counted."""
+    from ray import serve
+
+    from actors.serve import router_counters
+    from raykv.routing.local_tokenizer import save_chat_tokenizer
+
+    save_chat_tokenizer(model_dir)
+    example = load_example("vllm_serve.py")
+    serve.run(example.build_chat_app(model_dir, deployment.namespace), name="chat", route_prefix="/")
+    served = example.verify_chat(http_port, model_dir)
+    assert all(len(set(ws)) == 1 for ws in served.values()), served
+
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    name = next(d for d in serve.status().applications["chat"].deployments if d.startswith("LLMServer"))
+    handle = serve.get_deployment_handle(name, "chat").options(stream=True)
+    batch = CompletionRequest(model="tiny-llama", prompt=["w1 w2 w3", "w4 w5"], max_tokens=2)
+    chunks = list(handle.completions.remote(batch))  # served by the router in this process
+    assert chunks and not any(getattr(c, "error", None) for c in chunks), chunks[:2]
+    counts = router_counters()[next(d for d in router_counters() if "LLMServer" in d)]
+    assert counts["unrendered_batch"] == 1 and counts["fallback"] >= 1, counts
+    serve.delete("chat")
