@@ -140,7 +140,6 @@ class _Run:
         self.paths: set[str] = set()
         self.deployment: Any = None
         self.address = ""
-        self.lookup: dict[str, list[float]] = {}  # the scheduler side's lookup cost (_lookup_cost)
 
     def prompt(self) -> list[int]:
         return [self.rng.randrange(1, 500) for _ in range(self.s.prefix + self.s.suffix)]
@@ -207,54 +206,9 @@ def _case_raykv(run: _Run) -> None:
         run.timed(llm, tokens)  # computes and stores
         _wait_stored(run, tokens)
         measure(llm, "c_same")
-        _lookup_cost(run, llm, tokens)
 
     _engine(run.kwargs(kv_transfer_config=config), same)
     _engine(run.kwargs(kv_transfer_config=config), lambda llm: measure(llm, "c_other"))
-
-
-LOOKUPS = 1000
-
-
-def _lookup_cost(run: _Run, llm: Any, stored: list[int]) -> None:
-    """The connector's scheduler side as the engine runs it (its fingerprint computed once, the
-    same link to the live deployment) looking up ``LOOKUPS`` new requests, half of them the stored
-    prompt (a hit) and half fresh ones (a miss): per request the wall time of the first
-    ``get_num_new_matched_tokens`` (its keys in the model's scope, multimodal items, the paired
-    worker's probe and, on a miss, the index's route)."""
-    from types import SimpleNamespace
-
-    from actors.vllm_link import RayDeploymentLink
-    from raykv.integrations.vllm.identity import model_fingerprint
-    from raykv.integrations.vllm.scheduler import SchedulerSide
-
-    config = llm.llm_engine.vllm_config
-    start = time.perf_counter()
-    model = model_fingerprint(config, run.layout, 1, {})
-    run.lookup["fingerprint_ms"] = [(time.perf_counter() - start) * 1e3]
-    extra = {"namespace": run.deployment.namespace, "ray_address": run.address, "worker": 0}
-    link = RayDeploymentLink(extra)
-    link.bind(run.layout, "bench", model)
-    side = SchedulerSide(
-        run.layout, link, extra={**extra, "model_fingerprint": model, "staging_bytes": 1 << 20}
-    )
-    times, hits = [], 0
-    try:
-        for i in range(LOOKUPS):
-            tokens = stored if i % 2 == 0 else run.prompt()
-            request = SimpleNamespace(
-                request_id=f"bench-{i}", prompt_token_ids=tokens, kv_transfer_params=None
-            )
-            began = time.perf_counter()
-            new, _ = side.lookup(request, 0)
-            times.append((time.perf_counter() - began) * 1e6)
-            hits += new > 0
-            side.finished(request)
-    finally:
-        side.close()
-    if hits != LOOKUPS // 2:
-        raise AssertionError(f"{hits} of {LOOKUPS} lookups hit, not {LOOKUPS // 2}")
-    run.lookup["lookup_us"] = times
 
 
 def _wait_stored(run: _Run, tokens: list[int], timeout: float = 60.0) -> None:
@@ -327,14 +281,6 @@ def _rows(run: _Run) -> list[Row]:
         if k in t
     ]
     rows += [Row(f"TTFT ({k})", 0.0, None, "ms", error=e) for k, e in run.errors.items()]
-    if run.lookup:
-        us = sorted(run.lookup["lookup_us"])
-        info = f"{len(us)} new requests, half hits; fingerprint once per engine"
-        rows.append(Row("scheduler lookup per new request p50", statistics.median(us), None, "us", info=info))
-        rows.append(
-            Row("scheduler lookup per new request p99", us[int(0.99 * (len(us) - 1))], None, "us", info=info)
-        )
-        rows.append(Row("model fingerprint (once per engine)", run.lookup["fingerprint_ms"][0], None, "ms"))
     pairs = [
         ("c_same", "a", 1 / 0.3),
         ("c_other", "a", 1 / 0.3),

@@ -11,7 +11,7 @@ functions only.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 SPECIAL = ("<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
@@ -59,6 +59,6 @@ def save_chat_tokenizer(path: str, vocab_size: int = 512) -> str:
     return path
 
 
-def words(ids: Sequence[int]) -> str:
+def words(ids: Iterable[int]) -> str:
     """The text whose words tokenize to ``ids`` (word ids only: each ``>= FIRST_WORD``)."""
     return " ".join(f"w{i - FIRST_WORD}" for i in ids)
