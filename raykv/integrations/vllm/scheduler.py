@@ -98,7 +98,7 @@ class _Request:
     request; later lookups (after a failed load, a preemption) use the paired worker only, so a
     peer that keeps failing cannot make it loop."""
 
-    prompt: tuple[int, ...]
+    prompt: Sequence[int]  # vLLM's prompt_token_ids (not copied: vLLM never changes them)
     scope: ReuseScope
     keys: LazyKeys
     mm: tuple[MultimodalItem, ...] = ()  # the prompt's multimodal items (keys name their content)
@@ -207,7 +207,7 @@ class SchedulerSide:
         if usable <= num_computed_tokens // self.tpb:  # vLLM's own cache has it all
             self._drop_lookup(request.request_id, state)
             return 0, False
-        tokens = state.prompt[: usable * self.tpb]
+        tokens = tuple(state.prompt[: usable * self.tpb])
         items = clip_mm_items(state.mm, len(tokens))
         match = self._match(request, state, tokens, usable, items)
         if match is None:
@@ -314,7 +314,7 @@ class SchedulerSide:
         if state is None:
             from raykv.integrations.vllm.multimodal import mm_items
 
-            prompt = tuple(request.prompt_token_ids or ())
+            prompt: Sequence[int] = request.prompt_token_ids or ()
             scope = request_scope(request, self.model)
             items = mm_items(request, len(prompt))  # full blocks only are keyed: whole prompt
             keys = LazyKeys(lambda: self._key_chain(prompt, scope, items), len(prompt) // self.tpb)
@@ -324,7 +324,7 @@ class SchedulerSide:
         return state
 
     def _key_chain(
-        self, prompt: tuple[int, ...], scope: ReuseScope, items: tuple[MultimodalItem, ...]
+        self, prompt: Sequence[int], scope: ReuseScope, items: tuple[MultimodalItem, ...]
     ) -> Sequence[bytes]:
         """The keys of ``prompt``'s full blocks (on whichever thread first reads a request's
         :class:`LazyKeys`): blocks keyed before, by any request, are not hashed again."""
@@ -471,7 +471,7 @@ class SchedulerSide:
         scope: ReuseScope | None = None
         items: tuple[MultimodalItem, ...] = ()
         if self.ranks > 1:
-            tokens, scope = state.prompt[: (first + len(keys)) * self.tpb], state.scope
+            tokens, scope = tuple(state.prompt[: (first + len(keys)) * self.tpb]), state.scope
             items = clip_mm_items(state.mm, len(tokens))
         if lost is None:
             return LoadOp(req_id, first, keys, block_ids, False, (), tokens, scope, more, items)
@@ -489,13 +489,13 @@ class SchedulerSide:
         end = min(computed, known) // self.tpb
         if not self.stores or end <= state.stored:
             return None
-        tokens = tuple(state.request.all_token_ids[:computed]) if generated else state.prompt
         groups = block_ids_of(req_id)
         if any(len(g) < end for g in groups):
             return None
         first, state.stored = state.stored, end
         state.counts["offered_blocks"] += end - first
-        tokens = tokens[: end * self.tpb]
+        source = state.request.all_token_ids if generated else state.prompt
+        tokens = tuple(source[: end * self.tpb])
         scope = state.scope
         more = tuple(tuple(g[:end]) for g in groups[1:])
         items = clip_mm_items(state.mm, len(tokens))
