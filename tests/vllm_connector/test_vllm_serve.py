@@ -164,7 +164,7 @@ def test_chat_and_text_are_routed_by_their_rendered_tokens(
 
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    name = next(d for d in serve.status().applications["chat"].deployments if d.startswith("LLMServer"))
+    name = next(d for d in serve.status().applications["chat"].deployments if "LLMServer" in d)
     handle = serve.get_deployment_handle(name, "chat").options(stream=True)
     batch = CompletionRequest(model="tiny-llama", prompt=["w1 w2 w3", "w4 w5"], max_tokens=2)
     chunks = list(handle.completions.remote(batch))  # served by the router in this process
