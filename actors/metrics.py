@@ -240,6 +240,10 @@ ROUTER_OUTCOMES = frozenset({"cache_routed", "targeted", "fallback", "index_time
 index outcomes count index trouble, each followed by a fallback)."""
 
 
+RENDER_OUTCOMES = frozenset({"rendered", "unrendered", "render_timeouts", "render_errors"})
+"""The values the render counter's ``outcome`` tag takes (actors.serve_prompts)."""
+
+
 class RouterMetrics:
     """Publishes one Serve router's decisions: how each came out (``outcome``: one of
     :data:`ROUTER_OUTCOMES`), the time a cache-aware decision took (keys, index route and the
@@ -276,12 +280,32 @@ class RouterMetrics:
             "Cold requests moved off a full worker to the one sent the fewest new blocks lately",
             tag_keys=("deployment",),
         )
+        self.renders = backend.Counter(
+            "raykv_router_renders",
+            "Chat and text requests the router rendered to token ids, by outcome",
+            tag_keys=("deployment", "outcome"),
+        )
+        self.render_seconds = backend.Histogram(
+            "raykv_router_render_seconds",
+            "Time from asking for a request's token ids to having them (pool queueing included)",
+            boundaries=list(DECISION_SECONDS_BOUNDARIES),
+            tag_keys=("deployment",),
+        )
 
     def count(self, outcome: str) -> None:
         """One decision (or index failure) came out as ``outcome`` (ValueError for another)."""
         if outcome not in ROUTER_OUTCOMES:
             raise ValueError(f"unknown router outcome {outcome!r}")
         self.decisions.inc(1.0, tags={**self.tags, "outcome": outcome})
+
+    def rendered(self, outcome: str, seconds: float | None = None) -> None:
+        """A request's render came out as ``outcome`` (one of :data:`RENDER_OUTCOMES`; ValueError
+        for another), taking ``seconds`` when it rendered."""
+        if outcome not in RENDER_OUTCOMES:
+            raise ValueError(f"unknown render outcome {outcome!r}")
+        self.renders.inc(1.0, tags={**self.tags, "outcome": outcome})
+        if seconds is not None:
+            self.render_seconds.observe(seconds, tags=self.tags)
 
     def routed(self, seconds: float, duplicate_price: float, pull_price: float, placed: bool = False) -> None:
         """A cache-aware decision took ``seconds``; the policy's prices after it; ``placed``: cold
@@ -308,6 +332,7 @@ SERIES: dict[str, str] = {
             "raykv_index_resyncs",
             "raykv_router_decisions",
             "raykv_router_cold_placed",
+            "raykv_router_renders",
         ),
         "counter",
     ),
@@ -328,6 +353,7 @@ SERIES: dict[str, str] = {
     "raykv_transfer_pull_seconds": "histogram",
     "raykv_index_route_seconds": "histogram",
     "raykv_router_decision_seconds": "histogram",
+    "raykv_router_render_seconds": "histogram",
 }
 """Every series WorkerMetrics, IndexMetrics and RouterMetrics create, and its kind (counter,
 gauge, histogram)."""

@@ -559,7 +559,10 @@ class CacheAwareRouter(RequestRouter):
 
         home._COUNTERS[deployment] = self.ranker.counters
         counts = self.ranker.counters
-        self.prompts = RequestTokens(tokenizer, render_budget_s, counters=counts) if tokenizer else None
+        metrics = self.ranker.metrics
+        self.prompts = (
+            RequestTokens(tokenizer, render_budget_s, counters=counts, metrics=metrics) if tokenizer else None
+        )
         self._rendered: collections.OrderedDict[str, RoutedRequest | None] = collections.OrderedDict()
 
     def _ranker(self) -> CacheRanker:

@@ -53,7 +53,8 @@ class RequestTokens:
     """Renders requests to token ids for one model (module docstring). ``source``: where the
     tokenizer loads from (None: nothing is rendered); ``loader``: builds the renderer from it;
     ``counters``: where the counts go (a router's decision counters; default a new Counter);
-    ``eager``: load the tokenizer now (else on the first request)."""
+    ``eager``: load the tokenizer now (else on the first request); ``metrics``: a
+    :class:`actors.metrics.RouterMetrics` the outcomes also go to (Prometheus)."""
 
     def __init__(
         self,
@@ -63,12 +64,14 @@ class RequestTokens:
         loader: Callable[[str], PromptRenderer] = PromptRenderer.from_pretrained,
         counters: collections.Counter[str] | None = None,
         eager: bool = True,
+        metrics: Any = None,
     ) -> None:
         self.source = source
         self.budget_s = budget_s
         self.counters: collections.Counter[str] = collections.Counter() if counters is None else counters
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="raykv-render")
         self._loader = loader
+        self.metrics = metrics  # RouterMetrics (its rendered()), or None
         self._renderer = self._pool.submit(loader, source) if source and eager else None
         self._warned = False
 
@@ -84,21 +87,27 @@ class RequestTokens:
             job = asyncio.wrap_future(self._pool.submit(self._render, request))
             ids = await asyncio.wait_for(job, self.budget_s)
         except asyncio.TimeoutError:
-            self.counters["render_timeouts"] += 1
+            self._count("render_timeouts")
             return None
         except Unrenderable as exc:
-            self.counters["unrendered"] += 1
+            self._count("unrendered")
             self.counters[f"unrendered_{str(exc).split(':', 1)[0]}"] += 1
             return None
         except Exception as exc:
-            self.counters["render_errors"] += 1
+            self._count("render_errors")
             if not self._warned:
                 self._warned = True
                 log.warning("raykv: cannot render requests with %s's tokenizer: %s", self.source, exc)
             return None
-        self.counters["rendered"] += 1
-        self.counters["render_us_total"] += int((time.perf_counter() - start) * 1e6)
+        seconds = time.perf_counter() - start
+        self._count("rendered", seconds)
+        self.counters["render_us_total"] += int(seconds * 1e6)
         return ids
+
+    def _count(self, outcome: str, seconds: float | None = None) -> None:
+        self.counters[outcome] += 1
+        if self.metrics is not None:
+            self.metrics.rendered(outcome, seconds)
 
     def _render(self, request: Any) -> list[int]:
         assert self._renderer is not None

@@ -112,18 +112,28 @@ def test_a_tokenizer_that_does_not_split_at_special_tokens_is_rendered_whole(tok
 # ---- the Serve router ------------------------------------------------------------------------------
 
 
-def _router(tokenizer: Any, budget_s: float = 5.0) -> CacheAwareRouter:
+def _router(tokenizer: Any, budget_s: float = 5.0, metrics: Any = None) -> CacheAwareRouter:
     """A CacheAwareRouter's request reading (no Serve controller: its state set by hand)."""
     router = CacheAwareRouter.__new__(CacheAwareRouter)
     router.ranker = CacheRanker(lambda: asyncio.sleep(0))  # type: ignore[arg-type, return-value]
-    router.prompts = RequestTokens("local", budget_s, loader=lambda _: PromptRenderer(tokenizer))
-    router.prompts.counters = router.ranker.counters
+    router.prompts = RequestTokens(
+        "local",
+        budget_s,
+        loader=lambda _: PromptRenderer(tokenizer),
+        counters=router.ranker.counters,
+        metrics=metrics,
+    )
     router._rendered = collections.OrderedDict()
     return router
 
 
 def test_the_router_keys_chat_and_text_by_their_rendered_ids(tokenizer: Any) -> None:
-    router = _router(tokenizer)
+    from metrics_support import Recorder
+
+    from actors.metrics import RouterMetrics
+
+    rec = Recorder()
+    router = _router(tokenizer, metrics=RouterMetrics("app", backend=rec))
     messages = _chat(3)
     chat = {"messages": messages, "cache_salt": "tenant", "session_id": "s1"}
     want = tokenizer.apply_chat_template(
@@ -149,6 +159,9 @@ def test_the_router_keys_chat_and_text_by_their_rendered_ids(tokenizer: Any) -> 
     counts = router.ranker.counters
     assert counts["rendered"] == 2 and counts["unrendered"] == 1 and counts["unrendered_batch"] == 1
     assert counts["render_us_total"] > 0
+    exported = {dict(tags)["outcome"]: v for tags, v in rec.named("raykv_router_renders").items()}
+    assert exported == {"rendered": 2, "unrendered": 1}
+    assert len([v for name, _, v in rec.observed if name == "raykv_router_render_seconds"]) == 2
 
 
 def test_a_render_past_its_budget_or_a_failed_tokenizer_routes_by_load() -> None:
