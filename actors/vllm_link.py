@@ -305,16 +305,19 @@ class RayDeploymentLink:
                 self._done.update(counts)
 
     def report_timing(self, totals: Sequence[int]) -> None:
+        """Hand the totals to the paired worker from a fetch thread (an actor call costs the
+        scheduler thread milliseconds now and then; a queued job, microseconds)."""
         try:
-            ref = self.handle.note_engine_timing.remote(self.engine, list(totals))
-            ref.future().add_done_callback(self._timing_done)
+            self._fetches.submit(self._send_timing, list(totals))
+        except RuntimeError:  # closed
+            pass
+
+    def _send_timing(self, totals: list[int]) -> None:
+        try:
+            ray.get(self.handle.note_engine_timing.remote(self.engine, totals), timeout=self.timeout_s)
         except Exception as exc:
             self._count("timing_errors")
             log.warning("raykv timing report to %s failed: %s", self.worker, exc)
-
-    def _timing_done(self, future: concurrent.futures.Future[Any]) -> None:
-        if future.cancelled() or future.exception() is not None:
-            self._count("timing_errors")
 
     def poll(self) -> dict[str, int]:
         with self._lock:

@@ -6,25 +6,27 @@ threads, raykv's lookup thread among them, run meanwhile, as they do beside a re
 then ``update_from_output()`` with one sampled token per scheduled request. ``requests`` new
 requests arrive one per step (prompts of ``prompt`` random tokens; every other one a prompt
 whose blocks the paired CacheWorker holds), each generating ``max_tokens`` tokens. The same
-requests run twice in one process: without a connector (the baseline), then with RaykvConnector's
+requests run in one process without a connector (the baseline), then with RaykvConnector's
 scheduler side against a live one-worker deployment on a local Ray (its lookups, stores and
-finishes; no worker side runs, so no page moves).
+finishes; no worker side runs, so no page moves), alternated for ``rounds`` rounds and pooled.
 
 Timed per step: ``schedule()`` plus ``update_from_output()``, where every connector hook of the
 scheduler side runs. Each step carries one new request, so the difference of the two runs' step
 times (median, p99) is what the connector adds per new request. Also reported: how long the
 connector kept a request waiting for its lookup's answer (arrival to first scheduled step, less
-the baseline's), the hits it found, and the model fingerprint's one-time cost.
+the baseline's), the hits it found, the time spent inside the connector's hooks per request,
+and the model fingerprint's one-time cost.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,7 @@ class SchedSettings:
     max_tokens: int = 4
     forward_ms: float = 2.0
     seed: int = 0
+    rounds: int = 3
 
 
 @dataclass
@@ -109,6 +112,8 @@ def _drive(scheduler: Any, prompts: Sequence[list[int]], s: SchedSettings) -> Lo
 
     loop, arrived, finished, i = Loop(), {}, 0, 0
     params = SamplingParams(max_tokens=s.max_tokens, ignore_eos=True)
+    gc.collect()
+    gc.freeze()  # as vLLM's EngineCore does once started: collections then skip the startup heap
     while finished < len(prompts):
         if i < len(prompts):
             scheduler.add_request(Request(f"r{i}", prompts[i], params, None))
@@ -127,6 +132,7 @@ def _drive(scheduler: Any, prompts: Sequence[list[int]], s: SchedSettings) -> Lo
         results = scheduler.update_from_output(out, sampled)
         loop.step_s.append(spent + time.perf_counter() - start)
         finished += sum(1 for o in results.values() for r in o.outputs if r.finish_reason is not None)
+    gc.unfreeze()
     return loop
 
 
@@ -145,37 +151,80 @@ def _store_held(deployment: Any, held: Sequence[list[int]], model: bytes) -> Non
     ray.get(worker.flush_events.remote())
 
 
+HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished_all_groups",
+)
+"""The connector's scheduler-side hooks vLLM's Scheduler calls (timed on the instance)."""
+
+
+def _timed_hooks(connector: Any, spent: list[float]) -> None:
+    """Wrap ``connector``'s scheduler hooks on the instance so their time adds up in ``spent[0]``."""
+    for name in HOOKS:
+        hook = getattr(connector, name)
+
+        def timed(*args: Any, _hook: Callable[..., Any] = hook, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return _hook(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+
+        setattr(connector, name, timed)
+
+
+def _rounds(s: SchedSettings, model_dir: str, connected: Any, model: bytes) -> tuple[Loop, Loop]:
+    """``s.rounds`` of (the loop without a connector, the loop with one), alternated so that a
+    slow spell of the machine falls on both; their figures pooled."""
+    prompts, _ = _prompts(s)
+    base, ours, hooks = Loop(), Loop(), [0.0]
+    for _ in range(s.rounds):
+        plain = _drive(_scheduler(_vllm_config(model_dir, s)), prompts, s)
+        scheduler = _scheduler(connected)
+        side = scheduler.connector.scheduler_side
+        if side is None or side.model != model:
+            raise AssertionError("the connector's fingerprint differs from the stored blocks'")
+        _timed_hooks(scheduler.connector, hooks)
+        with_connector = _drive(scheduler, prompts, s)
+        scheduler.shutdown()
+        for pooled, loop in ((base, plain), (ours, with_connector)):
+            pooled.step_s += loop.step_s
+            pooled.admitted_after_s += loop.admitted_after_s
+            pooled.hit_tokens += loop.hit_tokens
+        for name, count in side.counters.items():
+            ours.counters[name] = ours.counters.get(name, 0) + int(count)
+    ours.counters["hook_us_per_request"] = int(hooks[0] * 1e6 / (s.rounds * s.requests))
+    return base, ours
+
+
 def measure(s: SchedSettings) -> tuple[Loop, Loop, float]:
-    """(baseline loop, connector loop, fingerprint ms), each on its own local Ray deployment."""
+    """(baseline loops, connector loops, fingerprint ms) on a local Ray with a one-worker
+    deployment holding the held prompts' blocks."""
     import ray
 
     import raykv
     from raykv.integrations.vllm.identity import model_fingerprint
 
-    prompts, held = _prompts(s)
+    _, held = _prompts(s)
     with tempfile.TemporaryDirectory(prefix="raykv-bench-sched-") as workdir:
         model_dir = testing.save_tiny_llama(f"{workdir}/model")
-        base = _drive(_scheduler(_vllm_config(model_dir, s)), prompts, s)
         ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 << 20)
         deployment = None
         try:
             layout = testing.tiny_layout()
             blocks = 16 * (s.prompt // layout.tokens_per_block + 1)
-            deployment = raykv.start(
-                1, testing.deployment_config(layout, blocks, blocks), namespace="raykv-bench-sched"
-            )
+            config = testing.deployment_config(layout, blocks, blocks)
+            deployment = raykv.start(1, config, namespace="raykv-bench-sched")
             address = str(ray.get_runtime_context().gcs_address)
-            config = _vllm_config(model_dir, s, testing.connector_config(deployment.namespace, address, 0))
+            connected = _vllm_config(model_dir, s, testing.connector_config(deployment.namespace, address, 0))
             start = time.perf_counter()
-            model = model_fingerprint(config, layout, 1, {})
+            model = model_fingerprint(connected, layout, 1, {})
             fingerprint_ms = (time.perf_counter() - start) * 1e3
-            scheduler = _scheduler(config)
-            connector = scheduler.connector
-            assert connector is not None and connector._scheduler.model == model, "fingerprints differ"
             _store_held(deployment, held, model)
-            ours = _drive(scheduler, prompts, s)
-            ours.counters = dict(connector._scheduler.counters)
-            scheduler.shutdown()
+            base, ours = _rounds(s, model_dir, connected, model)
         finally:
             if deployment is not None:
                 deployment.shutdown()
@@ -210,12 +259,16 @@ def rows(s: SchedSettings, base: Loop, ours: Loop, fingerprint_ms: float) -> lis
         f"{c.get('lookup_timeouts', 0)} past budget"
     )
     out.append(Row("prompt tokens raykv found cached", ours.hit_tokens, base.hit_tokens, "tokens", info=info))
+    hooks = c.get("hook_us_per_request", 0)
+    out.append(
+        Row("connector hooks per new request", hooks, None, "us", info="time inside its scheduler-side calls")
+    )
     out.append(Row("model fingerprint (once per engine)", fingerprint_ms, None, "ms"))
     return out
 
 
 def benchmarks(quick: bool) -> list[Benchmark]:
-    s = SchedSettings(requests=200 if quick else 1000)
+    s = SchedSettings(requests=200, rounds=1) if quick else SchedSettings()
 
     def run() -> list[Row]:
         return rows(s, *measure(s))

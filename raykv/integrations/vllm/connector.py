@@ -93,6 +93,11 @@ class _ConnectorImpl:
             groups = layer_groups(kv_cache_config, names) if grouped else None
             self._worker = WorkerSide(layout, names, rank, ranks, replicated, groups)
 
+    @property
+    def scheduler_side(self) -> SchedulerSide | None:
+        """The scheduler-side state (None in a worker process): its ``counters`` and ``model``."""
+        return self._scheduler
+
     # ---- worker side -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None

@@ -207,14 +207,13 @@ class SchedulerSide:
         if usable <= num_computed_tokens // self.tpb:  # vLLM's own cache has it all
             self._drop_lookup(request.request_id, state)
             return 0, False
-        tokens = tuple(state.prompt[: usable * self.tpb])
-        items = clip_mm_items(state.mm, len(tokens))
-        match = self._match(request, state, tokens, usable, items)
+        match = self._match(request, state, usable)
         if match is None:
             return None, False  # vLLM asks again next step; the request waits, the step does not
         held = max(0, min(usable, match.held))
         fetch = min(usable, match.blocks) if match.fetchable else 0
         if fetch > held and fetch * self.tpb > num_computed_tokens and not state.fetched:
+            tokens, items = self._usable(state, usable)
             state.fetch = self.link.start_fetch(match, tokens, state.scope, state.keys[:usable], items)
             state.fetch_held, state.fetch_since, state.fetched = held, time.monotonic(), True
             self.counters["fetches"] += 1
@@ -225,20 +224,19 @@ class SchedulerSide:
             return new, True
         return new, False
 
-    def _match(
-        self,
-        request: Any,
-        state: _Request,
-        tokens: tuple[int, ...],
-        usable: int,
-        items: tuple[MultimodalItem, ...],
-    ) -> Match | None:
+    def _usable(self, state: _Request, usable: int) -> tuple[tuple[int, ...], tuple[MultimodalItem, ...]]:
+        """The tokens of the request's first ``usable`` blocks and their multimodal items."""
+        tokens = tuple(state.prompt[: usable * self.tpb])
+        return tokens, clip_mm_items(state.mm, len(tokens))
+
+    def _match(self, request: Any, state: _Request, usable: int) -> Match | None:
         """The link's answer for the request's first ``usable`` blocks: asked once, then polled
         (None while it is on its way, up to ``lookup_budget_s``; past it ``Match(0)``, counted in
         ``lookup_timeouts``: the engine computes the prompt rather than wait)."""
         assert self.link is not None
         if state.asking is None:
             params = (getattr(request, "kv_transfer_params", None) or {}).get(PARAMS_KEY) or {}
+            tokens, items = self._usable(state, usable)
             answer = self.link.lookup(tokens, state.scope, state.keys.head(usable), params, items)
             self.counters["lookups"] += 1
             if isinstance(answer, Match):
