@@ -3,6 +3,7 @@
     raykv replay --trace ../shared/data/traces/mooncake_conversation_trace.jsonl \\
         --workers 8 --capacity-pct 2,10,30 --out raykv-results
     raykv replay --workload agentic --requests 6000 --seed 1  # a family (raykv.replay.families)
+    raykv replay --workload chat_text   # chat messages the routers render with the chat template
     raykv replay --workload all --trace A.jsonl --trace B.jsonl  # every family, then both traces
     raykv replay --requests 400 --tenants 3 --seed 1          # the demo's built-in workload
     raykv replay --ray --workers 4 --requests 200              # through a Ray deployment
@@ -29,7 +30,15 @@ from raykv.core.errors import InvalidArgumentError
 from raykv.core.overrides import replace_fields
 from raykv.replay.families import DEFAULT_REQUESTS, FAMILIES, AgenticShape, FamilySpec, generate_family
 from raykv.replay.grid import GridResult, GridSpec, run_grid
-from raykv.replay.report import Goal, format_table, goal_checks, goal_summary, write_json, write_plot
+from raykv.replay.report import (
+    Goal,
+    format_table,
+    goal_checks,
+    goal_summary,
+    tokenize_line,
+    write_json,
+    write_plot,
+)
 from raykv.replay.routers import ROUTERS, parse_routers
 from raykv.replay.trace import Request, load_mooncake
 from raykv.replay.workload import WorkloadSpec, generate
@@ -133,9 +142,12 @@ def workloads(args: argparse.Namespace) -> list[tuple[str, list[Request]]]:
 def emit(
     grid: GridResult, name: str, out_dir: Path, in_process: bool | None, out: TextIO, command: str
 ) -> list[Goal]:
-    """Print the table and the goal lines (not when ``in_process`` is None), write the JSON and
-    PNG, say where they went, and return the goals."""
+    """Print the table, the tokenize line (a workload of chat requests) and the goal lines (not
+    when ``in_process`` is None), write the JSON and PNG, say where they went, and return the
+    goals."""
     out.write(f"\n== {name}\n" + format_table(grid.summaries) + "\n\n")
+    if "tokenize" in grid.meta:
+        out.write(f"  {tokenize_line(grid.meta['tokenize'])}\n")
     goals = goal_checks(grid.summaries, in_process) if in_process is not None else []
     for goal in goals:
         out.write(f"  goal: {goal.line} -> {'met' if goal.met else 'NOT met'}\n")

@@ -6,7 +6,8 @@ Pure core (never imports ray; ``ray_prefix`` imports Ray's PrefixTree only when 
 |---|---|
 | ``trace`` | Request, Mooncake JSONL loading and validation, tokens and text derived from hash ids |
 | ``workload`` | the demo's built-in generator: multi-turn chat, agent fan-out, tenants with salts |
-| ``families`` | ``--workload NAME``: chat, agentic, rag, long_context |
+| ``families`` | ``--workload NAME``: chat, agentic, rag, long_context, chat_text |
+| ``chat_text`` | the chat family as OpenAI messages; the routers' tokenize path (one PromptRenderer) |
 | ``blocks`` | growing token sequences in block ids, shared by the generators |
 | ``timing`` | the timing model: per-worker FIFO servers, TTFT, transfer and tier costs, calibration |
 | ``routers`` | random, pow2, ray_prefix, raykv, raykv_pull, pooled, pooled_oracle |

@@ -6,7 +6,8 @@ workers and the index (in-process CacheWorker objects or a Ray deployment; see
 
 1. the servers' clock moves to the arrival time;
 2. the router chooses a server (timed: the *routing decision*, from the request's block keys,
-   which :func:`prepare` computed and timed beforehand; see :mod:`raykv.replay.routers`);
+   which :func:`prepare` computed and timed beforehand, after rendering a chat request's
+   messages to ids; see :mod:`raykv.replay.routers`);
 3. if it asked for a pull, the named blocks are exported from the holder and imported into the
    chosen worker (the real export/import data path);
 4. the chosen worker runs the whole request with the content oracle as engine
@@ -29,6 +30,7 @@ from typing import Any, NamedTuple, Protocol
 from raykv.core.keys import ReuseScope
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch
+from raykv.replay.chat_text import ChatPrompts
 from raykv.replay.routers import Prepared, Router, RouterContext
 from raykv.replay.timing import ServerQueues, TimingConfig
 from raykv.replay.trace import BLOCK_TOKENS, Request, tokens_for
@@ -60,23 +62,38 @@ class Backend(Protocol):
         ...
 
 
-def prepare(requests: Sequence[Request]) -> list[Prepared]:
+def prepare(requests: Sequence[Request], prompts: ChatPrompts | None = None) -> list[Prepared]:
     """Each request with its block keys (computed once, shared by every router) and the time
     computing them took from its tokens (``keys_ns``; the tokens are given), through one
     :class:`~raykv.routing.session_keys.SessionKeys`, as raykv's Serve router keys prompts: with
     the compiled memo, any block equal to one keyed before (same parent key, same tokens) reuses
     its key; without it, a request of a labelled session (``session >= 0``) reuses the keys of
-    the session's previous prompt, and one without a label is hashed whole."""
+    the session's previous prompt, and one without a label is hashed whole.
+
+    A chat request (``messages``) is first rendered to ids by ``prompts`` (None: a fresh
+    :class:`~raykv.replay.chat_text.ChatPrompts`, made at the first chat request), timed in
+    ``render_ns``, as raykv's Serve router renders a chat before it keys it; the rendered ids are
+    then keyed like any request's. One that cannot be rendered gets no keys and ``unrendered``
+    (the raykv routers route it by load)."""
     out = []
     clock = time.perf_counter_ns
     sessions = SessionKeys(BLOCK_TOKENS)
     for i, req in enumerate(requests):
         scope = ReuseScope(salt=req.salt) if req.salt is not None else None
-        tokens = tokens_for(req)
         session = req.session if req.session >= 0 else None
+        render_ns = 0
+        if req.messages is None:
+            tokens = tokens_for(req)
+        else:
+            prompts = prompts if prompts is not None else ChatPrompts()
+            rendered, render_ns = prompts.render(req)
+            if rendered is None:
+                out.append(Prepared(i, req, (), 0, render_ns, True))
+                continue
+            tokens = rendered
         t0 = clock()
         keys = sessions.keys(tokens, scope, session)
-        out.append(Prepared(i, req, keys, clock() - t0))
+        out.append(Prepared(i, req, keys, clock() - t0, render_ns))
     return out
 
 

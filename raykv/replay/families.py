@@ -27,6 +27,11 @@ long_context
     Long context: each session brings its own document of 16-96k tokens behind a short system
     prompt and asks 1-4 questions about it, a think time apart (mean 60 s); little is shared
     across sessions, a lot within one.
+chat_text
+    ``chat``'s sessions (the same for a seed) carried as OpenAI chat ``messages``, as a Serve
+    router receives them, with the ids the engine prefills: the routers render them with the
+    model's chat template (:mod:`raykv.replay.chat_text`); 2% of user turns attach an image,
+    which no router can render.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from raykv.core.errors import InvalidArgumentError
 from raykv.core.keys import ReuseScope
 from raykv.core.overrides import replace_fields
 from raykv.replay.blocks import BlockIds, Doc, Range, draw
+from raykv.replay.chat_text import chat_text
 from raykv.replay.trace import BLOCK_TOKENS, Request
 
 
@@ -238,10 +244,11 @@ FAMILIES: dict[str, Callable[[int, int], list[Request]]] = {
     "agentic": agentic,
     "rag": rag,
     "long_context": long_context,
+    "chat_text": chat_text,
 }
 """Every workload family by name (``raykv replay --workload NAME``)."""
 
-DEFAULT_REQUESTS = {"chat": 4000, "agentic": 6000, "rag": 3000, "long_context": 800}
+DEFAULT_REQUESTS = {"chat": 4000, "agentic": 6000, "rag": 3000, "long_context": 800, "chat_text": 4000}
 """Each family's size when ``--requests`` is not given (about a minute per 5-router grid)."""
 
 

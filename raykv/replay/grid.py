@@ -3,7 +3,10 @@
 Capacity: ``capacity_pct`` is the *total* capacity W x C as a percentage of the trace's unique
 blocks (distinct (salt, hash id) pairs), so C = max(2, round(pct / 100 * unique / W)) blocks per
 worker; the pooled ideal gets one cache of W x C blocks. Every router replays the same prepared
-requests (block keys computed once) with the same seed on a fresh backend (empty caches).
+requests (block keys computed once) with the same seed on a fresh backend (empty caches). Chat
+requests (the ``chat_text`` family) are rendered to ids once, by one
+:class:`~raykv.replay.chat_text.ChatPrompts` in arrival order, before they are keyed; its cost
+(render times, prefix reuse, unrenderable requests) is the result's ``meta["tokenize"]``.
 
 ``make_backend(num_caches, blocks_per_cache, pooled)`` is a context manager yielding a
 :class:`~raykv.replay.engine.Backend` with empty caches (``pooled``: the one cache of the pooled
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from raykv.core.errors import InvalidArgumentError
+from raykv.replay.chat_text import ChatPrompts
 from raykv.replay.engine import Backend, Prepared, prepare, replay
 from raykv.replay.report import Summary, summarize
 from raykv.replay.routers import ROUTERS, make_router
@@ -141,7 +145,8 @@ def run_grid(
     if not requests:
         raise InvalidArgumentError("requests", "nothing to replay")
     t0 = time.perf_counter()
-    prepared = prepare(requests)
+    prompts = ChatPrompts() if any(r.messages is not None for r in requests) else None
+    prepared = prepare(requests, prompts)
     unique = unique_blocks(requests)
     speed = spec.timing.calibrate(requests, spec.workers)
     span = span_s(requests)
@@ -156,6 +161,8 @@ def run_grid(
         "routing": spec.routing.__dict__,
         "capacity_pcts": list(spec.capacity_pcts),
     }
+    if prompts is not None:
+        meta["tokenize"] = prompts.summary()
     summaries: list[Summary] = []
     interrupted = False
     try:

@@ -15,6 +15,11 @@ Definitions (per run = one router at one capacity):
   (SHA-256), done before the replay loop and not part of decide us; raykv's Serve router does it
   before it routes.
 - util % = work served / (servers x speed x trace span).
+- tokenize (chat requests only, one line per workload: :func:`tokenize_line`) = rendering each
+  request's messages to ids with one PromptRenderer before keying them, done once for every run
+  (wall clock: render us p50 / p99 per rendered request; reused = characters the renderer's
+  prefix reuse did not tokenize again / characters rendered); requests it could not render are
+  routed by load by raykv and raykv_pull (the notes column: ``N unrendered by load``).
 
 The PNG (matplotlib, Agg backend, imported lazily) has two panels, block hit % and TTFT p90 vs
 per-worker capacity, one line per router.
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -139,6 +144,8 @@ def _row(s: Summary) -> tuple[str, ...]:
     for key in ("pull_failures",):
         if s.notes.get(key):
             notes.append(f"{key} {s.notes[key]}")
+    if s.notes.get("routed_unrendered"):
+        notes.append(f"{s.notes['routed_unrendered']} unrendered by load")
     return (
         f"{s.capacity_pct:g}",
         str(s.blocks_per_worker),
@@ -170,6 +177,24 @@ def format_table(summaries: Sequence[Summary], markdown: bool = False) -> str:
         if n == 0:
             lines.append("-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def tokenize_line(tokenize: Mapping[str, Any]) -> str:
+    """One line on the tokenize cost of a workload's chat requests (``GridResult.meta
+    ["tokenize"]``, :meth:`~raykv.replay.chat_text.ChatPrompts.summary`)."""
+    reasons = [
+        f"{k.removeprefix('unrendered_')} {v}" for k, v in tokenize.items() if k.startswith("unrendered_")
+    ]
+    why = f" ({', '.join(reasons)})" if reasons else ""
+    line = (
+        f"tokenize: {tokenize['rendered']} chat requests rendered by one PromptRenderer, render "
+        f"p50 {tokenize['render_p50_us']:.1f} us, p99 {tokenize['render_p99_us']:.1f} us, mean "
+        f"{tokenize['render_mean_us']:.1f} us (wall clock); {tokenize['reused_pct']:.1f}% of "
+        f"characters reused; {tokenize['unrendered']} unrenderable{why}, routed by load"
+    )
+    if tokenize.get("engine_mismatch"):
+        line += f"; {tokenize['engine_mismatch']} rendered differently from the engine's ids"
+    return line
 
 
 class Goal(NamedTuple):

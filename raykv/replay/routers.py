@@ -29,7 +29,10 @@ raykv
     last seconds of the replay's simulated clock (``now`` passed to the policy), seeded ties.
     The load it sees per worker is ``queued_prefill + (mean decode units of finished requests)
     x in_flight`` (:class:`~raykv.replay.timing.ServerQueues`), not the simulator's exact
-    outstanding work, which depends on output lengths no router knows.
+    outstanding work, which depends on output lengths no router knows. A chat request whose
+    messages could not be rendered to ids (``Prepared.unrendered``) is routed as raykv's Serve
+    router routes a request without ids (``CacheRanker.fallback``): two random servers, the less
+    loaded as reported wins; counted in ``stats["unrendered"]`` (the run's ``routed_unrendered``).
 raykv_pull
     raykv with ``allow_pulls``: a worker may pull the part of the prefix another worker holds; the
     pull is priced at the observed pull time per token over the observed prefill time per token
@@ -77,12 +80,16 @@ _NEW = tuple.__new__  # builds a NamedTuple from its field values without the ge
 
 class Prepared(NamedTuple):
     """Request number ``seq`` with its block keys (full blocks, in its salt's scope) and the
-    nanoseconds computing them took (SHA-256 over the prompt: outside the timed decision)."""
+    nanoseconds computing them took (SHA-256 over the prompt: outside the timed decision); for a
+    chat request the nanoseconds rendering its messages to ids (``render_ns``, also outside),
+    and ``unrendered`` when they could not be rendered (then no keys: routed by load)."""
 
     seq: int
     req: Request
     keys: Sequence[bytes]
     keys_ns: int = 0
+    render_ns: int = 0
+    unrendered: bool = False
 
 
 class Choice(NamedTuple):
@@ -273,9 +280,13 @@ class RaykvRouter(Router):
         self._queues: ServerQueues | None = None
         self._decided: tuple[int, Decision, float] = (0, Decision(WorkerId(""), 0.0, 0, None, 0, ()), 0.0)
         self._hot_check = self._hot  # bound once, not per decision
+        self.stats: dict[str, int] = {}  # only what happened: "unrendered"
 
     def choose(self, p: Prepared, queues: ServerQueues) -> Choice:
-        """The decision the replay times: index route, reported loads, the policy (module doc)."""
+        """The decision the replay times: index route, reported loads, the policy (module doc);
+        by load alone for a request that could not be rendered."""
+        if p.unrendered:
+            return self._by_load(queues)
         keys = p.keys
         matches = self._route(keys)
         self._keys, self._queues = keys, queues
@@ -298,6 +309,17 @@ class RaykvRouter(Router):
             return _NEW(Choice, (server, None, d.cached_blocks, 0))
         return _NEW(Choice, (server, self.server_of[pull_from], d.cached_blocks, d.pull_blocks))
 
+    def _by_load(self, queues: ServerQueues) -> Choice:
+        """Serve's fallback for a request without token ids: two random servers (all when at
+        most two), in random order, the lower reported load first; counted."""
+        n = self.ctx.servers
+        picks = list(range(n)) if n <= 2 else self.rng.sample(range(n), 2)
+        self.rng.shuffle(picks)
+        loads = queues.reported_loads()
+        picks.sort(key=lambda s: loads[s])
+        self.stats["unrendered"] = self.stats.get("unrendered", 0) + 1
+        return Choice(picks[0])
+
     def _hot(self, worker: WorkerId, blocks: int) -> bool:
         """Did a request that is still in flight on ``worker`` bring it the prefix's last block?
         In flight = routed there since the server was last idle (what its reports tell)."""
@@ -309,6 +331,8 @@ class RaykvRouter(Router):
         return last[0] == server and q.in_flight[server] > 0 and last[1] >= q.busy_since[server]
 
     def routed(self, p: Prepared, choice: Choice) -> None:
+        if p.unrendered:  # no keys to credit, no decision to learn from (as in Serve)
+            return
         self._routed.update(dict.fromkeys(p.keys, (choice.server, self.ctx.clock())))
         self.policy.learn(*self._decided)
 

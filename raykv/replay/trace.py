@@ -15,6 +15,11 @@ Tokens: block ``h`` holds the token ids ``h * 512 + j`` for ``j`` in 0..511 (the
 request only its first ``input_length mod 512`` of them), so raykv's real SHA-256 block keys chain
 exactly like the trace's prefixes: equal id prefixes give equal keys, anything else differs. This
 needs ids below 2**22 (token ids stay below 2**31); larger ids are a TraceError.
+
+Chat requests (the ``chat_text`` family, :mod:`raykv.replay.chat_text`) carry OpenAI ``messages``
+(what a router receives) and ``tokens``, the ids the engine prefills (little-endian uint32 bytes:
+the chat template applied and tokenized as vLLM does); their ``hash_ids`` follow the same
+convention over those ids, and :func:`tokens_for` returns those ids instead of derived ones.
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ class TraceError(InvalidArgumentError):
 
 
 class Request(NamedTuple):
-    """One replayed request (see the module docstring). ``session`` is a label for reports."""
+    """One replayed request (see the module docstring). ``session`` is a label for reports;
+    ``messages`` (OpenAI chat messages) and ``tokens`` (the engine's ids, ``<u4`` bytes) are set
+    together, for chat requests only."""
 
     arrival_s: float
     input_length: int
@@ -54,6 +61,8 @@ class Request(NamedTuple):
     hash_ids: tuple[int, ...]
     salt: int | None = None
     session: int = -1
+    messages: tuple[Any, ...] | None = None
+    tokens: bytes | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -86,6 +95,10 @@ def check_request(req: Request, where: str = "request") -> None:
         )
     if req.salt is not None and (isinstance(req.salt, bool) or not isinstance(req.salt, int)):
         raise TraceError(where, f"salt must be an int or None, got {req.salt!r}")
+    if (req.messages is None) != (req.tokens is None):
+        raise TraceError(where, "messages and tokens come together (a chat request) or not at all")
+    if req.tokens is not None and len(req.tokens) != 4 * req.input_length:
+        raise TraceError(where, f"{len(req.tokens) // 4} engine tokens for input_length {req.input_length}")
 
 
 def _parse_line(line: str, where: str) -> Request:
@@ -137,7 +150,11 @@ def unique_blocks(requests: Iterable[Request]) -> int:
 
 
 def tokens_for(req: Request, max_blocks: int | None = None) -> npt.NDArray[np.uint32]:
-    """The token ids of ``req`` (see the module docstring), cut to ``max_blocks`` blocks."""
+    """The token ids of ``req`` (see the module docstring; a chat request's engine ids, read-only),
+    cut to ``max_blocks`` blocks."""
+    if req.tokens is not None:
+        engine = np.frombuffer(req.tokens, dtype="<u4").astype(np.uint32, copy=False)
+        return engine if max_blocks is None else engine[: max_blocks * BLOCK_TOKENS]
     ids = req.hash_ids if max_blocks is None else req.hash_ids[:max_blocks]
     h = np.asarray(ids, dtype=np.uint32)
     toks = (h[:, None] * np.uint32(BLOCK_TOKENS) + _OFFSETS[None, :]).reshape(-1)
