@@ -12,10 +12,12 @@ finishes; no worker side runs, so no page moves), alternated for ``rounds`` roun
 
 Timed per step: ``schedule()`` plus ``update_from_output()``, where every connector hook of the
 scheduler side runs. Each step carries one new request, so the difference of the two runs' step
-times (median, p99) is what the connector adds per new request. Also reported: how long the
-connector kept a request waiting for its lookup's answer (arrival to first scheduled step, less
-the baseline's), the hits it found, the time spent inside the connector's hooks per request,
-and the model fingerprint's one-time cost.
+times (median, p99) is what the connector adds per new request. Steps that scheduled nothing
+(every waiting request deferred for its lookup and none running: the connector then waits up to
+5 ms for an answer rather than let the engine spin) are counted apart: no request runs in them.
+Also reported: how long the connector kept a request waiting for its lookup's answer (arrival
+to first scheduled step, against the baseline's), the hits it found, the time spent inside the
+connector's hooks per request, and the model fingerprint's one-time cost.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ class SchedSettings:
 class Loop:
     """One run's figures: per-step seconds, per-request steps from arrival to scheduled."""
 
-    step_s: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)  # steps that ran work
+    idle_s: list[float] = field(default_factory=list)  # steps with nothing scheduled
     admitted_after_s: list[float] = field(default_factory=list)
     hit_tokens: int = 0
     counters: dict[str, int] = field(default_factory=dict)
@@ -130,7 +133,11 @@ def _drive(scheduler: Any, prompts: Sequence[list[int]], s: SchedSettings) -> Lo
         sampled = ModelRunnerOutput(ids, {r: n for n, r in enumerate(ids)}, [[7] for _ in ids])
         start = time.perf_counter()
         results = scheduler.update_from_output(out, sampled)
-        loop.step_s.append(spent + time.perf_counter() - start)
+        spent += time.perf_counter() - start
+        if out.total_num_scheduled_tokens:
+            loop.step_s.append(spent)
+        else:  # nothing to run: the connector may wait a few ms for a lookup instead of spinning
+            loop.idle_s.append(spent)
         finished += sum(1 for o in results.values() for r in o.outputs if r.finish_reason is not None)
     gc.unfreeze()
     return loop
@@ -192,6 +199,7 @@ def _rounds(s: SchedSettings, model_dir: str, connected: Any, model: bytes) -> t
         scheduler.shutdown()
         for pooled, loop in ((base, plain), (ours, with_connector)):
             pooled.step_s += loop.step_s
+            pooled.idle_s += loop.idle_s
             pooled.admitted_after_s += loop.admitted_after_s
             pooled.hit_tokens += loop.hit_tokens
         for name, count in side.counters.items():
@@ -249,6 +257,8 @@ def rows(s: SchedSettings, base: Loop, ours: Loop, fingerprint_ms: float) -> lis
                 f"added per new request, {label}", o - b, None, "us", info=f"goal <= {goal:.0f} us: {verdict}"
             )
         )
+    idle = f"{len(ours.idle_s)} vs {len(base.idle_s)} steps with nothing to run, not counted above"
+    out.append(Row("steps with nothing scheduled", len(ours.idle_s), len(base.idle_s), "steps", info=idle))
     b, o = (statistics.mean(x.admitted_after_s) * 1e3 for x in (base, ours))
     out.append(
         Row("arrival to scheduled, mean", o, b, "ms", info="raykv vs none: lookups answered off the step")
