@@ -13,6 +13,9 @@
                       (``--minutes N --workers W --seed S``; exit 1 on a wrong page or failure)
 ``raykv bench vllm``  vLLM TTFT with a cached prefix: RaykvConnector vs vLLM's caches (needs vllm)
 ``raykv bench scheduler`` what RaykvConnector adds to vLLM's scheduler step per new request (needs vllm)
+``raykv bench serve`` Ray Serve LLM over HTTP, multi-turn chat at a fixed rate: pow2, prefix-affinity,
+                      raykv, raykv-pow2 (``--replicas N --rate R --sessions S --seed K --json P
+                      --plot P``; needs vllm; ``--quick`` < 3 min on 2 cores)
 ``raykv up``          start a deployment on a running Ray cluster (``--config FILE``, ``--address``)
 ``raykv status``      tables of its workers and index shards (``--json``, ``--watch S``)
 ``raykv down``        stop every raykv actor of the namespace and remove its disk-tier files
@@ -55,6 +58,10 @@ def _bench(args: argparse.Namespace) -> int:
         from actors.vllm_bench import register as register_vllm
 
         register_vllm()
+    if args.suite == "serve":  # not part of "all": Ray Serve LLM with vLLM engines, minutes
+        from actors.bench_serve import serve_bench_main
+
+        return serve_bench_main(args)
     if args.suite == "scheduler":  # not part of "all": it needs vllm
         from actors.vllm_sched_bench import register as register_scheduler
 
@@ -75,6 +82,24 @@ def _add_soak_arguments(parser: Any) -> None:
     )
 
 
+def _add_serve_arguments(parser: Any) -> None:
+    """``raykv bench serve``'s options (its seed is the soak's ``--seed``)."""
+    parser.add_argument(
+        "--replicas", type=int, default=None, help="replicas per deployment (quick 2, full 3)"
+    )
+    parser.add_argument("--rate", type=float, default=None, help="offered requests/s (quick 3.5, full 4)")
+    parser.add_argument(
+        "--sessions", type=int, default=None, help="chat sessions (default: enough for the rate)"
+    )
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    parser.add_argument(
+        "--plot", default="docs/bench_serve.png", metavar="PATH", help="TTFT CDF and bars (PNG)"
+    )
+    parser.add_argument(
+        "--separate-engines", action="store_true", help="one deployment per config (twice the engines)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raykv", description="raykv: distributed KV cache")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -92,11 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         "suite",
         nargs="?",
         default=None,
-        choices=["core", "index", "routing", "gpu", "transfer", "vllm", "scheduler", "soak"],
-        help="default: all (soak and vllm only when named)",
+        choices=["core", "index", "routing", "gpu", "transfer", "vllm", "scheduler", "soak", "serve"],
+        help="default: all (soak, vllm, scheduler and serve only when named)",
     )
     bench.add_argument("--quick", action="store_true", help="short run (CI)")
     _add_soak_arguments(bench.add_argument_group("soak"))
+    _add_serve_arguments(bench.add_argument_group("serve (--seed too)"))
     bench.set_defaults(func=_bench)
     add_ops_parsers(sub)
     return parser
