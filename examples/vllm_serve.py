@@ -213,17 +213,7 @@ def complete(
     }
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=300) as response:
-            result: dict[str, Any] = json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        raise RuntimeError(f"HTTP {exc.code}: {exc.read()[:500]!r}") from None
-    return result
+    return post(port, "/v1/completions", body)
 
 
 def verify_pd(port: int, deployment: Any, reference: dict[str, Any]) -> dict[str, Any]:
