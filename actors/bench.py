@@ -21,6 +21,7 @@ from actors.liveness import START_TIMEOUT_S
 from actors.ray_util import shutdown_ray
 from raykv.bench import SUITES
 from raykv.bench.harness import Benchmark, Row
+from raykv.index.holders import pack_ops
 from raykv.index.prefix_index import OP_STORE, EventBatch
 
 CLIENTS = 4
@@ -38,8 +39,8 @@ def _shard(blocks: int) -> tuple[Any, list[list[bytes]]]:
             f"w{i % 64}",
             1,
             i // 64 + 1,
-            i // 64 + 1,  # type: ignore[arg-type]
-            tuple((OP_STORE, k, 0) for k in chain),
+            i // 64 + 1,
+            pack_ops((OP_STORE, k, 0) for k in chain),
         )
         for i, chain in enumerate(chains)
     ]

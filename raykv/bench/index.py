@@ -3,7 +3,7 @@
 - route latency for a 100-block prefix over 64 workers holding ``total_blocks`` blocks (1M in full
   mode): a typical prefix (held by 1-3 workers) and a popular one (held by all 64). Baseline: a
   plain ``dict.get`` of the same 100 keys, the floor of any index kept in a Python dict (the index
-  beats it with the compiled key table, :mod:`raykv.index.keytable`; the row says which table ran). The
+  beats it with the compiled table, :mod:`raykv.index.holders`; the row says which table ran). The
   note gives p50/p99.
 - event ingest: block events per second applied by one shard, vs inserting the same keys into a
   plain dict (the floor).
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from raykv import native
 from raykv.bench.harness import Benchmark, Row, gc_paused
 from raykv.core.types import WorkerId
+from raykv.index.holders import pack_ops
 from raykv.index.prefix_index import OP_STORE, EventBatch, PrefixIndex
 
 WORKERS = 64
@@ -51,7 +52,7 @@ def _populate(settings: IndexSettings) -> tuple[PrefixIndex, list[list[bytes]], 
     for chain in chains:
         for w in rng.sample(range(WORKERS), rng.randint(1, 3)):
             tier = rng.randrange(3)
-            ops = tuple((OP_STORE, k, tier) for k in chain)
+            ops = pack_ops((OP_STORE, k, tier) for k in chain)
             batches.append(EventBatch(WorkerId(f"w{w}"), 1, next_id[w], next_id[w] + CHAIN - 1, ops))
             next_id[w] += CHAIN
     with gc_paused():
@@ -90,12 +91,12 @@ def _route_rows(settings: IndexSettings) -> list[Row]:
     index, chains, batches, ingest_s = _populate(settings)
     popular = [os.urandom(32) for _ in range(CHAIN)]
     for w in range(WORKERS):
-        ops = tuple((OP_STORE, k, 0) for k in popular)
+        ops = pack_ops((OP_STORE, k, 0) for k in popular)
         last = index.last_event_id(WorkerId(f"w{w}"))
         index.apply_batch(EventBatch(WorkerId(f"w{w}"), 1, last + 1, last + 1, ops))
     rng = random.Random(11)
     rows = []
-    table = "compiled" if native.load("_keytable") is not None else "dict"
+    table = "compiled" if native.load("_holders") is not None else "python"
     floor_table: dict[bytes, object] = dict.fromkeys((k for c in chains for k in c), 0)
     for label, pick in (
         ("typical (1-3 holders)", lambda: rng.choice(chains)),
@@ -111,10 +112,10 @@ def _route_rows(settings: IndexSettings) -> list[Row]:
                 1 / p50,
                 1 / floor,
                 "routes/s",
-                info=f"p50 {p50 * 1e6:.1f} us, p99 {p99 * 1e6:.1f} us (goal p50 <= 20 us; {table} table)",
+                info=f"p50 {p50 * 1e6:.1f} us, p99 {p99 * 1e6:.1f} us (goals 5, 20 us; {table} table)",
             )
         )
-    n_ops = sum(len(b.ops) for b in batches)
+    n_ops = sum(b.n_ops for b in batches)
     base = _dict_ingest(batches)
     rows.append(
         Row(
@@ -122,7 +123,7 @@ def _route_rows(settings: IndexSettings) -> list[Row]:
             n_ops / ingest_s,
             n_ops / base,
             "events/s",
-            info="goal >= 2M events/s per shard",
+            info="goal >= 5M events/s per shard",
         )
     )
     return rows
@@ -130,10 +131,11 @@ def _route_rows(settings: IndexSettings) -> list[Row]:
 
 def _dict_ingest(batches: list[EventBatch]) -> float:
     table: dict[bytes, int] = {}
+    ops = [batch.ops for batch in batches]  # unpacked before the clock starts: the floor's best case
     with gc_paused():
         start = time.perf_counter()
-        for batch in batches:
-            for _op, key, tier in batch.ops:
+        for batch_ops in ops:
+            for _op, key, tier in batch_ops:
                 table[key] = tier
         return time.perf_counter() - start
 

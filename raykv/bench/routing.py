@@ -27,6 +27,7 @@ from typing import Any
 from raykv.bench.harness import Benchmark, Row, gc_paused
 from raykv.core.keys import ReuseScope, block_keys
 from raykv.core.types import WorkerId
+from raykv.index.holders import pack_ops
 from raykv.index.prefix_index import OP_STORE, EventBatch, PrefixIndex
 from raykv.replay.peer_tree import new_prefix_tree
 from raykv.replay.trace import BLOCK_TOKENS, Request, block_text, tokens_for
@@ -67,7 +68,7 @@ def _raykv(
     ids = [0] * WORKERS
     for ks, lane in zip(keys, owner):
         ids[lane] += 1
-        ops = tuple((OP_STORE, k, 0) for k in ks)
+        ops = pack_ops((OP_STORE, k, 0) for k in ks)
         index.apply_batch(EventBatch(workers[lane], 1, ids[lane], ids[lane], ops))
     policy = RoutingPolicy(replace(DEFAULT_ROUTING, tokens_per_block=BLOCK_TOKENS, w_host=1.0))
     loads = [float(1000 * i) for i in range(WORKERS)]

@@ -2,34 +2,48 @@
 
 Which worker holds which block, on which tier. Keys are spread over shards by
 :func:`shard_of` (first 8 key bytes, big-endian, mod N). Each worker has a deployment-wide *lane*
-(a small int); an entry stores, per key, an immutable tuple of four lane-spread bitmasks
-``(all, gpu, host, disk)`` where worker ``w``'s bit is ``1 << (LANE_BITS * lane)``. Routing ANDs
-the masks of consecutive keys and adds the per-tier masks into 16-bit lanes, so one pass over the
-keys yields, for every worker at once, its cached prefix length and its blocks on each tier
-(:mod:`raykv.index.route`; RouteMatch and merge_route are re-exported here).
+(a small int). The table (:mod:`raykv.index.holders`: compiled, or its pure-Python twin) keeps,
+per key prefix, the set of lanes holding the key and their tiers, with no Python object per key
+or holder in the compiled one. A lookup reads an entry as the tuple of four lane-spread bitmasks
+``(all, gpu, host, disk)`` where worker ``w``'s bit is ``1 << (LANE_BITS * lane)``; a route walks
+the chain once and yields, for every worker at once, its cached prefix length and its blocks on
+each tier (:mod:`raykv.index.route`; RouteMatch and merge_route are re-exported here).
 
 Event stream contract: each worker numbers its events 1, 2, 3... per incarnation. A batch carries
-``(worker, incarnation, first_event_id, last_event_id)``; a shard applies batches in id order,
+``(worker, incarnation, first_event_id, last_event_id)`` and its ops packed (one record per op,
+:data:`raykv.index.holders.RECORD` bytes); a shard applies batches in id order,
 buffers a few out-of-order ones, ignores duplicates and batches of dead incarnations, and flags the
 worker for a snapshot when a gap cannot be closed. A snapshot ``(last_event_id, blocks)`` replaces
 the worker's entries; batches up to that id are then stale. A batch that overlaps ids already
 applied is applied whole: every op is an upsert or removal of one key (or a clear), so replaying
 ops up to id N on top of the state at id N leaves it unchanged. Every rejected batch (unknown worker,
-malformed key, dead incarnation) is counted and changes nothing.
+malformed op, dead incarnation) is counted and changes nothing.
 """
 
 from __future__ import annotations
 
 import collections
 import enum
-import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from raykv.core.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged, CacheEvent
 from raykv.core.types import BLOCK_KEY_BYTES, TierKind, WorkerId
-from raykv.index.keytable import KeyTableLike, new_key_table
+from raykv.index.holders import (
+    KEY_PREFIX,
+    OP_CLEAR,
+    OP_REMOVE,
+    OP_STORE,
+    RECORD,
+    HoldersLike,
+    compiled_route,
+    has_clear,
+    new_holders,
+    pack_ops,
+    split,
+    unpack_ops,
+)
 from raykv.index.route import (
     FIRST_LOOKUPS,
     LANE_BITS,
@@ -38,16 +52,13 @@ from raykv.index.route import (
     RouteMatch,
     RouteMemo,
     merge_route,
+    pack_rows,
     route_held,
 )
 
 MAX_LANES = 4096
-OP_STORE, OP_REMOVE, OP_CLEAR = 0, 1, 2
 REORDER_WINDOW = 64
-PREFETCH_OPS = 512  # batches up to this long warm their keys' slots first
-_KEY_OF_OP = operator.itemgetter(1)
-COMPILED_LANES = 64  # up to this many lanes the compiled key table routes (route_held in C)
-CANON_LIMIT = 65_536  # distinct entry objects kept canonical (interned); beyond it the table restarts
+MOVE_SLOTS = 1 << 15  # slots of a growing table one maintain() call moves (well under a millisecond)
 
 
 def shard_of(key: bytes, num_shards: int) -> int:
@@ -57,18 +68,35 @@ def shard_of(key: bytes, num_shards: int) -> int:
 
 @dataclass(frozen=True)
 class EventBatch:
-    """A worker's events ``first_event_id ..= last_event_id`` as ordered ops ``(op, key, tier)``.
+    """A worker's events ``first_event_id ..= last_event_id`` as packed ops (``data``).
 
-    ``op`` is OP_STORE (stored or tier changed: the key is now on ``tier``), OP_REMOVE or OP_CLEAR
-    (key and tier unused). A per-shard sub-batch keeps the id range of the whole batch and only
-    the ops of keys that shard owns (plus clears).
+    ``data`` holds one :data:`~raykv.index.holders.RECORD`-byte record per op: OP_STORE (stored or
+    tier changed: the key is now on its tier), OP_REMOVE or OP_CLEAR. A sequence of ``(op, key,
+    tier)`` triples given instead is packed on construction (a malformed triple packs as a record
+    that makes the batch MALFORMED when applied). ``ops`` reads the triples back. A per-shard
+    sub-batch keeps the id range of the whole batch and only the ops of keys that shard owns
+    (plus clears). Pickles as one bytes object, whatever its length.
     """
 
     worker: WorkerId
     incarnation: int
     first_event_id: int
     last_event_id: int
-    ops: tuple[tuple[int, bytes, int], ...]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data, bytes):
+            object.__setattr__(self, "data", pack_ops(self.data))
+
+    @property
+    def ops(self) -> tuple[tuple[int, bytes, int], ...]:
+        """The ops as ``(op, key, tier)`` triples (a clear reads ``(OP_CLEAR, b"", 0)``)."""
+        return unpack_ops(self.data)
+
+    @property
+    def n_ops(self) -> int:
+        """How many ops the batch holds."""
+        return len(self.data) // RECORD
 
     @classmethod
     def from_events(cls, worker: WorkerId, incarnation: int, events: Sequence[CacheEvent]) -> EventBatch:
@@ -85,14 +113,21 @@ class EventBatch:
                 ops.append((OP_REMOVE, ev.key, 0))
             elif isinstance(ev, AllCleared):
                 ops.append((OP_CLEAR, b"", 0))
-        return cls(worker, incarnation, events[0].event_id, events[-1].event_id, tuple(ops))
+        return cls(worker, incarnation, events[0].event_id, events[-1].event_id, pack_ops(ops))
 
     def for_shard(self, shard: int, num_shards: int) -> EventBatch:
         """The sub-batch of ops that ``shard`` owns (same id range)."""
         if num_shards == 1:
             return self
-        ops = tuple(op for op in self.ops if op[0] == OP_CLEAR or shard_of(op[1], num_shards) == shard)
-        return EventBatch(self.worker, self.incarnation, self.first_event_id, self.last_event_id, ops)
+        part = split(self.data, num_shards)[shard]
+        return EventBatch(self.worker, self.incarnation, self.first_event_id, self.last_event_id, part)
+
+    def for_shards(self, num_shards: int) -> list[EventBatch]:
+        """Every shard's sub-batch at once (one pass over the ops)."""
+        if num_shards == 1:
+            return [self]
+        w, inc, first, last = self.worker, self.incarnation, self.first_event_id, self.last_event_id
+        return [EventBatch(w, inc, first, last, part) for part in split(self.data, num_shards)]
 
 
 class ApplyResult(enum.Enum):
@@ -111,57 +146,14 @@ class _Worker:
     incarnation: int
     last_event_id: int = 0
     needs_snapshot: bool = False
-    key_log: list[bytes] = field(default_factory=list)  # every key stored; may hold stale ones
-    live: int = 0  # keys this shard currently lists for the worker
     pending: dict[int, EventBatch] = field(default_factory=dict)
-
-
-def _lane_bit(lane: int) -> int:
-    return 1 << (LANE_BITS * lane)
-
-
-class _Memo:
-    """Per-batch entry transitions, keyed by the old entry's identity (the memo holds the old
-    entry, so its id cannot be reused while the memo lives). Keys sharing an entry share the
-    transition's result, which is interned, so one batch creates each new entry once."""
-
-    __slots__ = ("_cleared", "_stored")
-
-    def __init__(self) -> None:
-        self._stored: dict[tuple[int, int], tuple[Entry, Entry, bool]] = {}
-        self._cleared: dict[int, tuple[Entry, Entry | None]] = {}
-
-    def stored(
-        self, e: Entry, bit: int, fresh: Entry, intern: Callable[[Entry], Entry]
-    ) -> tuple[Entry, bool]:
-        """``e`` with ``bit`` now on ``fresh``'s tier, and whether ``bit`` was absent from ``e``."""
-        memo_key = (id(e), id(fresh))
-        hit = self._stored.get(memo_key)
-        if hit is None:
-            was_absent = not e[0] & bit
-            if not was_absent:
-                clear = ~bit
-                e2 = (e[0], e[1] & clear, e[2] & clear, e[3] & clear)
-            else:
-                e2 = e
-            new = intern((e2[0] | bit, e2[1] | fresh[1], e2[2] | fresh[2], e2[3] | fresh[3]))
-            hit = self._stored[memo_key] = (e, new, was_absent)
-        return hit[1], hit[2]
-
-    def cleared(self, e: Entry, clear: int, intern: Callable[[Entry], Entry]) -> Entry | None:
-        """``e`` without the bit ``~clear`` (None when nobody holds the key any more)."""
-        hit = self._cleared.get(id(e))
-        if hit is None:
-            held = e[0] & clear
-            new = intern((held, e[1] & clear, e[2] & clear, e[3] & clear)) if held else None
-            hit = self._cleared[id(e)] = (e, new)
-        return hit[1]
 
 
 class PrefixIndex:
     """One shard of the global index. Not thread-safe (the actor serializes calls).
 
-    ``clock`` (seconds, monotonic) drives the TTL of predicted entries.
+    ``clock`` (seconds, monotonic) drives the TTL of predicted entries. ``capacity`` pre-sizes the
+    table for that many keys (0: it grows 2x as needed, a few slots per write, never all at once).
     """
 
     def __init__(
@@ -170,6 +162,7 @@ class PrefixIndex:
         num_shards: int = 1,
         predict_ttl_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        capacity: int = 0,
     ) -> None:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} not in 0..{num_shards - 1}")
@@ -177,14 +170,13 @@ class PrefixIndex:
         self.num_shards = num_shards
         self.predict_ttl_s = predict_ttl_s
         self._clock = clock
-        self._entries: KeyTableLike = new_key_table()  # key -> Entry (compiled when built)
+        self._table: HoldersLike = new_holders(capacity)
+        self._compiled_route = compiled_route(self._table)  # None: the Python walk
         self._workers: dict[WorkerId, _Worker] = {}
         self._lanes: dict[int, WorkerId] = {}
+        self._lane_names: tuple[WorkerId | None, ...] = ()  # lane -> worker, for the compiled route
         self._predicted: dict[bytes, dict[int, float]] = {}
-        self._canon: dict[Entry, Entry] = {}
-        self._route_memo: RouteMemo = {}  # see raykv.index.route._collect
-        self._compiled_route = getattr(self._entries, "route", None)  # the compiled table's walk
-        self._lane_names: tuple[WorkerId | None, ...] | None = ()  # lane -> worker (None: > 64 lanes)
+        self._route_memo: RouteMemo = {}  # see raykv.index.route._collect (the Python walk)
         self.counters: collections.Counter[str] = collections.Counter()
 
     # ---- membership ----------------------------------------------------------------------------
@@ -199,7 +191,7 @@ class PrefixIndex:
         if state is not None:
             if incarnation <= state.incarnation:
                 return
-            self._drop_entries(worker, state)
+            self._drop_entries(state)
         self._workers[worker] = _Worker(lane=lane, incarnation=incarnation)
         self._lanes[lane] = worker
         self._lanes_changed()
@@ -211,50 +203,20 @@ class PrefixIndex:
             return 0
         self._lanes.pop(state.lane, None)
         self._lanes_changed()
-        return self._drop_entries(worker, state)
+        return self._drop_entries(state)
 
     def _lanes_changed(self) -> None:
         """Forget route answers and rebuild the lane -> worker tuple the compiled route reads."""
         self._route_memo.clear()
         top = max(self._lanes, default=-1) + 1
-        self._lane_names = tuple(map(self._lanes.get, range(top))) if top <= COMPILED_LANES else None
+        self._lane_names = tuple(map(self._lanes.get, range(top)))
 
-    def _drop_entries(self, worker: WorkerId, state: _Worker) -> int:
-        live = self._live_keys(state)
-        clear = ~_lane_bit(state.lane)
-        entries, memo = self._entries, _Memo()
-        for key in live:
-            new = memo.cleared(entries[key], clear, self._intern)
-            if new is None:
-                del entries[key]
-            else:
-                entries[key] = new
-        n = len(live)
-        state.key_log.clear()
-        state.live = 0
+    def _drop_entries(self, state: _Worker) -> int:
+        """Take the worker's lane out of every key (the table edits its holder sets in place)."""
         for slots in self._predicted.values():
             slots.pop(state.lane, None)
-        return n
-
-    def _intern(self, entry: Entry) -> Entry:
-        """The canonical object equal to ``entry`` (so route() can find runs by identity)."""
-        canon = self._canon.get(entry)
-        if canon is None:
-            if len(self._canon) >= CANON_LIMIT:
-                self._canon.clear()
-            self._canon[entry] = canon = entry
-        return canon
-
-    def _live_keys(self, state: _Worker) -> list[bytes]:
-        """The keys this shard lists for a worker (its key log without stale or repeated keys)."""
-        bit = _lane_bit(state.lane)
-        get = self._entries.get
-        out = []
-        for key in dict.fromkeys(state.key_log):
-            e = get(key)
-            if e is not None and e[0] & bit:
-                out.append(key)
-        return out
+        self._route_memo.clear()
+        return self._table.drop_lane(state.lane)
 
     @property
     def workers(self) -> dict[WorkerId, int]:
@@ -272,7 +234,20 @@ class PrefixIndex:
         return self._workers[worker].incarnation
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._table)
+
+    def memory(self) -> int:
+        """Bytes the table uses (slots, holder sets and their lookup structures)."""
+        return self._table.memory()
+
+    def table_stats(self) -> dict[str, object]:
+        """The table's capacity, fill, bytes, holder sets and growth state."""
+        return self._table.stats()
+
+    def maintain(self, slots: int = MOVE_SLOTS) -> bool:
+        """Move up to ``slots`` slots of a table that is growing (between requests, so the move
+        finishes without waiting for writes); returns whether a move is still under way."""
+        return self._table.maintain(slots)
 
     # ---- event ingest --------------------------------------------------------------------------
     def apply_batch(self, batch: EventBatch) -> ApplyResult:
@@ -284,7 +259,7 @@ class PrefixIndex:
         if batch.incarnation < state.incarnation:
             self.counters["rejected_stale_incarnation"] += 1
             return ApplyResult.STALE_INCARNATION
-        if not _well_formed(batch):
+        if not self._well_formed(batch):
             self.counters["rejected_malformed"] += 1
             return ApplyResult.MALFORMED
         if batch.incarnation > state.incarnation:
@@ -302,14 +277,19 @@ class PrefixIndex:
             state.pending[batch.first_event_id] = batch
             self.counters["buffered_batches"] += 1
             return ApplyResult.BUFFERED
-        self._apply_ops(batch.worker, state, batch.ops)
+        self._apply_ops(state, batch.data)
         state.last_event_id = batch.last_event_id
         self.counters["applied_batches"] += 1
-        self.counters["applied_ops"] += len(batch.ops)
-        self._drain_pending(batch.worker, state)
+        self.counters["applied_ops"] += batch.n_ops
+        self._drain_pending(state)
         return ApplyResult.NEEDS_SNAPSHOT if state.needs_snapshot else ApplyResult.APPLIED
 
-    def _drain_pending(self, worker: WorkerId, state: _Worker) -> None:
+    def _well_formed(self, batch: EventBatch) -> bool:
+        if batch.first_event_id < 1 or batch.last_event_id < batch.first_event_id:
+            return False
+        return type(batch.data) is bytes and self._table.validate(batch.data)
+
+    def _drain_pending(self, state: _Worker) -> None:
         while state.pending:
             ready = [fid for fid in state.pending if fid <= state.last_event_id + 1]
             if not ready:
@@ -317,54 +297,18 @@ class PrefixIndex:
             for fid in sorted(ready):
                 batch = state.pending.pop(fid)
                 if batch.last_event_id > state.last_event_id:
-                    self._apply_ops(worker, state, batch.ops)
+                    self._apply_ops(state, batch.data)
                     state.last_event_id = batch.last_event_id
                     self.counters["applied_batches"] += 1
 
-    def _apply_ops(self, worker: WorkerId, state: _Worker, ops: Iterable[tuple[int, bytes, int]]) -> None:
-        bit = _lane_bit(state.lane)
-        clear = ~bit
-        intern = self._intern
-        fresh = tuple(intern(f) for f in ((bit, bit, 0, 0), (bit, 0, bit, 0), (bit, 0, 0, bit)))
-        entries, log = self._entries, state.key_log
-        get, append = entries.get, log.append
-        memo = _Memo()
-        stored = memo.stored
-        seen: tuple[dict[int, tuple[Entry, bool]], ...] = ({}, {}, {})  # per tier: id(old) -> result
-        added = removed = 0
-        if isinstance(ops, (tuple, list)) and len(ops) <= PREFETCH_OPS:  # a worker's event batch
-            entries.prefetch(list(map(_KEY_OF_OP, ops)))  # the slots load together, not one by one
-        for op, key, tier in ops:
-            if op == OP_STORE:
-                e = get(key)
-                if e is None:
-                    entries[key] = fresh[tier]
-                    append(key)
-                    added += 1
-                    continue
-                hit = seen[tier].get(id(e))  # the memo keeps ``e`` alive: its id stays unique
-                if hit is None:
-                    hit = seen[tier][id(e)] = stored(e, bit, fresh[tier], intern)
-                entries[key] = hit[0]
-                if hit[1]:
-                    append(key)
-                    added += 1
-            elif op == OP_REMOVE:
-                e = get(key)
-                if e is not None and e[0] & bit:
-                    new_e = memo.cleared(e, clear, intern)
-                    if new_e is None:
-                        del entries[key]
-                    else:
-                        entries[key] = new_e
-                    removed += 1
-            else:
-                state.live += added - removed
-                added = removed = 0
-                self._drop_entries(worker, state)
-        state.live += added - removed
-        if len(log) > 2 * state.live + 1024:
-            log[:] = self._live_keys(state)
+    def _apply_ops(self, state: _Worker, data: bytes) -> None:
+        """Apply validated packed ops of one worker (one call into the table)."""
+        if has_clear(data):
+            for slots in self._predicted.values():
+                slots.pop(state.lane, None)
+        self._table.apply(state.lane, data)
+        if self._route_memo:
+            self._route_memo.clear()
 
     def apply_snapshot(
         self, worker: WorkerId, incarnation: int, last_event_id: int, blocks: Iterable[tuple[bytes, int]]
@@ -372,7 +316,8 @@ class PrefixIndex:
         """Replace a worker's entries with a snapshot taken at ``last_event_id``.
 
         ``blocks`` are ``(key, tier)`` pairs of every committed block (only this shard's keys are
-        kept). Raises KeyError for an unknown worker and ValueError for a malformed key.
+        kept). Raises KeyError for an unknown worker and ValueError for a malformed key (nothing
+        changes then).
         """
         state = self._workers[worker]
         if incarnation < state.incarnation:
@@ -387,21 +332,22 @@ class PrefixIndex:
         for k, t in mine:
             if len(k) != BLOCK_KEY_BYTES or not 0 <= t <= 2:
                 raise ValueError("snapshot holds a malformed key or tier")
+        data = pack_ops((OP_STORE, k, t) for k, t in mine)
         if incarnation > state.incarnation:
             self.register_worker(worker, state.lane, incarnation)
             state = self._workers[worker]
-        self._drop_entries(worker, state)
-        self._apply_ops(worker, state, ((OP_STORE, k, t) for k, t in mine))
+        self._drop_entries(state)
+        self._apply_ops(state, data)
         state.last_event_id = last_event_id
         state.needs_snapshot = False
         state.pending = {f: b for f, b in state.pending.items() if b.last_event_id > last_event_id}
-        self._drain_pending(worker, state)
+        self._drain_pending(state)
         self.counters["snapshots"] += 1
 
     # ---- queries -------------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> tuple[list[Entry | None], list[int]]:
         """Raw entries and predicted masks for ``keys`` (a copy; valid until the next change)."""
-        entries = self._entries.get_many(keys)
+        entries = self._table.entries(keys)
         pred = self._predicted
         if not pred:
             return entries, []
@@ -427,19 +373,28 @@ class PrefixIndex:
         """Per worker, the cached prefix of ``keys`` (all keys must belong to this shard; with one
         shard that is every key). Workers with no cached prefix are omitted."""
         if not self._predicted:  # the common case: keys are looked up until the prefix ends
-            names = self._lane_names
-            if names is not None and self._compiled_route is not None:  # it caps n itself
-                out = self._compiled_route(keys, names, RouteMatch)
-                if out is not None:  # None: an entry it cannot read, Python routes
-                    return out  # type: ignore[no-any-return]
+            if self._compiled_route is not None:  # the whole walk in C; it caps n itself
+                return self._compiled_route(keys, self._lane_names, RouteMatch)  # type: ignore[no-any-return]
             n = min(len(keys), MAX_ROUTE_BLOCKS)
             if not n:
                 return {}
-            get_many = self._entries.get_many
-            first = get_many(keys[:FIRST_LOOKUPS])
-            return route_held(first, n, self._lanes, keys, get_many, self._route_memo)
+            get = self._table.entries
+            return route_held(get(keys[:FIRST_LOOKUPS]), n, self._lanes, keys, get, self._route_memo)
         entries, predicted = self.lookup(keys)
         return merge_route(entries, predicted, self._lanes)
+
+    def route_rows(self, keys: Sequence[bytes] | bytes) -> bytes:
+        """:meth:`route` without predictions, as compact rows (:func:`raykv.index.route.pack_rows`:
+        ``(lane, blocks, gpu, host, disk)`` per matched lane, in route order). ``keys`` may be one
+        bytes object of 32-byte keys (the compiled table reads it in place)."""
+        rows = getattr(self._table, "route_rows", None)
+        if rows is not None:
+            return rows(keys)  # type: ignore[no-any-return]
+        ks = [keys[i : i + 32] for i in range(0, len(keys), 32)] if isinstance(keys, bytes) else keys
+        n = min(len(ks), MAX_ROUTE_BLOCKS)
+        entries = self._table.entries
+        got = route_held(entries(ks[:FIRST_LOOKUPS]), n, self._lanes, ks, entries) if n else {}
+        return pack_rows(got.values(), {w: lane for lane, w in self._lanes.items()})
 
     def predict(self, worker: WorkerId, keys: Iterable[bytes]) -> None:
         """Credit ``worker`` with ``keys`` for ``predict_ttl_s`` seconds (until its events land).
@@ -457,32 +412,18 @@ class PrefixIndex:
                 self._predicted_mask(key, now)
 
     def worker_blocks(self, worker: WorkerId) -> dict[bytes, TierKind]:
-        """Every key this shard lists for ``worker``, with its tier (for checks and tests)."""
-        state = self._workers[worker]
-        bit = _lane_bit(state.lane)
-        out: dict[bytes, TierKind] = {}
-        for key in self._live_keys(state):
-            e = self._entries[key]
-            tier = 0 if e[1] & bit else 1 if e[2] & bit else 2
-            out[key] = TierKind(tier)
-        return out
+        """Every key this shard lists for ``worker``, by its first :data:`KEY_PREFIX` bytes (all
+        the index keeps of a key), with its tier (for checks and tests; scans the table)."""
+        blocks = self._table.lane_blocks(self._workers[worker].lane)
+        return {k: TierKind(t) for k, t in blocks.items()}
 
 
-def _well_formed(batch: EventBatch) -> bool:
-    if batch.first_event_id < 1 or batch.last_event_id < batch.first_event_id:
-        return False
-    for op, key, tier in batch.ops:
-        if op == OP_CLEAR:
-            continue
-        if op not in (OP_STORE, OP_REMOVE) or not isinstance(key, bytes) or len(key) != BLOCK_KEY_BYTES:
-            return False
-        if op == OP_STORE and not 0 <= tier <= 2:
-            return False
-    return True
+def _lane_bit(lane: int) -> int:
+    return 1 << (LANE_BITS * lane)
 
 
 __all__ = [
-    "CANON_LIMIT",
+    "KEY_PREFIX",
     "LANE_BITS",
     "MAX_LANES",
     "MAX_ROUTE_BLOCKS",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -39,6 +39,24 @@ class RouteMatch(NamedTuple):
 
 Entry = tuple[int, int, int, int]  # (all, gpu, host, disk) lane-spread masks
 RouteMemo = dict[tuple[int, ...], dict[WorkerId, "RouteMatch"]]  # route answers by lane counters
+
+
+ROW = struct.Struct("<5H")  # one compact route row: lane, blocks, gpu, host, disk
+
+
+def pack_rows(matches: Iterable[RouteMatch], lane_of: Mapping[WorkerId, int]) -> bytes:
+    """Matches as compact rows (:data:`ROW`, in the given order; predictions are not kept)."""
+    return b"".join(ROW.pack(lane_of[m.worker], m.blocks, m.gpu, m.host, m.disk) for m in matches)
+
+
+def unpack_rows(rows: bytes, lane_names: Mapping[int, WorkerId]) -> dict[WorkerId, RouteMatch]:
+    """The route answer of compact rows; rows of lanes without a name are left out."""
+    out: dict[WorkerId, RouteMatch] = {}
+    for lane, blocks, gpu, host, disk in ROW.iter_unpack(rows):
+        name = lane_names.get(lane)
+        if name is not None:
+            out[name] = RouteMatch(name, blocks, gpu, host, disk)
+    return out
 
 
 def merge_route(

@@ -7,7 +7,7 @@ work, slower. Each can also be switched off at run time with an environment vari
 =============  ==================================================================  =========================
 extension      speeds up                                                           switched off by
 =============  ==================================================================  =========================
-``_keytable``  the prefix index's key table (:mod:`raykv.index.keytable`)          ``RAYKV_PURE_INDEX=1``
+``_holders``   the prefix index's table (:mod:`raykv.index.holders`)               ``RAYKV_PURE_INDEX=1``
 ``_shmread``   same-node one-sided reads (:mod:`raykv.transfer.shm_read`)          ``RAYKV_PURE_SHM_READ=1``
 ``_chain``     building imported pages and chains of blocks (:mod:`raykv.core`)    ``RAYKV_PURE_CHAIN=1``
                and keying prompts (:mod:`raykv.routing.session_keys`)
@@ -26,7 +26,7 @@ import os
 from types import ModuleType
 
 SWITCHES: dict[str, str] = {
-    "_keytable": "RAYKV_PURE_INDEX",
+    "_holders": "RAYKV_PURE_INDEX",
     "_shmread": "RAYKV_PURE_SHM_READ",
     "_chain": "RAYKV_PURE_CHAIN",
     "_cost": "RAYKV_PURE_COST",

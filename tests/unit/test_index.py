@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from raykv.core.events import AllCleared, BlockRemoved, BlockStored, BlockTierChanged
 from raykv.core.types import TierKind
 from raykv.index.prefix_index import (
+    KEY_PREFIX,
     MAX_LANES,
     MAX_ROUTE_BLOCKS,
     OP_CLEAR,
@@ -60,6 +61,11 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
+
+
+def prefixed(held: dict[bytes, int]) -> dict[bytes, int]:
+    """``held`` as the index lists it: by each key's first KEY_PREFIX bytes (all it keeps)."""
+    return {k[:KEY_PREFIX]: t for k, t in held.items()}
 
 
 def model_apply(held: dict[bytes, int], ops) -> dict[bytes, int]:
@@ -188,7 +194,7 @@ def test_route_prefix_tiers_and_omission():
     ix.apply_batch(mk("a", 4, [put(KEYS[2], GPU), rm(KEYS[0])]))  # tier change and removal
     assert ix.route(KEYS[:3]) == {"b": RouteMatch("b", 1, 0, 1, 0)}
     assert ix.route(KEYS[1:3])["a"] == RouteMatch("a", 2, 1, 1, 0)
-    assert ix.worker_blocks("a") == {KEYS[1]: TierKind.HOST, KEYS[2]: TierKind.GPU}
+    assert ix.worker_blocks("a") == prefixed({KEYS[1]: TierKind.HOST, KEYS[2]: TierKind.GPU})
 
 
 @pytest.mark.timeout(3)
@@ -324,7 +330,7 @@ def test_random_streams_match_model(lanes, ops, data):
         assert ix.apply_batch(q.pop(0)) == R.APPLIED
     held = {w: model_apply({}, per_worker[w]) for w in workers}
     for w in workers:
-        assert ix.worker_blocks(w) == held[w]
+        assert ix.worker_blocks(w) == prefixed(held[w])
         assert ix.last_event_id(w) == len(per_worker[w])
     assert len(ix) == len(set().union(*held.values()))
     expiry: dict[tuple[str, bytes], float] = {}
@@ -352,7 +358,7 @@ def test_clear_then_store_in_one_batch():
     ix = fresh("w", "v")
     ix.apply_batch(mk("w", 1, [put(KEYS[0], GPU), put(KEYS[1], GPU)]))
     assert ix.apply_batch(mk("w", 3, [CLEAR, put(KEYS[1], HOST), put(KEYS[2], DISK)])) == R.APPLIED
-    assert ix.worker_blocks("w") == {KEYS[1]: TierKind.HOST, KEYS[2]: TierKind.DISK}
+    assert ix.worker_blocks("w") == prefixed({KEYS[1]: TierKind.HOST, KEYS[2]: TierKind.DISK})
     ix.apply_batch(mk("w", 6, [rm(KEYS[1]), rm(KEYS[2])]))
     assert ix.worker_blocks("w") == {} and ix.route(KEYS[:3]) == {} and len(ix) == 0
     ix.apply_batch(mk("w", 8, [CLEAR, put(KEYS[3], GPU)]))
@@ -380,10 +386,10 @@ def test_duplicates_and_reordering_within_window():
     assert ix.apply_batch(b[3]) == R.BUFFERED
     assert ix.apply_batch(b[2]) == R.BUFFERED
     assert ix.last_event_id("w") == 3
-    assert ix.worker_blocks("w") == model_apply({}, ops[:3])
+    assert ix.worker_blocks("w") == prefixed(model_apply({}, ops[:3]))
     assert ix.apply_batch(b[1]) == R.APPLIED  # the gap closes: 2 and 3 drain
     assert index_state(ix) == index_state(ref)
-    assert ix.worker_blocks("w") == model_apply({}, ops)
+    assert ix.worker_blocks("w") == prefixed(model_apply({}, ops))
     assert ix.apply_batch(b[2]) == R.DUPLICATE
     assert ix.counters["duplicate_batches"] == 2 and ix.counters["buffered_batches"] == 2
     assert ix.counters["applied_batches"] == 4
@@ -400,16 +406,16 @@ def test_gap_overflow_needs_snapshot_then_converges():
     overflow = b[2 + REORDER_WINDOW]
     assert ix.apply_batch(overflow) == R.NEEDS_SNAPSHOT
     assert ix.workers_needing_snapshot() == ["w"] and ix.counters["gaps"] == 1
-    assert ix.worker_blocks("w") == model_apply({}, ops[:1])
+    assert ix.worker_blocks("w") == prefixed(model_apply({}, ops[:1]))
     ix.apply_snapshot("w", 1, 2, model_apply({}, ops[:2]).items())  # the truth at id 2
     assert ix.workers_needing_snapshot() == [] and ix.counters["snapshots"] == 1
     assert ix.last_event_id("w") == 2 + REORDER_WINDOW  # the buffered batches drained
-    assert ix.worker_blocks("w") == model_apply({}, ops[: 2 + REORDER_WINDOW])
+    assert ix.worker_blocks("w") == prefixed(model_apply({}, ops[: 2 + REORDER_WINDOW]))
     assert ix.apply_batch(b[5]) == R.DUPLICATE
     for bt in b[2 + REORDER_WINDOW :]:
         assert ix.apply_batch(bt) == R.APPLIED
-    assert ix.worker_blocks("w") == model_apply({}, ops)
-    assert ix.worker_blocks("other") == {KEYS[0]: TierKind.GPU}
+    assert ix.worker_blocks("w") == prefixed(model_apply({}, ops))
+    assert ix.worker_blocks("other") == prefixed({KEYS[0]: TierKind.GPU})
     # a snapshot alone (e.g. after the shard restarts) also reaches the truth
     ix2 = fresh("w", "other")
     ix2.apply_snapshot("w", 1, len(ops), model_apply({}, ops).items())
@@ -431,7 +437,7 @@ def test_overlapping_batch_applied_whole_is_idempotent(ops, data):
             ix.apply_batch(bt)
     assert ix.apply_batch(mk("w", first, ops[first - 1 : last])) == R.APPLIED
     assert ix.last_event_id("w") == last
-    assert ix.worker_blocks("w") == model_apply({}, ops[:last])
+    assert ix.worker_blocks("w") == prefixed(model_apply({}, ops[:last]))
 
 
 def test_incarnations():
@@ -445,14 +451,14 @@ def test_incarnations():
     ix.register_worker("w", 0, 1)
     assert index_state(ix) == before and ix.counters["rejected_stale_incarnation"] == 2
     assert ix.apply_batch(mk("w", 1, [put(KEYS[2], DISK)], inc=3)) == R.APPLIED
-    assert ix.worker_blocks("w") == {KEYS[2]: TierKind.DISK} and ix.last_event_id("w") == 1
-    assert ix.worker_blocks("v") == {KEYS[0]: TierKind.GPU}
+    assert ix.worker_blocks("w") == prefixed({KEYS[2]: TierKind.DISK}) and ix.last_event_id("w") == 1
+    assert ix.worker_blocks("v") == prefixed({KEYS[0]: TierKind.GPU})
     assert ix.route(KEYS[:3]) == {"v": RouteMatch("v", 1, 1, 0, 0)}
     # a newer incarnation that starts past id 1 must be snapshotted
     assert ix.apply_batch(mk("w", 4, [put(KEYS[3], GPU)], inc=4)) == R.BUFFERED
     assert ix.worker_blocks("w") == {} and ix.workers_needing_snapshot() == ["w"]
     ix.apply_snapshot("w", 4, 3, [(KEYS[6], HOST)])
-    assert ix.worker_blocks("w") == {KEYS[6]: TierKind.HOST, KEYS[3]: TierKind.GPU}
+    assert ix.worker_blocks("w") == prefixed({KEYS[6]: TierKind.HOST, KEYS[3]: TierKind.GPU})
     assert ix.last_event_id("w") == 4 and ix.workers_needing_snapshot() == []
 
 
@@ -550,7 +556,7 @@ def test_real_stream_converges_however_delivered(make_manager, run_request, seed
     assert R.DUPLICATE in res_dups
     got_dropped, _ = deliver(dropped)
     got_mid, _ = deliver(mid_plan)
-    assert got_in_order == got_shuffled == got_dups == got_dropped == got_mid == truth
+    assert got_in_order == got_shuffled == got_dups == got_dropped == got_mid == prefixed(truth)
 
 
 # ---- membership ----------------------------------------------------------------------------------

@@ -270,7 +270,7 @@ class IndexMachine(RuleBasedStateMachine):
         for w, s in self.seen.items():
             held = self.held(w)
             union |= held.keys()
-            assert ix.worker_blocks(w) == held, w
+            assert ix.worker_blocks(w) == {k[: prefix_index.KEY_PREFIX]: t for k, t in held.items()}, w
             assert ix.last_event_id(w) == s.last, w
         assert sorted(ix.workers_needing_snapshot()) == sorted(
             w for w, s in self.seen.items() if s.needs_snapshot

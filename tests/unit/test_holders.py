@@ -1,0 +1,168 @@
+"""raykv.index.holders: the compiled table answers as its pure-Python twin, op for op.
+
+Random programs of packed batches (stores, removes, clears, malformed records), lane drops,
+lookups, routes and listings run against both tables; every answer must agree, including the
+order of a route's matches. Growth is checked while a move is under way (both tables read), and
+the packed-batch helpers (pack, unpack, split) against their definitions.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from raykv import native
+from raykv.index.holders import (
+    KEY_PREFIX,
+    OP_CLEAR,
+    OP_REMOVE,
+    OP_STORE,
+    RECORD,
+    PyHolders,
+    pack_ops,
+    split,
+    unpack_ops,
+)
+from raykv.index.prefix_index import PrefixIndex, RouteMatch, shard_of
+from raykv.index.route import FIRST_LOOKUPS, route_held, unpack_rows
+
+compiled_mod = native.load("_holders")
+compiled = pytest.mark.skipif(compiled_mod is None, reason="raykv.native._holders was not built")
+
+POOL = [bytes([i]) * 32 for i in range(10)] + [os.urandom(32) for _ in range(14)]
+LANES = [0, 1, 2, 5, 63, 64, 700, 4095]
+
+op_st = st.one_of(
+    st.tuples(st.just(OP_STORE), st.sampled_from(POOL), st.integers(0, 2)),
+    st.tuples(st.just(OP_REMOVE), st.sampled_from(POOL), st.just(0)),
+    st.tuples(st.just(OP_CLEAR), st.just(b""), st.just(0)),
+)
+step_st = st.one_of(
+    st.tuples(st.just("apply"), st.sampled_from(LANES), st.lists(op_st, max_size=30)),
+    st.tuples(st.just("bad"), st.sampled_from(LANES), st.lists(op_st, max_size=5)),
+    st.tuples(st.just("drop"), st.sampled_from(LANES), st.just([])),
+)
+
+
+def _names(lanes: list[int]) -> tuple:
+    top = max(lanes) + 1
+    return tuple(f"w{lane}" if lane in lanes else None for lane in range(top))
+
+
+def _py_route(table: PyHolders, keys: list[bytes], names: tuple) -> dict:
+    lane_names = {lane: n for lane, n in enumerate(names) if n is not None}
+    n = len(keys)
+    return route_held(table.entries(keys[:FIRST_LOOKUPS]), n, lane_names, keys, table.entries) if n else {}
+
+
+def _same(a, b, chains: list[list[bytes]], names: tuple) -> None:
+    assert len(a) == len(b)
+    assert a.entries(POOL) == b.entries(POOL)
+    assert a.entries(b"".join(POOL)) == b.entries(POOL)
+    for lane in LANES:
+        assert a.lane_blocks(lane) == b.lane_blocks(lane)
+    for chain in chains:
+        want = _py_route(b, chain, names)
+        got = a.route(chain, names, RouteMatch)
+        assert list(got.items()) == list(want.items())  # same matches, same order
+        assert unpack_rows(a.route_rows(b"".join(chain)), dict(enumerate(names))) == want
+
+
+@compiled
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(step_st, max_size=25), seed=st.integers(0, 2**16))
+def test_compiled_table_matches_python_op_for_op(steps, seed):
+    rng = random.Random(seed)
+    chains = [rng.sample(POOL, rng.randint(1, len(POOL))) for _ in range(4)] + [POOL[:10], []]
+    c, p = compiled_mod.Holders(), PyHolders()
+    names = _names(LANES)
+    for kind, lane, ops in steps:
+        data = pack_ops(ops)
+        if kind == "bad":  # one malformed record anywhere: refused whole, nothing changes
+            data += pack_ops([(OP_STORE, b"short", 0)]) + data
+            for t in (c, p):
+                assert not t.validate(data)
+                with pytest.raises(ValueError):
+                    t.apply(lane, data)
+        elif kind == "apply":
+            assert c.validate(data) and p.validate(data)
+            assert c.apply(lane, data) == p.apply(lane, data)
+        else:
+            assert c.drop_lane(lane) == p.drop_lane(lane)
+        _same(c, p, chains, names)
+
+
+@compiled
+def test_growth_moves_a_few_slots_per_write_and_answers_throughout():
+    rng = random.Random(7)
+    keys = [rng.randbytes(32) for _ in range(20_000)]
+    c, p = compiled_mod.Holders(), PyHolders()
+    seen_moving = False
+    for start in range(0, len(keys), 500):
+        chunk = keys[start : start + 500]
+        lane = start // 500 % 3
+        data = pack_ops((OP_STORE, k, rng.randint(0, 2)) for k in chunk)
+        assert c.apply(lane, data) == p.apply(lane, data)
+        seen_moving |= c.stats()["moving"]
+        probe = rng.sample(keys[: start + 500], 200)
+        assert c.entries(probe) == p.entries(probe)  # answers stay right mid-move
+    assert seen_moving and c.stats()["moves"] >= 5
+    while c.maintain(1 << 12):
+        pass
+    assert not c.stats()["moving"] and c.entries(keys) == p.entries(keys) and len(c) == len(keys)
+    stats = c.stats()
+    assert 8 * stats["filled"] <= 7 * stats["capacity"]
+    gone = c.drop_lane(0)
+    assert gone == p.drop_lane(0) and len(c) == len(p) == len(keys) - gone
+    # dropped keys free their slots at the next move
+    more = pack_ops((OP_STORE, rng.randbytes(32), 0) for _ in range(30_000))
+    assert c.apply(1, more) == p.apply(1, more)
+    while c.maintain(1 << 16):
+        pass
+    assert c.entries(keys) == p.entries(keys) and len(c) == len(p)
+
+
+def test_pack_unpack_and_split_follow_their_definitions():
+    rng = random.Random(3)
+    ops = [(OP_STORE, rng.randbytes(32), rng.randint(0, 2)) for _ in range(50)]
+    ops += [(OP_REMOVE, rng.randbytes(32), 0), (OP_CLEAR, b"", 0)]
+    rng.shuffle(ops)
+    data = pack_ops(ops)
+    assert len(data) == RECORD * len(ops) and unpack_ops(data) == tuple(ops)
+    for n in (1, 2, 3, 8):
+        parts = split(data, n)
+        assert len(parts) == n
+        for s, part in enumerate(parts):
+            want = [op for op in ops if op[0] == OP_CLEAR or shard_of(op[1], n) == s]
+            assert unpack_ops(part) == tuple(want)
+    with pytest.raises(ValueError):
+        split(data, 0)
+
+
+def test_the_index_keeps_key_prefixes_and_both_tables_route_alike(monkeypatch):
+    rng = random.Random(5)
+    chain = [rng.randbytes(32) for _ in range(100)]
+    indexes = [PrefixIndex()]
+    monkeypatch.setenv("RAYKV_PURE_INDEX", "1")
+    indexes.append(PrefixIndex())
+    answers = []
+    for ix in indexes:
+        for lane in range(70):  # past 64 lanes
+            ix.register_worker(f"w{lane}", lane, 1)
+        for lane in range(0, 70, 3):
+            ops = [(OP_STORE, k, (i + lane) % 3) for i, k in enumerate(chain[: 10 + lane])]
+            ix.apply_batch(_batch(f"w{lane}", ops))
+        answers.append((ix.route(chain), ix.route_rows(b"".join(chain)), ix.lookup(chain)))
+        assert set(ix.worker_blocks("w3")) == {k[:KEY_PREFIX] for k in chain[:13]}
+    assert answers[0] == answers[1]
+    assert answers[0][0]["w69"] == RouteMatch("w69", 79, 27, 26, 26)
+
+
+def _batch(worker: str, ops):
+    from raykv.index.prefix_index import EventBatch
+
+    return EventBatch(worker, 1, 1, len(ops), tuple(ops))
