@@ -13,7 +13,13 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("raykv.native._holders", ["raykv/native/_holders.c"], optional=True, extra_compile_args=["-O3"]),
+        Extension(
+            "raykv.native._holders",
+            ["raykv/native/_holders.c", "raykv/native/_holders_read.c"],
+            depends=["raykv/native/holders.h"],
+            optional=True,
+            extra_compile_args=["-O3"],
+        ),
         Extension("raykv.native._shmread", ["raykv/native/_shmread.c"], optional=True, extra_compile_args=["-O3"]),
         Extension("raykv.native._chain", ["raykv/native/_chain.c"], optional=True, extra_compile_args=["-O3"]),
         # no contraction into fused multiply-adds: its costs must equal Python's, float for float

@@ -36,78 +36,7 @@
  *   `slots` slots of a table being grown; True while one is).
  * `keys` is a sequence of bytes objects or one bytes object of 32-byte keys; anything that is not
  * a 32-byte key reads as absent. Not thread-safe beyond the GIL.
- */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
-#include <string.h>
-#include <sys/mman.h>
-
-#define KEY_BYTES 32
-#define PREFIX 16
-#define RECORD 34 /* op (0 store, 1 remove, 2 clear), tier (0..2), 32 key bytes */
-#define OP_STORE 0
-#define OP_REMOVE 1
-#define OP_CLEAR 2
-#define MAX_LANES 4096
-#define LANE_BITS 16
-#define ROUTE_MAX 65535
-#define ROUTE_SPARSE 8
-#define MIN_CAP 64
-#define MIGRATE_STEP 32
-#define EMPTY 0u
-#define TOMB 1u
-#define FIRST_SET 2u
-#define MEMO 4096
-#define PROBE_AHEAD 24 /* keys whose slots a walk or batch loads ahead of the one it reads */
-#define RETIRE_BYTES ((size_t)4 << 20)
-
-typedef struct __attribute__((packed)) {
-    uint64_t a, b; /* the key's first 16 bytes */
-    uint32_t set;  /* EMPTY, TOMB or a set id */
-} Slot;
-
-typedef struct {
-    Slot *slots;
-    uint64_t cap; /* a power of two; 0 when absent */
-    int bits;
-    uint64_t filled; /* slots not EMPTY */
-} Table;
-
-typedef struct {
-    uint64_t refs; /* slots pointing here */
-    uint32_t hash;
-    uint16_t n;
-    uint8_t interned;
-    uint16_t codes[]; /* sorted; code = lane << 2 | tier */
-} Set;
-
-typedef struct {
-    uint32_t src, src_gen, dst, dst_gen;
-    uint32_t what; /* op << 16 | code */
-} Memo;
-
-typedef struct {
-    PyObject_HEAD
-    Table cur, old; /* old.slots != NULL while a move is under way */
-    uint64_t move_at;
-    Set **sets;
-    uint32_t *gens;
-    PyObject **entry_cache; /* per set id, the Python entry tuple (owned), or NULL */
-    uint32_t nsets; /* ids handed out so far (FIRST_SET..) */
-    uint32_t sets_cap;
-    uint32_t *free_ids;
-    uint32_t nfree, free_cap;
-    uint32_t *itab; /* intern table of set ids by hash: EMPTY, TOMB or an id */
-    uint32_t itab_cap, itab_filled;
-    Memo *memo;
-    int64_t live; /* keys whose set is not empty */
-    uint64_t set_bytes;
-    uint64_t moves;
-    char *retired; /* a moved-out table still being unmapped, RETIRE_BYTES per write */
-    size_t retired_len;
-    struct Walk *walk; /* the route walk's rows (allocated on first use) */
-} Holders;
+ */#include "holders.h"
 
 /* ---- slot memory ------------------------------------------------------------------------- */
 /* Tables are their own mappings, rounded to 2 MiB. No MADV_HUGEPAGE: where the kernel defragments
@@ -148,32 +77,6 @@ static void table_free(Table *t) {
     t->slots = NULL;
     t->cap = 0;
     t->filled = 0;
-}
-
-static inline uint64_t home(const Table *t, uint64_t a) {
-    return (a * 0x9E3779B97F4A7C15ULL) >> (64 - t->bits);
-}
-
-/* The slot of key (a, b) in t, or -1. */
-static inline int64_t probe(const Table *t, uint64_t a, uint64_t b) {
-    if (!t->slots) return -1;
-    uint64_t mask = t->cap - 1, i = home(t, a);
-    for (;;) {
-        const Slot *s = &t->slots[i];
-        if (s->set == EMPTY) return -1;
-        if (s->a == a && s->b == b && s->set != TOMB) return (int64_t)i;
-        i = (i + 1) & mask;
-    }
-}
-
-static inline void prefetch_key(const Holders *h, uint64_t a) {
-    __builtin_prefetch(&h->cur.slots[home(&h->cur, a)]);
-    if (h->old.slots) __builtin_prefetch(&h->old.slots[home(&h->old, a)]);
-}
-
-static inline void split_key(const unsigned char *key, uint64_t *a, uint64_t *b) {
-    memcpy(a, key, 8);
-    memcpy(b, key + 8, 8);
 }
 
 /* ---- sets ---------------------------------------------------------------------------------- */
@@ -312,7 +215,7 @@ static void release(Holders *h, uint32_t id) {
 }
 
 /* The lane's code in set s, or -1. */
-static int code_of(const Set *s, int lane) {
+HIDDEN int hl_code_of(const Set *s, int lane) {
     int lo = 0, hi = s->n;
     while (lo < hi) {
         int mid = (lo + hi) / 2, l = s->codes[mid] >> 2;
@@ -401,7 +304,7 @@ static int start_move(Holders *h) {
 }
 
 /* Where key (a, b) lives: its slot, in `which` table; NULL when absent. */
-static Slot *locate(Holders *h, uint64_t a, uint64_t b) {
+HIDDEN Slot *hl_locate(Holders *h, uint64_t a, uint64_t b) {
     int64_t at = probe(&h->cur, a, b);
     if (at >= 0) return &h->cur.slots[at];
     at = probe(&h->old, a, b);
@@ -409,13 +312,13 @@ static Slot *locate(Holders *h, uint64_t a, uint64_t b) {
 }
 
 static int store(Holders *h, uint64_t a, uint64_t b, int code, int64_t *added) {
-    Slot *s = locate(h, a, b);
+    Slot *s = hl_locate(h, a, b);
     if (s) {
         uint32_t old = s->set, was_empty = h->sets[old]->n == 0;
         uint32_t dst = transition(h, old, OP_STORE, code);
         if (dst == (uint32_t)-1) return -1;
         if (dst == old) return 0;
-        int had = code_of(h->sets[old], code >> 2) >= 0;
+        int had = hl_code_of(h->sets[old], code >> 2) >= 0;
         h->sets[dst]->refs++;
         s->set = dst;
         release(h, old);
@@ -440,8 +343,8 @@ static int store(Holders *h, uint64_t a, uint64_t b, int code, int64_t *added) {
 }
 
 static int remove_key(Holders *h, uint64_t a, uint64_t b, int lane, int64_t *removed) {
-    Slot *s = locate(h, a, b);
-    if (!s || code_of(h->sets[s->set], lane) < 0) return 0;
+    Slot *s = hl_locate(h, a, b);
+    if (!s || hl_code_of(h->sets[s->set], lane) < 0) return 0;
     uint32_t old = s->set, dst = transition(h, old, OP_REMOVE, lane << 2);
     if (dst == (uint32_t)-1) return -1;
     if (dst) h->sets[dst]->refs++;
@@ -486,7 +389,7 @@ static int valid(const unsigned char *d, Py_ssize_t len) {
     return 1;
 }
 
-static int lane_arg(PyObject *obj) {
+HIDDEN int hl_lane_arg(PyObject *obj) {
     long lane = PyLong_AsLong(obj);
     if (lane == -1 && PyErr_Occurred()) return -1;
     if (lane < 0 || lane >= MAX_LANES) {
@@ -502,7 +405,7 @@ static PyObject *H_apply(Holders *h, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "apply(lane, data)");
         return NULL;
     }
-    int lane = lane_arg(args[0]);
+    int lane = hl_lane_arg(args[0]);
     if (lane < 0 || PyObject_GetBuffer(args[1], &buf, PyBUF_SIMPLE) < 0) return NULL;
     const unsigned char *d = buf.buf;
     Py_ssize_t len = buf.len;
@@ -544,275 +447,9 @@ static PyObject *H_validate(Holders *h, PyObject *data) {
 }
 
 static PyObject *H_drop_lane(Holders *h, PyObject *arg) {
-    int lane = lane_arg(arg);
+    int lane = hl_lane_arg(arg);
     if (lane < 0) return NULL;
     return PyLong_FromLongLong(drop_lane(h, lane));
-}
-
-/* ---- keys in --------------------------------------------------------------------------------- */
-typedef struct {
-    PyObject *seq;   /* a fast sequence, or NULL for one buffer */
-    Py_buffer buf;   /* when one buffer */
-    Py_ssize_t n;
-} Keys;
-
-static int keys_open(PyObject *obj, Keys *k) {
-    k->seq = NULL;
-    if (PyBytes_Check(obj)) {
-        if (PyObject_GetBuffer(obj, &k->buf, PyBUF_SIMPLE) < 0) return -1;
-        k->n = k->buf.len / KEY_BYTES;
-        return 0;
-    }
-    k->seq = PySequence_Fast(obj, "keys: a sequence of 32-byte bytes, or one bytes of them");
-    if (!k->seq) return -1;
-    k->n = PySequence_Fast_GET_SIZE(k->seq);
-    return 0;
-}
-
-static void keys_close(Keys *k) {
-    if (k->seq) Py_DECREF(k->seq);
-    else PyBuffer_Release(&k->buf);
-}
-
-/* Key i's first 16 bytes; 0 when it is not a 32-byte key. */
-static inline int key_at(const Keys *k, Py_ssize_t i, uint64_t *a, uint64_t *b) {
-    const unsigned char *p;
-    if (k->seq) {
-        PyObject *o = PySequence_Fast_ITEMS(k->seq)[i];
-        if (!PyBytes_CheckExact(o) || PyBytes_GET_SIZE(o) != KEY_BYTES) return 0;
-        p = (const unsigned char *)PyBytes_AS_STRING(o);
-    } else {
-        p = (const unsigned char *)k->buf.buf + i * KEY_BYTES;
-    }
-    split_key(p, a, b);
-    return 1;
-}
-
-/* Key i's set id (0 when absent or held by nobody). */
-static inline uint32_t set_at(Holders *h, const Keys *k, Py_ssize_t i) {
-    uint64_t a, b;
-    if (!key_at(k, i, &a, &b)) return 0;
-    Slot *s = locate(h, a, b);
-    return s && h->sets[s->set]->n ? s->set : 0;
-}
-
-static void prefetch_keys(Holders *h, const Keys *k, Py_ssize_t lo, Py_ssize_t hi) {
-    for (Py_ssize_t i = lo; i < hi && i < k->n; i++) {
-        uint64_t a, b;
-        if (key_at(k, i, &a, &b)) prefetch_key(h, a);
-    }
-}
-
-/* ---- entries ------------------------------------------------------------------------------- */
-static PyObject *mask_int(const Set *s, int tier) {
-    int top = s->n ? (s->codes[s->n - 1] >> 2) + 1 : 1;
-    unsigned char *bytes = PyMem_Calloc((size_t)top, 2);
-    if (!bytes) return PyErr_NoMemory();
-    for (int k = 0; k < s->n; k++)
-        if (tier < 0 || (s->codes[k] & 3) == tier) bytes[2 * (s->codes[k] >> 2)] = 1;
-    PyObject *v = _PyLong_FromByteArray(bytes, (size_t)top * 2, 1, 0);
-    PyMem_Free(bytes);
-    return v;
-}
-
-static PyObject *entry_of(Holders *h, uint32_t id) {
-    if (h->entry_cache[id]) return Py_NewRef(h->entry_cache[id]);
-    PyObject *e = PyTuple_New(4);
-    for (int k = 0; e && k < 4; k++) {
-        PyObject *v = mask_int(h->sets[id], k - 1);
-        if (!v) Py_CLEAR(e);
-        else PyTuple_SET_ITEM(e, k, v);
-    }
-    if (e) h->entry_cache[id] = Py_NewRef(e);
-    return e;
-}
-
-static PyObject *H_entries(Holders *h, PyObject *obj) {
-    Keys k;
-    if (keys_open(obj, &k) < 0) return NULL;
-    PyObject *out = PyList_New(k.n);
-    prefetch_keys(h, &k, 0, PROBE_AHEAD);
-    for (Py_ssize_t i = 0; out && i < k.n; i++) {
-        prefetch_keys(h, &k, i + PROBE_AHEAD, i + PROBE_AHEAD + 1);
-        uint32_t id = set_at(h, &k, i);
-        PyObject *e = id ? entry_of(h, id) : Py_NewRef(Py_None);
-        if (!e) Py_CLEAR(out);
-        else PyList_SET_ITEM(out, i, e);
-    }
-    keys_close(&k);
-    return out;
-}
-
-/* ---- route ---------------------------------------------------------------------------------- */
-typedef struct {
-    uint16_t lane, ends, count[3];
-} Row;
-
-typedef struct Walk {
-    Row alive[MAX_LANES], done[MAX_LANES];
-    int n_alive, n_done;
-} Walk;
-
-/* Add a run of `run` positions of set s to each alive lane's tier count (alive is a subset of
- * s's lanes; both sorted by lane). */
-static void add_run(Walk *w, const Set *s, int run) {
-    int k = 0;
-    for (int a = 0; a < w->n_alive; a++) {
-        while ((s->codes[k] >> 2) != w->alive[a].lane) k++;
-        w->alive[a].count[s->codes[k] & 3] += (uint16_t)run;
-    }
-}
-
-/* Keep the alive lanes that are in s; the others end at `at`. */
-static void narrow(Walk *w, const Set *s, int at) {
-    int keep = 0, k = 0;
-    for (int a = 0; a < w->n_alive; a++) {
-        int lane = w->alive[a].lane;
-        while (k < s->n && (s->codes[k] >> 2) < lane) k++;
-        if (k < s->n && (s->codes[k] >> 2) == lane) {
-            w->alive[keep++] = w->alive[a];
-        } else {
-            w->done[w->n_done] = w->alive[a];
-            w->done[w->n_done++].ends = (uint16_t)at;
-        }
-    }
-    w->n_alive = keep;
-}
-
-static void end_all(Walk *w, int at) {
-    for (int a = 0; a < w->n_alive; a++) {
-        w->done[w->n_done] = w->alive[a];
-        w->done[w->n_done++].ends = (uint16_t)at;
-    }
-    w->n_alive = 0;
-}
-
-static int by_ends(const void *x, const void *y) {
-    const Row *a = x, *b = y;
-    return a->ends != b->ends ? a->ends - b->ends : a->lane - b->lane;
-}
-
-static int by_lane(const void *x, const void *y) { return ((const Row *)x)->lane - ((const Row *)y)->lane; }
-
-/* Each lane's cached prefix of the chain, in Python's order (route_held). */
-static void walk(Holders *h, const Keys *k, Walk *w) {
-    Py_ssize_t n = k->n < ROUTE_MAX ? k->n : ROUTE_MAX;
-    w->n_alive = w->n_done = 0;
-    if (!n) return;
-    prefetch_keys(h, k, 0, n < PROBE_AHEAD ? n : PROBE_AHEAD);
-    uint32_t cur = set_at(h, k, 0);
-    if (!cur) return;
-    const Set *s = h->sets[cur];
-    for (int a = 0; a < s->n; a++) w->alive[a] = (Row){(uint16_t)(s->codes[a] >> 2), 0, {0, 0, 0}};
-    w->n_alive = s->n;
-    Py_ssize_t i = 0;
-    for (Py_ssize_t j = 1;; j++) {
-        if (j + PROBE_AHEAD < n) prefetch_keys(h, k, j + PROBE_AHEAD, j + PROBE_AHEAD + 1);
-        uint32_t id = j < n ? set_at(h, k, j) : 0;
-        if (j < n && id == cur) continue;
-        add_run(w, h->sets[cur], (int)(j - i));
-        if (!id) {
-            end_all(w, (int)j);
-            break;
-        }
-        narrow(w, h->sets[id], (int)j);
-        if (!w->n_alive) break;
-        cur = id;
-        i = j;
-    }
-    qsort(w->done, (size_t)w->n_done, sizeof(Row), w->n_done <= ROUTE_SPARSE ? by_ends : by_lane);
-}
-
-static Walk *get_walk(Holders *h) {
-    if (!h->walk && !(h->walk = PyMem_Malloc(sizeof(Walk)))) PyErr_NoMemory();
-    return h->walk;
-}
-
-static PyObject *H_route_rows(Holders *h, PyObject *obj) {
-    Keys k;
-    Walk *w = get_walk(h);
-    if (!w || keys_open(obj, &k) < 0) return NULL;
-    walk(h, &k, w);
-    keys_close(&k);
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)w->n_done * 10);
-    if (out) {
-        unsigned char *p = (unsigned char *)PyBytes_AS_STRING(out);
-        for (int r = 0; r < w->n_done; r++) {
-            uint16_t v[5] = {w->done[r].lane, w->done[r].ends, w->done[r].count[0], w->done[r].count[1],
-                             w->done[r].count[2]};
-            memcpy(p + 10 * r, v, 10); /* little-endian hosts (x86-64, aarch64) */
-        }
-    }
-    return out;
-}
-
-static PyObject *new_match(PyTypeObject *type, PyObject *name, const Row *r) {
-    PyObject *m = type->tp_alloc(type, 6);
-    if (!m) return NULL;
-    long vals[5] = {r->ends, r->count[0], r->count[1], r->count[2], 0};
-    PyTuple_SET_ITEM(m, 0, Py_NewRef(name));
-    for (int k = 0; k < 5; k++) {
-        PyObject *v = PyLong_FromLong(vals[k]);
-        if (!v) {
-            Py_DECREF(m);
-            return NULL;
-        }
-        PyTuple_SET_ITEM(m, k + 1, v);
-    }
-    return m;
-}
-
-/* route(keys, names, match_type) -> {name: match_type(name, blocks, gpu, host, disk, 0)};
- * names[lane] is the lane's worker (None or beyond the tuple: left out). */
-static PyObject *H_route(Holders *h, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyTuple_CheckExact(args[1]) || !PyType_Check(args[2]) ||
-        !PyType_IsSubtype((PyTypeObject *)args[2], &PyTuple_Type)) {
-        PyErr_SetString(PyExc_TypeError, "route(keys, names: tuple, match_type: a tuple subclass)");
-        return NULL;
-    }
-    Keys k;
-    Walk *w = get_walk(h);
-    if (!w || keys_open(args[0], &k) < 0) return NULL;
-    walk(h, &k, w);
-    keys_close(&k);
-    Py_ssize_t known = PyTuple_GET_SIZE(args[1]);
-    PyObject *out = PyDict_New();
-    for (int r = 0; out && r < w->n_done; r++) {
-        if (w->done[r].lane >= known) continue;
-        PyObject *name = PyTuple_GET_ITEM(args[1], w->done[r].lane);
-        if (name == Py_None) continue;
-        PyObject *match = new_match((PyTypeObject *)args[2], name, &w->done[r]);
-        if (!match || PyDict_SetItem(out, name, match) < 0) Py_CLEAR(out);
-        Py_XDECREF(match);
-    }
-    return out;
-}
-
-/* ---- listing and upkeep --------------------------------------------------------------------- */
-static int list_table(Holders *h, const Table *t, int lane, PyObject *out) {
-    for (uint64_t i = 0; t->slots && i < t->cap; i++) {
-        const Slot *s = &t->slots[i];
-        if (s->set < FIRST_SET) continue;
-        int code = code_of(h->sets[s->set], lane);
-        if (code < 0) continue;
-        unsigned char key[PREFIX];
-        memcpy(key, &s->a, 8);
-        memcpy(key + 8, &s->b, 8);
-        PyObject *k = PyBytes_FromStringAndSize((const char *)key, PREFIX), *v = PyLong_FromLong(code & 3);
-        int rc = k && v ? PyDict_SetItem(out, k, v) : -1;
-        Py_XDECREF(k);
-        Py_XDECREF(v);
-        if (rc < 0) return -1;
-    }
-    return 0;
-}
-
-static PyObject *H_lane_blocks(Holders *h, PyObject *arg) {
-    int lane = lane_arg(arg);
-    if (lane < 0) return NULL;
-    PyObject *out = PyDict_New();
-    if (out && (list_table(h, &h->cur, lane, out) < 0 || list_table(h, &h->old, lane, out) < 0)) Py_CLEAR(out);
-    return out;
 }
 
 static uint64_t memory(const Holders *h) {
@@ -841,50 +478,6 @@ static PyObject *H_maintain(Holders *h, PyObject *arg) {
 }
 
 static Py_ssize_t H_len(Holders *h) { return (Py_ssize_t)h->live; }
-
-/* ---- split ------------------------------------------------------------------------------------ */
-static PyObject *M_split(PyObject *Py_UNUSED(m), PyObject *const *args, Py_ssize_t nargs) {
-    Py_buffer buf;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "split(data, num_shards)");
-        return NULL;
-    }
-    long shards = PyLong_AsLong(args[1]);
-    if (shards < 1) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "num_shards must be >= 1");
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[0], &buf, PyBUF_SIMPLE) < 0) return NULL;
-    const unsigned char *d = buf.buf;
-    Py_ssize_t n = buf.len / RECORD, *count = PyMem_Calloc((size_t)shards, sizeof(Py_ssize_t));
-    uint32_t *dest = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint32_t));
-    PyObject *out = count && dest ? PyList_New(shards) : NULL;
-    for (Py_ssize_t r = 0; out && r < n; r++) {
-        const unsigned char *p = d + r * RECORD;
-        uint64_t first = 0;
-        for (int b = 0; b < 8; b++) first = first << 8 | p[2 + b]; /* big-endian, as shard_of */
-        dest[r] = p[0] == OP_CLEAR ? UINT32_MAX : (uint32_t)(first % (uint64_t)shards);
-        if (dest[r] == UINT32_MAX)
-            for (long s = 0; s < shards; s++) count[s]++;
-        else count[dest[r]]++;
-    }
-    for (long s = 0; out && s < shards; s++) {
-        PyObject *part = PyBytes_FromStringAndSize(NULL, count[s] * RECORD);
-        if (!part) {
-            Py_CLEAR(out);
-            break;
-        }
-        unsigned char *p = (unsigned char *)PyBytes_AS_STRING(part);
-        for (Py_ssize_t r = 0; r < n; r++)
-            if (dest[r] == (uint32_t)s || dest[r] == UINT32_MAX) memcpy(p, d + r * RECORD, RECORD), p += RECORD;
-        PyList_SET_ITEM(out, s, part);
-    }
-    if (!count || !dest) PyErr_NoMemory();
-    PyMem_Free(count);
-    PyMem_Free(dest);
-    PyBuffer_Release(&buf);
-    return out;
-}
 
 /* ---- type ------------------------------------------------------------------------------------ */
 static PyObject *H_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -927,10 +520,10 @@ static PyMethodDef H_methods[] = {
     {"apply", (PyCFunction)(void (*)(void))H_apply, METH_FASTCALL, "apply(lane, data) -> (added, removed)"},
     {"validate", (PyCFunction)H_validate, METH_O, "validate(data) -> bool"},
     {"drop_lane", (PyCFunction)H_drop_lane, METH_O, "drop_lane(lane) -> keys it held"},
-    {"entries", (PyCFunction)H_entries, METH_O, "entries(keys) -> [entry or None]"},
-    {"route", (PyCFunction)(void (*)(void))H_route, METH_FASTCALL, "route(keys, names, match_type) -> dict"},
-    {"route_rows", (PyCFunction)H_route_rows, METH_O, "route_rows(keys) -> bytes of uint16 rows"},
-    {"lane_blocks", (PyCFunction)H_lane_blocks, METH_O, "lane_blocks(lane) -> {key prefix: tier}"},
+    {"entries", (PyCFunction)hl_entries, METH_O, "entries(keys) -> [entry or None]"},
+    {"route", (PyCFunction)(void (*)(void))hl_route, METH_FASTCALL, "route(keys, names, match_type) -> dict"},
+    {"route_rows", (PyCFunction)hl_route_rows, METH_O, "route_rows(keys) -> bytes of uint16 rows"},
+    {"lane_blocks", (PyCFunction)hl_lane_blocks, METH_O, "lane_blocks(lane) -> {key prefix: tier}"},
     {"memory", (PyCFunction)H_memory, METH_NOARGS, "memory() -> bytes in use"},
     {"stats", (PyCFunction)H_stats, METH_NOARGS, "stats() -> dict"},
     {"maintain", (PyCFunction)H_maintain, METH_O, "maintain(slots) -> whether a move is under way"},
@@ -952,7 +545,7 @@ static PyTypeObject HoldersType = {
 };
 
 static PyMethodDef module_methods[] = {
-    {"split", (PyCFunction)(void (*)(void))M_split, METH_FASTCALL, "split(data, num_shards) -> [bytes]"},
+    {"split", (PyCFunction)(void (*)(void))hl_split, METH_FASTCALL, "split(data, num_shards) -> [bytes]"},
     {NULL, NULL, 0, NULL},
 };
 
