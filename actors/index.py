@@ -13,15 +13,18 @@ its duration (:class:`actors.metrics.IndexMetrics`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import ray
 
-from actors.liveness import CALL_TIMEOUT_S, died
+from actors import liveness as bounds
+from actors.liveness import CALL_TIMEOUT_S, PING_INTERVAL_S, died
 from actors.metrics import METRICS_INTERVAL_S, IndexMetrics
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import ApplyResult, EventBatch, PrefixIndex, RouteMatch, merge_route, shard_of
@@ -30,6 +33,7 @@ from raykv.routing.liveness import Liveness
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
+UPKEEP_IDLE_S = 0.05  # how often the upkeep task looks for a table move to advance
 
 
 class IndexShard:
@@ -53,13 +57,26 @@ class IndexShard:
         self._positions: dict[WorkerId, tuple[int, int]] = {}  # worker -> (incarnation, last event id)
         self._metrics: IndexMetrics | None = None
         self._exporter: asyncio.Task[None] | None = None
+        self._upkeep: asyncio.Task[None] | None = None
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
 
     async def _ensure_ready(self) -> None:
         if self._ready is None:
             self._ready = asyncio.get_running_loop().create_task(self._rebuild())
             self._exporter = asyncio.get_running_loop().create_task(self._export_loop())
+            self._upkeep = asyncio.get_running_loop().create_task(self._upkeep_loop())
         await self._ready
+
+    async def _upkeep_loop(self) -> None:
+        """Advance a growing table between calls (a step moves ``MOVE_SLOTS`` slots, well under a
+        millisecond), so a move ends without waiting for writes; routes are served between steps."""
+        while True:
+            try:
+                moving = self.index.maintain()
+            except Exception:
+                log.exception("index shard %d: table upkeep failed", self.index.shard)
+                moving = False
+            await asyncio.sleep(0 if moving else UPKEEP_IDLE_S)
 
     def lag(self) -> dict[str, int]:
         """Per registered worker, the events it emitted (as of its last heartbeat) that this
@@ -222,6 +239,7 @@ class IndexShard:
             "node_id": ray.get_runtime_context().get_node_id(),
             "workers": self.index.workers,
             "counters": dict(self.index.counters),
+            "table": self.index.table_stats(),
             "last_event_ids": {str(w): self.index.last_event_id(w) for w in self.index.workers},
             "lag": self.lag(),
         }
@@ -232,13 +250,27 @@ class IndexShard:
 
 
 class IndexClient:
-    """Fans route/predict calls out to the shards and merges the answers.
+    """Fans route/predict calls out to the shards and merges the answers, within a deadline.
 
     ``lanes`` maps each worker's lane to its id (the same map the shards use). ``shards[i]`` may
-    be None (a shard that could not be found: its keys are never answered). With ``liveness`` (a
-    :class:`raykv.routing.liveness.Liveness` over the shards' ``names``) the blocking
-    :meth:`route` skips shards that are not up and reports the ones that time out or fail.
-    Blocking calls wait at most ``timeout_s`` (default :data:`actors.liveness.CALL_TIMEOUT_S`).
+    be None (a shard that could not be found: its keys are never answered); ``names[i]`` names
+    shard i in ``liveness``.
+
+    Deadlines: each call a request waits on (:meth:`route`, :meth:`route_many`,
+    :meth:`route_async`) waits for the shards at most ``route_budget_ms`` (default
+    :data:`actors.liveness.ROUTE_BUDGET_MS` as it is when the client is made; ``timeout_s``, when
+    given, caps it; a call's own ``budget_ms`` replaces it). Past it the answers that arrived are
+    merged and the keys of the other shards count as held by nobody, so each worker's prefix ends
+    at the first such key (a lower bound of what is cached, never a wrong one). Shard trouble
+    never raises; a budget that is not a number > 0 raises ValueError.
+
+    Liveness: a shard that misses its deadline counts in ``late`` (and ``missed``, with those that
+    failed), is reported to ``liveness`` and is then skipped (each skipped shard that owns keys of a
+    call counts in ``skipped``) until it answers a ping sent after the miss. Given ``liveness``
+    (e.g. a :class:`actors.liveness.Pinger`'s ``shards``), its owner's pings take shards back;
+    without one the client keeps its own and pings each skipped shard itself (at most one ping
+    outstanding per shard and one sent per ``PING_INTERVAL_S``), looking at the answers, without
+    waiting, at the start of each call. Safe to call from several threads.
     """
 
     def __init__(
@@ -248,13 +280,23 @@ class IndexClient:
         names: Sequence[str] | None = None,
         liveness: Liveness | None = None,
         timeout_s: float | None = None,
+        route_budget_ms: float | None = None,
     ) -> None:
         self.shards = list(shards)
         self.lanes = dict(lanes)
         self.names = list(names) if names is not None else [f"shard-{i}" for i in range(len(self.shards))]
-        self.liveness = liveness
-        self.timeout_s = CALL_TIMEOUT_S if timeout_s is None else timeout_s
-        self.missed = 0  # shard answers given up on (timed out or failed)
+        budget = bounds.ROUTE_BUDGET_MS if route_budget_ms is None else route_budget_ms
+        self.route_budget_ms = _positive_ms("route_budget_ms", budget)
+        if timeout_s is not None:  # a caller's general call timeout only caps the budget
+            self.route_budget_ms = min(self.route_budget_ms, _positive_ms("timeout_s", timeout_s) * 1000.0)
+        self.probing = liveness is None  # no owner pings the shards: the client does
+        self.liveness = Liveness(self.names, CALL_TIMEOUT_S) if liveness is None else liveness
+        self.missed = 0  # shard answers given up on (past the deadline or failed)
+        self.late = 0  # of those, the ones past the deadline
+        self.skipped = 0  # shards not asked because they were not answering
+        self._lock = threading.Lock()
+        self._probes: dict[int, concurrent.futures.Future[Any]] = {}
+        self._probe_due: dict[int, float] = {}
 
     def _split(self, keys: Sequence[bytes]) -> list[list[int]]:
         n = len(self.shards)
@@ -275,64 +317,113 @@ class IndexClient:
                     predicted[pos] = preds[j]
         return merge_route(entries, predicted, self.lanes)
 
+    @staticmethod
+    def _answers(parts: list[list[int]], got: dict[int, Any]) -> list[tuple[list[Any], list[int]]]:
+        """Per shard, its lookup answer, or "held by nobody" for each of its keys when it gave none."""
+        return [got.get(i, ([None] * len(p), [])) for i, p in enumerate(parts)]
+
     def live(self) -> list[int]:
-        """Positions of the shards a blocking route asks now: found, and answering per
-        ``liveness`` (a shard whose ping is merely slow is still asked, within ``timeout_s``;
-        one whose own route call timed out, failed or died is skipped until it answers a ping)."""
+        """Positions of the shards a route asks now: found, and answering per ``liveness`` (a
+        shard whose ping is merely slow is still asked, within the deadline; one whose own call
+        missed its deadline, failed or died is skipped until it answers a ping). Reads state only."""
         return [
             i
             for i, shard in enumerate(self.shards)
-            if shard is not None and (self.liveness is None or self.liveness.answering(self.names[i]))
+            if shard is not None and self.liveness.answering(self.names[i])
         ]
 
-    def route(self, keys: Sequence[bytes]) -> dict[WorkerId, RouteMatch]:
-        """Blocking route (for plain Python callers); returns within ``timeout_s``.
+    def _budget_s(self, budget_ms: float | None) -> float:
+        """A call's budget in seconds (``budget_ms``, else ``route_budget_ms``); ValueError if <= 0."""
+        return _positive_ms("budget_ms", self.route_budget_ms if budget_ms is None else budget_ms) / 1000.0
 
-        Degrades instead of failing: the keys of a shard that is down, missing, fails or does not
-        answer within ``timeout_s`` count as held by nobody, so each worker's prefix ends at the
-        first such key (a lower bound of what is cached). Such shards are reported to
-        ``liveness`` (and skipped until their next good ping) and counted in ``missed``.
+    def _ask(self, wanted: Sequence[int]) -> list[int]:
+        """Of the shards ``wanted`` (owning keys of a call), those to ask now; counts the others in
+        ``skipped``. Without an owner's liveness, first looks at and sends the client's own pings."""
+        if self.probing:
+            self._probe(time.monotonic())
+        live = set(self.live())
+        asked = [i for i in wanted if i in live]
+        if len(asked) < len(wanted):
+            with self._lock:
+                self.skipped += len(wanted) - len(asked)
+        return asked
+
+    def _probe(self, now: float) -> None:
+        """Record the answers of the client's own pings that arrived (never waits), and ping each
+        skipped shard that has none outstanding and was not pinged in the last ``PING_INTERVAL_S``."""
+        with self._lock:
+            for i, fut in list(self._probes.items()):
+                if not fut.done():
+                    continue
+                del self._probes[i]
+                exc = fut.exception()
+                if exc is None:
+                    self.liveness.answered(self.names[i], now)
+                else:
+                    self.liveness.failed(self.names[i], now, dead=died(exc))
+            for i, shard in enumerate(self.shards):
+                name = self.names[i]
+                if shard is None or i in self._probes or self.liveness.answering(name):
+                    continue
+                if now >= self._probe_due.get(i, 0.0):
+                    self._probe_due[i] = now + PING_INTERVAL_S
+                    self.liveness.sent(name, now)
+                    self._probes[i] = shard.ping.remote().future()
+
+    def route(self, keys: Sequence[bytes], budget_ms: float | None = None) -> dict[WorkerId, RouteMatch]:
+        """Blocking route (for plain Python callers): per worker, its cached prefix of ``keys``.
+
+        Returns within ``budget_ms`` (default ``route_budget_ms``) plus the merge, with what the
+        shards that answered by then know (see the class: the keys of a shard that is skipped,
+        missing, fails or is late count as held by nobody). Changes only the counters and
+        liveness. Raises ValueError for a budget <= 0, nothing for shard trouble.
         """
-        live = self.live()
+        deadline = time.monotonic() + self._budget_s(budget_ms)
         if len(self.shards) == 1:
-            if not live:
+            if not self._ask([0]):
                 return {}
-            answer = self._collect({0: self.shards[0].route.remote(list(keys))})
+            answer = self._collect({0: self.shards[0].route.remote(list(keys))}, deadline)
             return answer.get(0, {})  # type: ignore[no-any-return]
         parts = self._split(keys)
-        refs = {i: self.shards[i].lookup.remote([keys[k] for k in parts[i]]) for i in live if parts[i]}
-        got = self._collect(refs)
-        answers = [got.get(i, ([None] * len(p), [])) for i, p in enumerate(parts)]
-        return self._merge(keys, parts, answers)
+        asked = self._ask([i for i, p in enumerate(parts) if p])
+        got = self._collect(
+            {i: self.shards[i].lookup.remote([keys[k] for k in parts[i]]) for i in asked}, deadline
+        )
+        return self._merge(keys, parts, self._answers(parts, got))
 
-    def route_many(self, queries: Sequence[Sequence[bytes]]) -> list[dict[WorkerId, RouteMatch]]:
-        """:meth:`route` of several queries with one call per live shard (blocking, within
-        ``timeout_s``; a shard that does not answer degrades every query as :meth:`route` does)."""
+    def route_many(
+        self, queries: Sequence[Sequence[bytes]], budget_ms: float | None = None
+    ) -> list[dict[WorkerId, RouteMatch]]:
+        """:meth:`route` of several queries with one call per shard, all within one ``budget_ms``
+        (blocking; a shard that is skipped or does not answer in time degrades every query as
+        :meth:`route` does). Raises ValueError for a budget <= 0."""
         if not queries:
             return []
-        live = self.live()
+        deadline = time.monotonic() + self._budget_s(budget_ms)
         if len(self.shards) == 1:
-            if not live:
+            if not self._ask([0]):
                 return [{} for _ in queries]
-            got = self._collect({0: self.shards[0].route_batch.remote([list(q) for q in queries])})
+            got = self._collect({0: self.shards[0].route_batch.remote([list(q) for q in queries])}, deadline)
             return got.get(0) or [{} for _ in queries]  # type: ignore[no-any-return]
         parts = [self._split(q) for q in queries]
+        asked = self._ask([i for i in range(len(self.shards)) if any(p[i] for p in parts)])
         refs = {
             i: self.shards[i].lookup_batch.remote([[q[k] for k in p[i]] for q, p in zip(queries, parts)])
-            for i in live
+            for i in asked
         }
-        got = self._collect(refs)
+        got = self._collect(refs, deadline)
         out = []
         for n, (q, p) in enumerate(zip(queries, parts)):
-            answers = [got[i][n] if i in got else ([None] * len(p[i]), []) for i in range(len(self.shards))]
-            out.append(self._merge(q, p, answers))
+            out.append(self._merge(q, p, self._answers(p, {i: a[n] for i, a in got.items()})))
         return out
 
-    def _collect(self, refs: dict[int, Any]) -> dict[int, Any]:
-        """The answers of ``refs`` (shard position -> ref) that arrive within ``timeout_s``."""
+    def _collect(self, refs: dict[int, Any], deadline: float) -> dict[int, Any]:
+        """The answers of ``refs`` (shard position -> ref) that arrived by ``deadline`` (monotonic);
+        the others are given up on (:meth:`_missed`). Never raises for a shard's trouble."""
         if not refs:
             return {}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
+        left = max(0.0, deadline - time.monotonic())
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=left)
         done = set(ready)
         out: dict[int, Any] = {}
         for i, ref in refs.items():
@@ -340,31 +431,70 @@ class IndexClient:
                 self._missed(i, None)
                 continue
             try:
-                out[i] = ray.get(ref, timeout=self.timeout_s)
+                out[i] = ray.get(ref, timeout=CALL_TIMEOUT_S)  # ready: returns at once
             except Exception as exc:
                 self._missed(i, exc)
         return out
 
     def _missed(self, i: int, exc: BaseException | None) -> None:
-        self.missed += 1
-        log.warning("index shard %s: %s", self.names[i], "no answer in time" if exc is None else exc)
-        if self.liveness is not None:
-            now = time.monotonic()
+        """Shard ``i`` gave no answer: late (``exc`` None: past its deadline) or failed. Counts it
+        and reports it to ``liveness``, which skips it until it answers a ping again."""
+        now = time.monotonic()
+        with self._lock:
+            self.missed += 1
             if exc is None:
-                self.liveness.late(self.names[i], now)
-            else:
-                self.liveness.failed(self.names[i], now, dead=died(exc))
+                self.late += 1
+        if exc is None:
+            log.warning(
+                "index shard %s: no answer within its deadline; skipped until it answers", self.names[i]
+            )
+            self.liveness.late(self.names[i], now)
+        else:
+            log.warning("index shard %s: %s", self.names[i], exc)
+            self.liveness.failed(self.names[i], now, dead=died(exc))
 
-    async def route_async(self, keys: Sequence[bytes]) -> dict[WorkerId, RouteMatch]:
-        """Non-blocking route for event-loop callers (Serve routers bound it with their own
-        time budget); raises Ray's error when a shard fails."""
+    async def route_async(
+        self, keys: Sequence[bytes], budget_ms: float | None = None
+    ) -> dict[WorkerId, RouteMatch]:
+        """:meth:`route` for event-loop callers (Serve routers): never blocks the loop, returns
+        within ``budget_ms`` (default ``route_budget_ms``) with the answers of the shards that
+        answered by then, and raises nothing for shard trouble (ValueError for a budget <= 0).
+        Cancelling it abandons the shards' answers without counting them as missed."""
+        budget_s = self._budget_s(budget_ms)
         if len(self.shards) == 1:
-            return await self.shards[0].route.remote(list(keys))  # type: ignore[no-any-return]
+            if not self._ask([0]):
+                return {}
+            answer = await self._collect_async({0: self.shards[0].route.remote(list(keys))}, budget_s)
+            return answer.get(0, {})  # type: ignore[no-any-return]
         parts = self._split(keys)
-        answers = await asyncio.gather(
-            *[s.lookup.remote([keys[i] for i in p]) for s, p in zip(self.shards, parts)]
-        )
-        return self._merge(keys, parts, list(answers))
+        asked = self._ask([i for i, p in enumerate(parts) if p])
+        refs = {i: self.shards[i].lookup.remote([keys[k] for k in parts[i]]) for i in asked}
+        got = await self._collect_async(refs, budget_s)
+        return self._merge(keys, parts, self._answers(parts, got))
+
+    async def _collect_async(self, refs: dict[int, Any], budget_s: float) -> dict[int, Any]:
+        """:meth:`_collect` on the event loop: ``asyncio.wait`` over the shards' calls for at most
+        ``budget_s``; the answers that arrived, the others given up on (:meth:`_missed`)."""
+        if not refs:
+            return {}
+        futs = {i: asyncio.wrap_future(ref.future()) for i, ref in refs.items()}
+        try:
+            done, _ = await asyncio.wait(futs.values(), timeout=budget_s)
+        finally:
+            for fut in futs.values():  # abandoned: no "exception never retrieved" later
+                if fut.done():
+                    if not fut.cancelled():
+                        fut.exception()
+                else:
+                    fut.cancel()
+        out: dict[int, Any] = {}
+        for i, fut in futs.items():
+            exc = fut.exception() if fut in done else None
+            if fut not in done or exc is not None:
+                self._missed(i, exc)
+            else:
+                out[i] = fut.result()
+        return out
 
     def predict(self, worker: WorkerId, keys: Sequence[bytes]) -> None:
         """Credit ``worker`` with ``keys`` on every owning shard that is live (fire and forget)."""
@@ -374,11 +504,18 @@ class IndexClient:
                 shard.predict.remote(worker, [keys[k] for k in positions])
 
 
+def _positive_ms(name: str, ms: float) -> float:
+    """``ms`` as a float; ValueError naming ``name`` unless it is a number > 0."""
+    if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not ms > 0:
+        raise ValueError(f"{name} must be a number of milliseconds > 0, got {ms!r}")
+    return float(ms)
+
+
 def shard_sink(shards: Sequence[Any]) -> Any:
     """An event sink for a CacheWorker actor: per-shard sub-batches, sent without waiting."""
     n = len(shards)
 
     def send(batch: EventBatch) -> list[Any]:
-        return [shard.apply_batch.remote(batch.for_shard(i, n)) for i, shard in enumerate(shards)]
+        return [shard.apply_batch.remote(part) for shard, part in zip(shards, batch.for_shards(n))]
 
     return send

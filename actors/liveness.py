@@ -1,15 +1,19 @@
 """Bounded waits and liveness for the Ray layer.
 
-- :data:`CALL_TIMEOUT_S` bounds every call raykv waits on in actors/ (index routes and flushes,
-  worker calls, ``connect``, peer lookups before a pull); :data:`START_TIMEOUT_S` bounds waiting
+- :data:`ROUTE_BUDGET_MS` is the deadline of every index call a request waits on
+  (``actors.index.IndexClient`` routes, blocking or async): past it the shards that answered are
+  merged and the others count as holding none of their keys.
+- :data:`CALL_TIMEOUT_S` bounds every other call raykv waits on in actors/ (flushes, worker
+  calls, ``connect``, peer lookups before a pull); :data:`START_TIMEOUT_S` bounds waiting
   for actors that were just created (process start and imports) and their shutdown.
   :func:`wait` is ``ray.get`` under such a bound that raises
   :class:`raykv.core.errors.UnavailableError` instead of Ray's own exceptions.
 - :class:`Pinger` keeps a :class:`raykv.routing.liveness.Liveness` per kind of target (workers,
   index shards) current with cheap pings (``identity`` / ``ping``) from a daemon thread, so
   routing decisions read the state and never wait on a ping. A worker is skipped once a ping has
-  been unanswered for :data:`PING_LATE_S` (or failed); an index shard once a call to it timed
-  out (``CALL_TIMEOUT_S``) or failed. Each is taken back after its next good answer.
+  been unanswered for :data:`PING_LATE_S` (or failed); an index shard once a route to it missed
+  its deadline (``ROUTE_BUDGET_MS``) or failed. Each is taken back after its next good answer
+  (for a late shard: to a ping sent after the miss).
 
 Threads that use Ray must stop before ``ray.shutdown()`` (see :mod:`actors.ray_util`): every
 Pinger is stopped by :func:`stop_all`, which ``actors.ray_util.shutdown_ray`` and interpreter
@@ -33,6 +37,9 @@ from raykv.routing.liveness import Liveness
 
 log = logging.getLogger(__name__)
 
+ROUTE_BUDGET_MS = 250.0
+"""Default deadline, in milliseconds, of an index route on a request's path (``IndexClient``'s
+``route_budget_ms``; each call may pass its own ``budget_ms``)."""
 CALL_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 120.0
 PING_INTERVAL_S = 0.25

@@ -345,7 +345,9 @@ class CacheRanker:
             return self.fallback(replicas)
         try:
             left = max(0.001, self.time_budget_s - (time.monotonic() - start))
-            matches = await asyncio.wait_for(view.index.route_async(keys), left)
+            # the index merges the shards that answer within the budget; the outer wait only
+            # guards a client that would not keep it
+            matches = await asyncio.wait_for(view.index.route_async(keys, budget_ms=left * 1e3), left + 0.05)
         except Exception as exc:
             self._count("index_timeouts" if isinstance(exc, asyncio.TimeoutError) else "index_errors")
             self.link.failed()

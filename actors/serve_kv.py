@@ -408,7 +408,9 @@ class PDPairer:
         matches: Mapping[WorkerId, RouteMatch] = {}
         if view is not None:
             try:
-                matches = await asyncio.wait_for(view.index.route_async(keys), self.time_budget_s)
+                budget = self.time_budget_s
+                route = view.index.route_async(keys, budget_ms=budget * 1e3)  # merges what answers in time
+                matches = await asyncio.wait_for(route, budget + 0.05)
             except Exception:
                 self.link.failed()
         cfg, policy = self.policy(tpb)

@@ -16,7 +16,7 @@ from actors.ray_util import shutdown_ray
 from actors.testing import TestingCacheWorker
 from raykv import CacheConfig, KVLayout, TierConfig
 from raykv.core.types import WorkerId
-from raykv.index.prefix_index import RouteMatch
+from raykv.index.prefix_index import KEY_PREFIX, RouteMatch
 
 TPB = 4  # tokens per block of small_config()
 HOST_PAGES = 16
@@ -78,8 +78,14 @@ def snapshot_view(handle: Any) -> dict[bytes, int]:
     return dict(get(handle.snapshot.remote()).blocks)
 
 
+def prefixed(blocks: Mapping[bytes, int]) -> dict[bytes, int]:
+    """``blocks`` keyed as the index lists them: by each key's first KEY_PREFIX bytes."""
+    return {k[:KEY_PREFIX]: t for k, t in blocks.items()}
+
+
 def index_view(shards: Sequence[Any], worker: str) -> dict[bytes, int]:
-    """What the index lists for ``worker``: union over shards of worker_blocks (key -> tier)."""
+    """What the index lists for ``worker``: union over shards of worker_blocks (key prefix -> tier,
+    compare with :func:`prefixed` of a snapshot)."""
     out: dict[bytes, int] = {}
     for part in get([s.worker_blocks.remote(worker) for s in shards]):
         assert not set(part) & set(out), "a key is listed by two shards"

@@ -6,7 +6,9 @@ read it, so a decision never waits on a ping. The rules:
 
 - a good answer makes a target ``up`` (and records its incarnation: a new one counts a restart);
 - a ping (or any call) outstanding for more than ``late_after_s`` makes it ``late``, as does a
-  caller's :meth:`Liveness.late` after one of its own calls timed out, until the next good answer;
+  caller's :meth:`Liveness.late` after one of its own calls missed its deadline, until the next
+  good answer to a ping sent after that miss (an answer to a ping sent earlier may have been
+  given before the target stalled, so it does not take the target back);
 - an error makes it ``unreachable``, or ``dead`` when the runtime says the target died (a dead
   target is still pinged, so one restarted under the same name comes back ``up``).
 
@@ -35,6 +37,7 @@ class Health(enum.StrEnum):
 class _State:
     health: Health = Health.UP
     sent_at: float | None = None  # the outstanding ping's send time
+    late_at: float | None = None  # when a caller last reported a missed deadline (Liveness.late)
     incarnation: int | None = None
     restarts: int = 0
     changed_at: float = 0.0
@@ -63,15 +66,25 @@ class Liveness:
             self._states[target].sent_at = now
 
     def answered(self, target: str, now: float, incarnation: int | None = None) -> None:
-        """``target`` answered: up again. A different ``incarnation`` than last time is a restart."""
+        """The outstanding ping to ``target`` (or, with no ping recorded by :meth:`sent`, some call)
+        was answered: up again, unless ``target`` is ``late`` and that ping was sent before the
+        caller's miss (:meth:`late`): then it stays late and only the ping is no longer outstanding.
+        A different ``incarnation`` than last time is a restart."""
         with self._lock:
             st = self._states[target]
             if incarnation is not None:
                 if st.incarnation is not None and incarnation != st.incarnation:
                     st.restarts += 1
                 st.incarnation = incarnation
+            stale = (
+                st.health is Health.LATE
+                and st.late_at is not None
+                and st.sent_at is not None
+                and st.sent_at < st.late_at
+            )
             st.sent_at = None
-            self._set(st, Health.UP, now)
+            if not stale:
+                self._set(st, Health.UP, now)
 
     def failed(self, target: str, now: float, dead: bool) -> None:
         """A call to ``target`` failed: ``dead`` when the runtime says it died, else unreachable."""
@@ -81,15 +94,18 @@ class Liveness:
             self._set(st, Health.DEAD if dead else Health.UNREACHABLE, now)
 
     def late(self, target: str, now: float) -> None:
-        """A caller's own call to ``target`` timed out: late until the next good answer."""
+        """A caller's own call to ``target`` missed its deadline at ``now``: ``late`` until it
+        answers a ping sent after ``now`` (see :meth:`answered`). A worse state (unreachable,
+        dead) is kept."""
         with self._lock:
             st = self._states[target]
-            if st.health is Health.UP:
+            if st.health in (Health.UP, Health.LATE):
+                st.late_at = now
                 self._set(st, Health.LATE, now)
 
     def answering(self, target: str) -> bool:
-        """Whether ``target`` is worth asking: nothing of its own failed or timed out since its
-        last good answer. A ping merely outstanding (``late`` by the clock, e.g. a loaded
+        """Whether ``target`` is worth asking: nothing of its own failed or missed its deadline
+        since its last good answer. A ping merely outstanding (``late`` by the clock, e.g. a loaded
         machine) does not count against it; a caller's timed-out call (:meth:`late`), an error or
         a death does."""
         with self._lock:

@@ -6,7 +6,7 @@ import time
 import uuid
 
 import pytest
-from ray_helpers import DISK_PAGES, HOST_PAGES, get, index_view, poll, snapshot_view, tokens
+from ray_helpers import DISK_PAGES, HOST_PAGES, get, index_view, poll, prefixed, snapshot_view, tokens
 
 import raykv
 from actors.cluster import RayKVCluster
@@ -35,7 +35,7 @@ def test_events_reach_the_index(deployment: RayKVCluster) -> None:
     assert (match.gpu, match.host, match.disk) == tuple(probe.blocks_on(k) for k in TierKind)
     assert match.predicted == 0
     assert match.host > 0 and match.disk > 0, match
-    assert index_view(deployment.shards, a) == snapshot_view(wa)
+    assert index_view(deployment.shards, a) == prefixed(snapshot_view(wa))
     assert index_view(deployment.shards, b) == {} and index_view(deployment.shards, c) == {}
 
 
@@ -75,7 +75,7 @@ def test_evicted_blocks_leave_the_index(deployment: RayKVCluster) -> None:
     snap = snapshot_view(wc)
     assert len(snap) == HOST_PAGES + DISK_PAGES
     view = index_view(deployment.shards, c)
-    assert view == snap
+    assert view == prefixed(snap)
     probe = get(wc.probe.remote(first))
     assert probe.num_blocks < 5
     keys = deployment.keys(first)
@@ -88,7 +88,7 @@ def test_evicted_blocks_leave_the_index(deployment: RayKVCluster) -> None:
         assert c not in route
     # Every worker's view stays exact, not only the one that evicted.
     for worker in ids:
-        assert index_view(deployment.shards, worker) == snapshot_view(deployment.workers[worker])
+        assert index_view(deployment.shards, worker) == prefixed(snapshot_view(deployment.workers[worker]))
 
 
 def test_bad_batches_are_rejected_and_change_nothing(deployment: RayKVCluster) -> None:

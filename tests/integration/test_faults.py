@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import ray
-from ray_helpers import get, index_view, poll, running, snapshot_view, tokens
+from ray_helpers import get, index_view, poll, prefixed, running, snapshot_view, tokens
 
 from actors.cluster import RayKVCluster
 
@@ -57,7 +57,7 @@ def test_killed_shard_restarts_and_recovers_routes(faulty: RayKVCluster) -> None
     faulty.flush()
     assert faulty.route(fresh)[w0].blocks == 7
     for worker in faulty.worker_ids:
-        assert index_view(faulty.shards, worker) == snapshot_view(faulty.workers[worker])
+        assert index_view(faulty.shards, worker) == prefixed(snapshot_view(faulty.workers[worker]))
 
 
 def test_killed_worker_is_purged(faulty: RayKVCluster) -> None:
@@ -82,6 +82,6 @@ def test_killed_worker_is_purged(faulty: RayKVCluster) -> None:
         assert info["counters"]["workers_purged"] == n + 1
         assert set(info["workers"]) == {w1}
     assert faulty.route(prompt)[w1].blocks == 5
-    assert index_view(faulty.shards, w1) == snapshot_view(faulty.workers[w1])
+    assert index_view(faulty.shards, w1) == prefixed(snapshot_view(faulty.workers[w1]))
     for p in (tokens(20, 6), tokens(22, 9)):
         assert set(faulty.route(p)) <= {w1}

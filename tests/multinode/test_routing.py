@@ -15,6 +15,7 @@ from ray_helpers import (
     expected_route,
     get,
     index_view,
+    prefixed,
     running,
     snapshot_view,
     tokens,
@@ -72,7 +73,7 @@ def test_events_from_every_node_reach_the_index(deployment: RayKVCluster) -> Non
         assert (m.gpu, m.host, m.disk) == tuple(probe.blocks_on(k) for k in TierKind)
     snaps = _snapshots(deployment)
     for worker in deployment.worker_ids:
-        assert index_view(deployment.shards, worker) == snaps[worker]
+        assert index_view(deployment.shards, worker) == prefixed(snaps[worker])
     # Both shards own some of the keys.
     assert all(info["entries"] > 0 for info in deployment.index_info())
 
@@ -102,7 +103,7 @@ def test_evictions_propagate(deployment: RayKVCluster) -> None:
     snaps = _snapshots(deployment)
     assert len(snaps[w1]) == HOST_PAGES + DISK_PAGES
     for worker in deployment.worker_ids:
-        assert index_view(deployment.shards, worker) == snaps[worker]
+        assert index_view(deployment.shards, worker) == prefixed(snaps[worker])
     probe = get(handle.probe.remote(first))
     assert probe.num_blocks < 5
     route = deployment.route(first)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 from ray.cluster_utils import Cluster
-from ray_helpers import expected_route, get, index_view, poll, running, snapshot_view, tokens
+from ray_helpers import expected_route, get, index_view, poll, prefixed, running, snapshot_view, tokens
 
 from actors.cluster import RayKVCluster
 
@@ -48,7 +48,7 @@ def test_killing_one_nodes_worker_purges_only_its_entries(deployment: RayKVClust
     assert deployment.route(own[2]) == {}
     snaps = {w: snapshot_view(deployment.workers[w]) for w in survivors}
     for worker in survivors:
-        assert index_view(deployment.shards, worker) == views[worker] == snaps[worker]
+        assert index_view(deployment.shards, worker) == views[worker] == prefixed(snaps[worker])
     for prompt in (shared, *own):
         assert deployment.route(prompt) == expected_route(snaps, deployment.keys(prompt))
     # The survivors keep publishing.

@@ -10,17 +10,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from deps import require
 
-pytest.importorskip("ray.serve")
+require("ray.serve")
 
-from import_support import toks
+from import_support import toks  # noqa: E402
 
-from actors.serve import CacheRanker, IndexView, RoutedRequest, parse_request, scope_of
-from actors.serve_fields import CAPACITY_FIELD, PULLS_FIELD, TIMING_FIELD, worker_of
-from raykv.core.errors import ConfigError
-from raykv.core.keys import ReuseScope, block_keys, lora_id_from_name
-from raykv.core.types import WorkerId
-from raykv.index.prefix_index import OP_STORE, EventBatch, PrefixIndex, RouteMatch
+from actors.serve import CacheRanker, IndexView, RoutedRequest, parse_request, scope_of  # noqa: E402
+from actors.serve_fields import CAPACITY_FIELD, PULLS_FIELD, TIMING_FIELD, worker_of  # noqa: E402
+from raykv.core.errors import ConfigError  # noqa: E402
+from raykv.core.keys import ReuseScope, block_keys, lora_id_from_name  # noqa: E402
+from raykv.core.types import WorkerId  # noqa: E402
+from raykv.index.prefix_index import OP_STORE, EventBatch, PrefixIndex, RouteMatch  # noqa: E402
 
 TPB = 4
 A, B, C = WorkerId("w-a"), WorkerId("w-b"), WorkerId("w-c")
@@ -69,7 +70,9 @@ class FakeIndex:
         self.index.apply_batch(EventBatch(worker, 1, first, first + len(ops) - 1, ops))
         self.next_id[worker] += len(ops)
 
-    async def route_async(self, keys: list[bytes]) -> dict[WorkerId, RouteMatch]:
+    async def route_async(
+        self, keys: list[bytes], budget_ms: float | None = None
+    ) -> dict[WorkerId, RouteMatch]:
         self.queries += 1
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
