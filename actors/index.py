@@ -95,7 +95,11 @@ class IndexShard:
             try:
                 counters = self.index.counters
                 self._metrics.update(
-                    len(self.index), len(self.index.workers), counters["snapshots"], self.lag()
+                    len(self.index),
+                    len(self.index.workers),
+                    counters["snapshots"],
+                    self.lag(),
+                    self.index.memory(),
                 )
             except Exception:
                 log.exception("index shard %d: exporting metrics failed", self.index.shard)

@@ -190,7 +190,7 @@ ROUTE_SECONDS_BOUNDARIES = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1)
 
 
 class IndexMetrics:
-    """Publishes one IndexShard's state: keys, registered workers, snapshot resyncs, event lag
+    """Publishes one IndexShard's state: keys, table bytes, registered workers, snapshot resyncs, event lag
     per worker (events the worker emitted that the shard has not applied) and the time the shard
     takes to answer a route or lookup. Tag ``shard`` (and ``worker`` for the lag)."""
 
@@ -201,6 +201,11 @@ class IndexMetrics:
         self.keys = backend.Gauge("raykv_index_keys", "Keys this index shard holds", tag_keys=("shard",))
         self.workers = backend.Gauge(
             "raykv_index_workers", "Workers registered with this index shard", tag_keys=("shard",)
+        )
+        self.bytes = backend.Gauge(
+            "raykv_index_bytes",
+            "Bytes this index shard's table uses (slots and holder sets)",
+            tag_keys=("shard",),
         )
         self.resyncs = backend.Counter(
             "raykv_index_resyncs", "Snapshots this shard loaded (gaps, restarts)", tag_keys=("shard",)
@@ -218,9 +223,12 @@ class IndexMetrics:
         )
         self._last_resyncs = 0
 
-    def update(self, keys: int, workers: int, resyncs: int, lag: Mapping[str, int]) -> None:
+    def update(
+        self, keys: int, workers: int, resyncs: int, lag: Mapping[str, int], table_bytes: int = 0
+    ) -> None:
         """Set the gauges and export the resyncs since the previous call."""
         self.keys.set(keys, tags=self.tags)
+        self.bytes.set(table_bytes, tags=self.tags)
         self.workers.set(workers, tags=self.tags)
         if resyncs > self._last_resyncs:
             self.resyncs.inc(resyncs - self._last_resyncs, tags=self.tags)
