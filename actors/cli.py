@@ -3,9 +3,11 @@
 ``raykv demo``        the main job: a Ray deployment, the built-in workload through every router
 ``raykv demo --core`` the in-process core demo (multi-turn workload, oracle-verified)
 ``raykv replay``      compare routers on a Mooncake trace or the built-in workload
-``raykv bench``       every suite, one combined table (``--quick``: CI)
+``raykv bench``       every suite, one combined table (``--quick``: CI); the suites and rows that
+                      need Ray, vLLM or CUDA where they are missing: one ``skipped: ...`` line each
 ``raykv bench core``  core micro-benchmarks (block keys, tree ops, host<->disk copies)
 ``raykv bench index`` prefix index: route latency, event ingest, route calls/s through Ray
+                      (``--scale``: 10^6-10^8 memberships in one shard, then 1-8 shards)
 ``raykv bench routing`` a routing decision (index + cost model) vs Ray Serve LLM's PrefixTree
 ``raykv bench gpu``   GPU tier page copies vs raw CUDA copies (needs CUDA)
 ``raykv bench transfer`` page pulls (shared memory, UCX) vs memcpy, raw ucxx, Ray's object store
@@ -37,37 +39,71 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    """Run ``raykv bench [suite]``: every part that can run here; print one ``skipped: ...`` line
+    per suite or part left out (a missing Ray, vLLM or CUDA). Returns 0 when everything that ran
+    passed, 1 when a benchmark raised or when a named suite could not run at all."""
+    from actors.bench_plan import NAMED_ONLY, named_only_missing, plan_suites
     from raykv.bench import run_all_benchmarks, run_benchmarks
 
-    if args.suite in ("routing", None):
-        import actors.ray_tree  # noqa: F401 - the routing suite's baseline is Ray's PrefixTree
+    if args.scale:
+        return _index_scale(args)
+    if args.suite in NAMED_ONLY:  # not part of "all": minutes, and Ray and/or vLLM throughout
+        missing = named_only_missing(args.suite)
+        if missing is not None:
+            print(missing.line(), "- nothing ran", flush=True)
+            return 1
+        return _named_only(args)
+    plan = plan_suites(args.suite)
+    if args.suite is None:
+        rc = run_all_benchmarks(quick=args.quick, exclude=plan.excluded)
+    elif args.suite in plan.excluded:
+        rc = 1
+    else:
+        rc = run_benchmarks(args.suite, quick=args.quick)
+    for skip in plan.skipped:
+        print(skip.line(), flush=True)
+    if args.suite in plan.excluded:
+        print(f"raykv bench {args.suite}: nothing ran", flush=True)
+    return rc
 
-    if args.suite in ("index", None):
-        from actors.bench import register
 
-        register()
-    if args.suite in ("transfer", None):
-        from actors.transfer import register_bench
+def _index_scale(args: argparse.Namespace) -> int:
+    """``raykv bench index --scale``: one shard at 10^6-10^8 memberships in-process, then 1-8
+    shards behind one IndexClient through Ray (skipped, saying so, without Ray)."""
+    if args.suite != "index":
+        print("--scale is an option of `raykv bench index`", flush=True)
+        return 2
+    from raykv.bench.index_scale import SIZES, run
 
-        register_bench()
-    if args.suite == "soak":  # not part of "all": a live deployment for minutes
+    rc = run(SIZES["quick" if args.quick else "full"], [1, 4, 16], args.scale_json)
+    try:
+        from actors.bench_index_shards import run as run_shards
+    except ImportError as exc:
+        print(f"skipped: index shards through Ray (needs ray: {exc})", flush=True)
+        return rc
+    return rc or run_shards(args.quick)
+
+
+def _named_only(args: argparse.Namespace) -> int:
+    """The suites run only when named (their requirements were checked by the caller)."""
+    from raykv.bench import run_benchmarks
+
+    if args.suite == "soak":  # a live deployment for minutes
         from actors.soak import soak_main
 
         return soak_main(args)
-    if args.suite == "vllm":  # not part of "all": it needs vllm and takes minutes
-        from actors.vllm_bench import register as register_vllm
-
-        register_vllm()
-    if args.suite == "serve":  # not part of "all": Ray Serve LLM with vLLM engines, minutes
+    if args.suite == "serve":  # Ray Serve LLM with vLLM engines, minutes
         from actors.bench_serve import serve_bench_main
 
         return serve_bench_main(args)
-    if args.suite == "scheduler":  # not part of "all": it needs vllm
+    if args.suite == "vllm":  # vLLM engines, minutes
+        from actors.vllm_bench import register as register_vllm
+
+        register_vllm()
+    else:
         from actors.vllm_sched_bench import register as register_scheduler
 
         register_scheduler()
-    if args.suite is None:
-        return run_all_benchmarks(quick=args.quick)
     return run_benchmarks(args.suite, quick=args.quick)
 
 
@@ -121,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: all (soak, vllm, scheduler and serve only when named)",
     )
     bench.add_argument("--quick", action="store_true", help="short run (CI)")
+    bench.add_argument(
+        "--scale", action="store_true", help="index only: one shard at 1M-100M memberships, then 1-8 shards"
+    )
+    bench.add_argument("--scale-json", default=None, help="with --scale: write the in-process rows here")
     _add_soak_arguments(bench.add_argument_group("soak"))
     _add_serve_arguments(bench.add_argument_group("serve (--seed too)"))
     bench.set_defaults(func=_bench)

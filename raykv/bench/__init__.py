@@ -21,7 +21,7 @@ error and raises ValueError (:class:`raykv.core.errors.InvalidArgumentError`) be
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import TextIO
 
@@ -93,16 +93,22 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def run_all_benchmarks(quick: bool = False, out: TextIO | None = None, err: TextIO | None = None) -> int:
+def run_all_benchmarks(
+    quick: bool = False,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    exclude: Collection[str] = (),
+) -> int:
     """Run every registered suite (``gpu`` only when CUDA is present) and print one combined table.
 
-    Each row's name is prefixed with its suite (``[core] ...``). Returns 0 when every benchmark
-    ran, 1 when any raised.
+    Suites named in ``exclude`` are left out (the caller reports why: e.g. the CLI when Ray is
+    missing). Each row's name is prefixed with its suite (``[core] ...``). Returns 0 when every
+    benchmark ran, 1 when any raised.
     """
     benchmarks: list[Benchmark] = []
     descriptions: list[str] = []
     for name, builder in SUITES.items():
-        if name == "gpu" and not _cuda_available():
+        if name in exclude or (name == "gpu" and not _cuda_available()):
             continue
         benches, desc = builder(bool(quick))
         descriptions.append(f"{name}: {desc}")

@@ -127,26 +127,32 @@ class _Run:
         self.longest = max(self.longest, time.perf_counter() - t0)
 
 
-def _queries(chains: int, n: int, rng: random.Random) -> list[list[bytes]]:
-    picks = [rng.randrange(chains) for _ in range(n)]
-    return [[bytes(k) for k in chain_keys(c, 1)[0]] for c in picks]
+def _queries(chains: int, n: int, rng: random.Random) -> list[bytes]:
+    """``n`` random chains' keys, each chain one buffer (split into fresh key objects per use)."""
+    picks = np.array([rng.randrange(chains) for _ in range(n)], dtype=np.uint64)
+    return [chain_keys(int(c), 1).tobytes() for c in picks]
+
+
+def _fresh(buf: bytes) -> list[bytes]:
+    """A chain's keys as new bytes objects, as a shard gets them from an unpickled request."""
+    return [buf[i : i + 32] for i in range(0, len(buf), 32)]
 
 
 def _paced(
-    run: _Run, chains: int, holders: int, rng: random.Random, next_id: list[int]
+    run: _Run, chains: int, holders: int, rng: random.Random, next_id: list[int], paced_s: float
 ) -> tuple[list[float], float]:
     """Routes while new chains arrive at PACED_EVENTS_PER_S; returns route seconds and the
     event rate reached."""
     queries = _queries(chains, 4_000, rng)
     extra = _batches(
-        chains, max(1, int(PACED_EVENTS_PER_S * PACED_S / CHAIN / holders) + 1), holders, rng, next_id
+        chains, max(1, int(PACED_EVENTS_PER_S * paced_s / CHAIN / holders) + 1), holders, rng, next_id
     )
     lat: list[float] = []
     start = time.perf_counter()
     due = start
     events = 0
     q = 0
-    while time.perf_counter() - start < PACED_S:
+    while time.perf_counter() - start < paced_s:
         now = time.perf_counter()
         if now >= due:
             batch = next(extra, None)
@@ -158,7 +164,7 @@ def _paced(
         if run.index.table_stats()["moving"]:
             run.maintain()
             continue
-        keys = queries[q % len(queries)]
+        keys = _fresh(queries[q % len(queries)])
         q += 1
         t0 = time.perf_counter()
         run.index.route(keys)
@@ -166,8 +172,9 @@ def _paced(
     return lat, events / (time.perf_counter() - start)
 
 
-def measure(memberships: int, holders: int, seed: int = 7) -> ScaleResult:
-    """Build one shard of ``memberships`` memberships (``holders`` per key) and measure it."""
+def measure(memberships: int, holders: int, seed: int = 7, paced_s: float = PACED_S) -> ScaleResult:
+    """Build one shard of ``memberships`` memberships (``holders`` per key) and measure it
+    (routes while ingesting for ``paced_s`` seconds)."""
     rng = random.Random(seed)
     chains = max(1, memberships // (CHAIN * holders))
     gc.collect()
@@ -187,7 +194,7 @@ def measure(memberships: int, holders: int, seed: int = 7) -> ScaleResult:
     gc_ms = (time.perf_counter() - t0) * 1e3
     memory, rss = index.memory(), _rss() - rss0
     with gc_paused():
-        lat, paced = _paced(run, chains, holders, rng, next_id)
+        lat, paced = _paced(run, chains, holders, rng, next_id, paced_s)
     lat.sort()
     stats = index.table_stats()
     return ScaleResult(
@@ -228,7 +235,8 @@ def dict_baseline(memberships: int, seed: int = 7) -> dict[str, float]:
     queries = _queries(chains, 2_000, random.Random(seed))
     lat = []
     with gc_paused():
-        for q in queries:
+        for buf in queries:
+            q = _fresh(buf)
             t0 = time.perf_counter()
             [table.get(k) for k in q]
             lat.append(time.perf_counter() - t0)

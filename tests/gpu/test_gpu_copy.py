@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from deps import require_cuda
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
-    pytest.skip("needs CUDA", allow_module_level=True)
+torch = require_cuda()
 
 import raykv  # noqa: E402
 from raykv.core.copy import CopyEngine  # noqa: E402

@@ -7,7 +7,8 @@ whose VMM GPU tier holds blocks written by the device oracle; the engine maps th
 ``gpu_peer`` request, then one-sided. Host tier: an owner's shared host tier, mapped read-only
 and page-locked in the engine's process, is copied to the device by DMA with no staging copy.
 Every loaded block is saved back to page rows and checked against the content oracle.
-Skipped without CUDA; the GPU-tier tests also without ucxx (the owner process starts UCX).
+Skipped without CUDA; the GPU-tier tests also without ucxx (the owner process starts UCX), a
+failure instead under RAYKV_REQUIRE_DEPS=1 (tests/deps.py).
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from deps import require, require_cuda
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():  # pragma: no cover - machine
-    pytest.skip("needs CUDA", allow_module_level=True)
+torch = require_cuda()
 
 from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig  # noqa: E402
 from raykv.bench.core_io import page_layout  # noqa: E402
@@ -41,7 +41,7 @@ class Owner:
     """A page server process whose GPU tier holds :data:`PAGES` oracle-written blocks."""
 
     def __init__(self) -> None:
-        pytest.importorskip("ucxx")
+        require("ucxx")
         from raykv.bench.gpu_transfer import Scenario, ServerProcess
 
         self.token = secrets.token_bytes(32)

@@ -14,10 +14,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from deps import require_cuda
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
-    pytest.skip("needs CUDA", allow_module_level=True)
+torch = require_cuda()
 
 from raykv import ConfigError, InvalidArgumentError, KVLayout  # noqa: E402
 from raykv.core.tiers import cuda_blocks  # noqa: E402

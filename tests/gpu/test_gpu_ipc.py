@@ -12,10 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from deps import require_cuda
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
-    pytest.skip("needs CUDA", allow_module_level=True)
+torch = require_cuda()
 
 import raykv  # noqa: E402
 from raykv.core.errors import StateError, TransferError  # noqa: E402

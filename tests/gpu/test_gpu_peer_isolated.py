@@ -3,7 +3,7 @@
 The owner runs with CUDA_VISIBLE_DEVICES=0, the puller with CUDA_VISIBLE_DEVICES=1: the puller
 maps memory of a device it cannot see. Either the driver allows it (the pull takes gpu_peer) or
 it refuses and ``pull_best`` falls back to UCX; in both cases every byte must match the oracle.
-Skipped without 2 CUDA devices or ucxx.
+Skipped without 2 CUDA devices, or without ucxx (a failure instead under RAYKV_REQUIRE_DEPS=1).
 """
 
 from __future__ import annotations
@@ -14,12 +14,10 @@ import secrets
 import subprocess
 import sys
 
-import pytest
+from deps import require, require_cuda
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available() or torch.cuda.device_count() < 2:  # pragma: no cover - machine
-    pytest.skip("needs 2 CUDA devices", allow_module_level=True)
-pytest.importorskip("ucxx")
+torch = require_cuda(2)
+require("ucxx")
 
 from raykv.bench.gpu_transfer import Scenario, ServerProcess  # noqa: E402
 

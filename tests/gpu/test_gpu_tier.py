@@ -6,10 +6,9 @@ Skipped without CUDA (CI has none); run on a GPU machine with ``pytest tests/gpu
 from __future__ import annotations
 
 import pytest
+from deps import require_cuda
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
-    pytest.skip("needs CUDA", allow_module_level=True)
+torch = require_cuda()
 
 import raykv  # noqa: E402
 from raykv.core.tiers.gpu import GpuPool  # noqa: E402

@@ -4,7 +4,8 @@ A server process (:class:`raykv.bench.gpu_transfer.ServerProcess`) owns a CacheM
 tier is a GPU tier on cuda:0 (plus a host tier), commits blocks written by the device oracle and
 serves them on 127.0.0.1 with a token, twice: sending GPU pages in place, and ``staged`` (gathered
 into a plain device allocation first). This process pulls them into a GPU tier on cuda:1 and checks
-every byte with the oracle. Skipped without CUDA, without 2 devices, or without ucxx.
+every byte with the oracle. Skipped without 2 CUDA devices, or without ucxx (a failure instead
+under RAYKV_REQUIRE_DEPS=1: tests/deps.py).
 Bandwidth: ``python -m raykv.bench.gpu_transfer``.
 """
 
@@ -16,11 +17,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from deps import require, require_cuda
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available() or torch.cuda.device_count() < 2:  # pragma: no cover - machine
-    pytest.skip("needs 2 CUDA devices", allow_module_level=True)
-pytest.importorskip("ucxx")
+torch = require_cuda(2)
+require("ucxx")
 
 from raykv import ContentOracle, TransferError  # noqa: E402
 from raykv.bench.gpu_transfer import Scenario, ServerProcess, _transports, gpu_manager  # noqa: E402

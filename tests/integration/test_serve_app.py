@@ -14,17 +14,18 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from deps import require
 
-pytest.importorskip("ray.serve")
-pytest.importorskip("transformers")
+require("ray.serve")
+require("transformers")
 
-import numpy as np
-import ray
-from ray_helpers import load_example, serve_example
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+from ray_helpers import load_example, serve_example  # noqa: E402
 
-import raykv
-from actors.cluster import RayKVCluster
-from actors.serve import router_counters
+import raykv  # noqa: E402
+from actors.cluster import RayKVCluster  # noqa: E402
+from actors.serve import router_counters  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_outputs_match_recompute_and_prefixes_stay_on_their_holder(app) -> None:
 def test_a_dead_cache_worker_never_fails_a_request(app) -> None:
     example, dep, handle = app
     ray.kill(dep.workers[raykv.WorkerId("raykv-worker-1")], no_restart=True)
-    torch = pytest.importorskip("torch")
+    torch = require("torch")
     torch.set_num_threads(1)
     model = example.tiny_llama(example.SEED)
     rng = np.random.default_rng(99)

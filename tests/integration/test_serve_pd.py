@@ -13,16 +13,17 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from deps import require
 
-pytest.importorskip("ray.serve")
-pytest.importorskip("transformers")
-pytest.importorskip("ucxx")
+require("ray.serve")
+require("transformers")
+require("ucxx")
 
-import ray
-from ray_helpers import load_example, serve_example
+import ray  # noqa: E402
+from ray_helpers import load_example, serve_example  # noqa: E402
 
-import raykv
-from actors.cluster import RayKVCluster
+import raykv  # noqa: E402
+from actors.cluster import RayKVCluster  # noqa: E402
 
 
 @pytest.fixture(scope="module")

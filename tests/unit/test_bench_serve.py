@@ -9,6 +9,7 @@ import math
 from collections import defaultdict
 
 import pytest
+from deps import require
 
 from raykv.bench.serve_client import RequestRecord
 from raykv.bench.serve_report import ConfigResult, goal_lines, percentile, summarize, table
@@ -89,7 +90,7 @@ def test_conversation_resends_the_whole_history() -> None:
 
 
 def test_max_prompt_tokens_bounds_the_rendered_prompts() -> None:
-    pytest.importorskip("transformers")
+    require("transformers")
     from raykv.routing.local_tokenizer import build_chat_tokenizer
 
     tok = build_chat_tokenizer(QUICK.vocab_size)
@@ -161,7 +162,7 @@ def test_app_configs_route_each_config_as_named(engines: str) -> None:
     """The LLMConfigs of the bench's app (no Ray needed): engines with prefix caching, the
     engine's cached-token counts and the chat tokenizer; the routers by import path with their
     settings; raykv's router renders chats with the model's tokenizer."""
-    pytest.importorskip("ray.llm")
+    require("ray.llm")
     from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
     from actors import bench_serve_routers as routers

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import pytest
 import ray
 import tomllib
 import yaml
+from deps import require
 
 from actors.settings import load_settings
 
@@ -129,7 +129,7 @@ def test_kuberay_rayservice_runs_the_example_on_a_deployment_raykv_up_starts(tmp
     assert "raykv up --config /etc/raykv/raykv.toml" in hook
     settings = _config_map(docs, tmp_path)
     assert settings.deployment.namespace == app["args"]["namespace"]
-    example = pytest.importorskip("examples.serve_app", reason="needs torch and transformers")
+    example = require("examples.serve_app", reason="needs torch and transformers")
     assert settings.cache == example.cache_config()
     assert settings.deployment.num_workers == example.TinyLLM.num_replicas
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from deps import require
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+torch = require("torch")
+require("transformers")
 
 from raykv import (  # noqa: E402
     CacheConfig,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from deps import require
 
-pytest.importorskip("ray.llm")
+require("ray.llm")
 
-from ray.serve.llm import LLMConfig
+from ray.serve.llm import LLMConfig  # noqa: E402
 
-from actors.serve_llm import RaykvLLMServer, with_raykv
-from raykv import ConfigError
+from actors.serve_llm import RaykvLLMServer, with_raykv  # noqa: E402
+from raykv import ConfigError  # noqa: E402
 
 
 def _config(**engine: object) -> LLMConfig:

@@ -9,13 +9,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from deps import require
 
-pytest.importorskip("ray.llm")
+require("ray.llm")
 
-from actors.serve_kv import ReplicaCache
-from actors.serve_llm import RaykvLLMServer
-from actors.worker import CacheWorker
-from raykv.core.keys import ReuseScope
+from actors.serve_kv import ReplicaCache  # noqa: E402
+from actors.serve_llm import RaykvLLMServer  # noqa: E402
+from actors.worker import CacheWorker  # noqa: E402
+from raykv.core.keys import ReuseScope  # noqa: E402
 
 
 class _Cache:

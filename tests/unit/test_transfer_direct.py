@@ -13,8 +13,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from deps import require
 
-torch = pytest.importorskip("torch")
+torch = require("torch")
 
 from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError  # noqa: E402
 from raykv.transfer import AuthToken, PageClient, PageServer, TransferConfig, get_runtime  # noqa: E402

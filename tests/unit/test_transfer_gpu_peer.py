@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
+from deps import require
 from transfer_support import Pair, commit, host_pair, run, seq
 
 from raykv import ContentOracle, KVLayout, TransferError
@@ -163,5 +164,5 @@ def test_pinning_a_mapping_without_cuda_changes_nothing(pair: Pair, oracle: Cont
 
 
 def cuda_usable() -> bool:
-    torch = pytest.importorskip("torch")
+    torch = require("torch")
     return bool(torch.cuda.is_available())

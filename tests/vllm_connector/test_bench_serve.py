@@ -14,9 +14,10 @@ import math
 from pathlib import Path
 
 import pytest
+from deps import require
 
-pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
-pytest.importorskip("ray.serve.llm")
+require("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
+require("ray.serve.llm")
 pytest.importorskip("openai")
 
 

@@ -33,14 +33,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from deps import require
 
-pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
+require("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
 
-from actors.cluster import RayKVCluster
-from raykv.integrations.vllm import testing
-from raykv.integrations.vllm.testing import Result
+from actors.cluster import RayKVCluster  # noqa: E402
+from raykv.integrations.vllm import testing  # noqa: E402
+from raykv.integrations.vllm.testing import Result  # noqa: E402
 
-from .helpers import TPB, held, prompt, usable_blocks, wait_held
+from .helpers import TPB, held, prompt, usable_blocks, wait_held  # noqa: E402
 
 MAX_TOKENS = 40
 BATCHED_TOKENS = 112  # 3.5 blocks a step: chunks end mid-block and mix requests and decodes

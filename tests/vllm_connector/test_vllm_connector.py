@@ -12,18 +12,19 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from deps import require
 
-pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
+require("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
 
-import ray
+import ray  # noqa: E402
 
-from actors.cluster import RayKVCluster
-from raykv import TierKind
-from raykv.integrations.vllm.link import open_link
-from raykv.integrations.vllm.scheduler import SchedulerSide
-from raykv.integrations.vllm.testing import generate, tiny_layout
+from actors.cluster import RayKVCluster  # noqa: E402
+from raykv import TierKind  # noqa: E402
+from raykv.integrations.vllm.link import open_link  # noqa: E402
+from raykv.integrations.vllm.scheduler import SchedulerSide  # noqa: E402
+from raykv.integrations.vllm.testing import generate, tiny_layout  # noqa: E402
 
-from .helpers import TPB, held, prompt, usable_blocks, wait_held, worker
+from .helpers import TPB, held, prompt, usable_blocks, wait_held, worker  # noqa: E402
 
 
 def _same(got: Any, want: Any) -> None:

@@ -15,22 +15,24 @@ import contextlib
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from deps import require
 
-pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
+require("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
 
-import ray
+import ray  # noqa: E402
 
-from actors.cluster import RayKVCluster
-from raykv import ReuseScope, TierKind, block_keys
-from raykv.integrations.vllm.plan import rank_scope
-from raykv.integrations.vllm.testing import generate
-from raykv.routing.pd import PDConfig, choose_pair
-from raykv.routing.policy import RoutingConfig, WorkerLoad
+from actors.cluster import RayKVCluster  # noqa: E402
+from raykv import ReuseScope, TierKind, block_keys  # noqa: E402
+from raykv.integrations.vllm.plan import rank_scope  # noqa: E402
+from raykv.integrations.vllm.testing import generate  # noqa: E402
+from raykv.routing.pd import PDConfig, choose_pair  # noqa: E402
+from raykv.routing.policy import RoutingConfig, WorkerLoad  # noqa: E402
 
-from .helpers import TPB, engine_model, held, prompt, usable_blocks, wait_held, worker
+from .helpers import TPB, engine_model, held, prompt, usable_blocks, wait_held, worker  # noqa: E402
 
 ENGINE_B_TIMEOUT_S = 4.0  # engine_b's timeout_s (conftest)
 
@@ -218,11 +220,49 @@ def test_a_tensor_parallel_engine_loads_each_ranks_own_heads(
         _same(fetched, first)
 
 
+def _cpu_flags() -> list[str]:
+    """The first ``flags`` line of /proc/cpuinfo, split (empty where there is none)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace").splitlines()
+    except OSError:
+        return []
+    return next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+
+
+def _fp8_kv_cache_unsupported() -> str | None:
+    """Why vLLM cannot hold an fp8 KV cache on this machine (a skip reason), or None.
+
+    vLLM's CPU attention backend (``_get_attn_isa`` in vllm/v1/attention/backends/cpu_attn.py)
+    raises "FP8 KV cache on CPU requires x86 with AVX-512 or AMX." unless
+    ``torch.cpu._is_avx512_supported()`` or ``torch.cpu._is_amx_tile_supported()``; this asks
+    the same (falling back to /proc/cpuinfo's avx512f and amx_tile flags if torch drops those
+    private calls). A missing CPU capability is a reason to skip; engines on a GPU are unaffected.
+    """
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    flags = _cpu_flags()
+    avx512 = getattr(torch.cpu, "_is_avx512_supported", lambda: "avx512f" in flags)()
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: "amx_tile" in flags)()
+    if avx512 or amx:
+        return None
+    seen = " ".join(f for f in flags if f.startswith(("avx512", "amx"))) or "none"
+    return (
+        "no AVX-512 or AMX on this CPU (vLLM's fp8 KV cache on CPU needs one; "
+        f"avx512/amx flags in /proc/cpuinfo: {seen})"
+    )
+
+
 @pytest.mark.timeout(600)
 def test_an_fp8_kv_cache_round_trips_bit_exact(model_dir: str, ray_address: str) -> None:
     """vLLM keeps an fp8 KV cache (``kv_cache_dtype="fp8"``) in uint8 tensors; the connector
     pages it as float8_e4m3fn (one byte per value): a repeat loads its blocks and generates
-    exactly what the first run computed."""
+    exactly what the first run computed. Skipped on a CPU without AVX-512 or AMX."""
+    unsupported = _fp8_kv_cache_unsupported()
+    if unsupported is not None:
+        pytest.skip(unsupported)
     from raykv import KVLayout
     from raykv.integrations.vllm import testing
 

@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from deps import require
 
-torch = pytest.importorskip("torch")
+torch = require("torch")
 
 from raykv import ConfigError, InvalidArgumentError, KVLayout  # noqa: E402
 from raykv.integrations.vllm.groups import GroupedCopier  # noqa: E402
@@ -95,7 +96,7 @@ def test_bad_block_tables_raise_and_copy_nothing() -> None:
 
 
 def _spec(kind: str, **changes: Any) -> Any:
-    iface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    iface = require("vllm.v1.kv_cache_interface")
     fields: dict[str, Any] = dict(block_size=TOKENS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
     if kind == "SlidingWindowSpec":
         fields["sliding_window"] = 40

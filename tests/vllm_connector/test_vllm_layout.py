@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from deps import require
 
-torch = pytest.importorskip("torch")
+torch = require("torch")
 
 from raykv import ConfigError, InvalidArgumentError, KVLayout  # noqa: E402
 from raykv.integrations.vllm.copier import BlockCopier  # noqa: E402
@@ -174,7 +175,7 @@ def test_bad_inputs_raise_typed_errors() -> None:
 @pytest.mark.parametrize("kernel", [None, TOKENS // 2])
 def test_vllm_kv_caches_matches_vllm(order: str, kernel: int | None) -> None:
     """testing.vllm_kv_caches gives the views vLLM's allocation gives (shape, strides, offset)."""
-    iface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    iface = require("vllm.v1.kv_cache_interface")
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     layout = KVCacheLayout[order]

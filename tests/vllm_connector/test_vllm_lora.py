@@ -23,13 +23,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from deps import require
 
-pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
+require("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
 
-from actors.cluster import RayKVCluster
-from raykv import ReuseScope
+from actors.cluster import RayKVCluster  # noqa: E402
+from raykv import ReuseScope  # noqa: E402
 
-from .helpers import TPB, held, prompt, wait_held
+from .helpers import TPB, held, prompt, wait_held  # noqa: E402
 
 RANK = 8
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from deps import require
 
-torch = pytest.importorskip("torch")
+torch = require("torch")
 
 from raykv import ConfigError, InvalidArgumentError, KVLayout  # noqa: E402
 from raykv.integrations.vllm.copier import BlockCopier  # noqa: E402
@@ -77,7 +78,7 @@ def test_latent_pages_round_trip_in_every_physical_order(dtype: str) -> None:
 
 
 def _spec(**changes: Any) -> Any:
-    iface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    iface = require("vllm.v1.kv_cache_interface")
     fields = dict(block_size=TOKENS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     return iface.MLAAttentionSpec(**{**fields, **changes})
 
@@ -93,7 +94,7 @@ def test_engine_layout_of_an_mla_spec() -> None:
     assert names == tuple(LAYERS)
     assert layout == mla_layout(3, 576, TOKENS, "bfloat16")
     assert layout.roles(0) == (MLA_ROLE,) and layout.page_bytes == 3 * TOKENS * 576 * 2
-    iface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    iface = require("vllm.v1.kv_cache_interface")
     fp8 = _spec(dtype=torch.uint8, kv_quant_mode=iface.KVQuantMode.FP8_PER_TENSOR)
     assert engine_layout(_config(fp8), cache_dtype="fp8")[0] == mla_layout(3, 576, TOKENS, "float8_e4m3fn")
 
@@ -101,7 +102,7 @@ def test_engine_layout_of_an_mla_spec() -> None:
 def test_mla_caches_raykv_cannot_page_are_refused() -> None:
     """engine_native pages, padded blocks, per-token quantization or an fp8 format with scales
     packed beside the latent: ConfigError when the connector starts, naming the setting."""
-    iface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    iface = require("vllm.v1.kv_cache_interface")
     with pytest.raises(ConfigError) as err:
         engine_layout(_config(_spec()), page_layout="engine_native")
     assert err.value.field == "page_layout"
@@ -136,7 +137,7 @@ def test_latent_pages_and_key_value_formats_do_not_mix() -> None:
 def test_hf_kv_layout_sends_mla_configs_to_the_latent_layout() -> None:
     """``hf.kv_layout`` builds key/value pages; for an MLA config it raises ConfigError spelling
     out the latent layout a vLLM deployment needs, which is the engine's own."""
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     from raykv.integrations.hf import kv_layout
     from raykv.integrations.vllm.testing import MLA_FIELDS, tiny_mla_layout
 
@@ -169,7 +170,7 @@ def test_each_data_parallel_rank_pairs_with_a_worker_of_its_own(monkeypatch: pyt
 
     opened: list[Any] = []
     monkeypatch.setattr(connector, "open_link", lambda extra: opened.append(extra["worker"]))
-    iface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    iface = require("vllm.v1.kv_cache_interface")
     spec = iface.FullAttentionSpec(block_size=TOKENS, num_kv_heads=2, head_size=64, dtype=torch.float32)
     for rank in (0, 1):
         transfer = SimpleNamespace(

@@ -14,16 +14,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from deps import require
 
-pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
+require("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
 
-import ray
+import ray  # noqa: E402
 
-from actors.cluster import RayKVCluster
-from actors.vllm_link import RayDeploymentLink
-from raykv import ConfigError, ReuseScope
+from actors.cluster import RayKVCluster  # noqa: E402
+from actors.vllm_link import RayDeploymentLink  # noqa: E402
+from raykv import ConfigError, ReuseScope  # noqa: E402
 
-from .helpers import TPB, held, prompt, wait_held, worker
+from .helpers import TPB, held, prompt, wait_held, worker  # noqa: E402
 
 
 @contextlib.contextmanager

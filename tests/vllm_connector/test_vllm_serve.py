@@ -13,14 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
+from deps import require
 
-pytest.importorskip("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
-pytest.importorskip("ray.serve.llm")
+require("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
+require("ray.serve.llm")
 
-from ray_helpers import load_example
+from ray_helpers import load_example  # noqa: E402
 
-from actors.cluster import RayKVCluster
-from raykv.integrations.vllm.testing import BLOCK_SIZE
+from actors.cluster import RayKVCluster  # noqa: E402
+from raykv.integrations.vllm.testing import BLOCK_SIZE  # noqa: E402
 
 
 @pytest.fixture(scope="module")
