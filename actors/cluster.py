@@ -60,6 +60,7 @@ class DeploymentSpec:
     # Whether each worker takes the page layout of the engines paired with it (a deployment
     # started without a layout; ``CacheWorker.bind_engine``).
     engine_layouts: bool = False
+    index_capacity: int = 0  # keys expected over all shards (0: tables grow as needed)
 
 
 class Registry:
@@ -383,7 +384,13 @@ def _start_shards(spec: DeploymentSpec) -> None:
             memory=PLACEMENT_MEMORY,
             scheduling_strategy=_spread(i),
             **_detached(spec.namespace),
-        ).remote(i, len(spec.shards), spec.namespace, spec.workers)
+        ).remote(
+            i,
+            len(spec.shards),
+            spec.namespace,
+            spec.workers,
+            capacity=-(-spec.index_capacity // len(spec.shards)),
+        )
 
 
 def placement_group_name(namespace: str) -> str:
@@ -472,6 +479,7 @@ def start(
     worker_class: type[CacheWorker] = CacheWorker,
     routing: RoutingConfig | None = None,
     engine_layouts: bool | None = None,
+    index_capacity: int = 0,
 ) -> RayKVCluster:
     """Start a deployment and return its handle.
 
@@ -489,8 +497,11 @@ def start(
     of the vLLM engines paired with it (:meth:`actors.worker.CacheWorker.bind_engine`; the
     tiers keep their capacities in bytes), so engines of any model attach without a layout
     written by hand; False: the workers keep ``config``'s layout and refuse other engines.
+    ``index_capacity``: keys the index is expected to hold (shards sized up front; 0: they grow).
     """
-    DeploymentConfig(namespace, num_workers, index_shards, max_restarts, tuple(worker_resources or ()))
+    DeploymentConfig(
+        namespace, num_workers, index_shards, max_restarts, tuple(worker_resources or ()), index_capacity
+    )
     if not (isinstance(worker_class, type) and issubclass(worker_class, CacheWorker)):
         raise ValueError(f"worker_class must be CacheWorker or a subclass, got {worker_class!r}")
     _ensure_ray(address, namespace)
@@ -517,6 +528,7 @@ def start(
         routing=routing,
         placement_group=pg,
         engine_layouts=engine_layouts,
+        index_capacity=index_capacity,
     )
     ray.remote(Registry).options(name=REGISTRY, num_cpus=0, **_detached(namespace)).remote(spec)  # type: ignore[arg-type]
     _start_shards(spec)

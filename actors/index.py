@@ -46,8 +46,9 @@ class IndexShard:
         namespace: str,
         workers: Sequence[tuple[str, int]] = (),
         predict_ttl_s: float = 2.0,
+        capacity: int = 0,
     ) -> None:
-        self.index = PrefixIndex(shard, num_shards, predict_ttl_s=predict_ttl_s)
+        self.index = PrefixIndex(shard, num_shards, predict_ttl_s=predict_ttl_s, capacity=capacity)
         self.namespace = namespace
         self._expected = list(workers)
         self._handles: dict[WorkerId, Any] = {}

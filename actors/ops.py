@@ -115,6 +115,7 @@ def up_main(args: argparse.Namespace) -> int:
             num_workers=d.num_workers,
             config=s.cache,
             index_shards=d.index_shards,
+            index_capacity=d.index_capacity,
             namespace=d.namespace,
             worker_resources=d.worker_resources or None,
             max_restarts=d.max_restarts,

@@ -59,6 +59,9 @@ class DeploymentConfig:
     (2 CPU workers on a cluster without GPUs), else that many CPU workers. ``index_shards`` >= 1.
     ``max_restarts`` >= -1 (-1: without limit) for the workers. ``worker_resources``: per worker
     i, custom Ray resources it needs (e.g. ``{"node1": 0.01}`` to pin it to a node); empty: none.
+    ``index_capacity`` >= 0: the keys the index is expected to hold (all shards together): each
+    shard's table is sized for its part up front and never grows until that is passed; 0: tables
+    start small and grow 2x as needed (a few slots per write; docs/design.md "Events and index shards").
     """
 
     namespace: str = "raykv"
@@ -66,6 +69,7 @@ class DeploymentConfig:
     index_shards: int = 1
     max_restarts: int = 0
     worker_resources: tuple[dict[str, float], ...] = ()
+    index_capacity: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
@@ -77,6 +81,9 @@ class DeploymentConfig:
             raise ConfigError("index_shards", f"must be an int >= 1, got {self.index_shards!r}")
         if self.index_shards < 1:
             raise ConfigError("index_shards", f"must be an int >= 1, got {self.index_shards!r}")
+        c = self.index_capacity
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise ConfigError("index_capacity", f"must be an int >= 0 (0: grow as needed), got {c!r}")
         r = self.max_restarts
         if isinstance(r, bool) or not isinstance(r, int) or r < -1:
             raise ConfigError("max_restarts", f"must be an int >= -1 (-1: no limit), got {r!r}")
@@ -318,6 +325,7 @@ _HELP = {
         "namespace": "Ray namespace of the raykv actors",
         "num_workers": "omit: one CacheWorker per GPU (2 CPU workers on a cluster without GPUs)",
         "index_shards": "IndexShard actors, spread over the nodes",
+        "index_capacity": "keys the index is expected to hold, all shards (0: tables grow as needed)",
         "max_restarts": "Ray restarts of a dead worker (-1: without limit)",
         "worker_resources": "e.g. [{node0 = 0.01}, {node1 = 0.01}]: Ray resources worker i needs",
     },

@@ -172,14 +172,17 @@ def _paced(
     return lat, events / (time.perf_counter() - start)
 
 
-def measure(memberships: int, holders: int, seed: int = 7, paced_s: float = PACED_S) -> ScaleResult:
+def measure(
+    memberships: int, holders: int, seed: int = 7, paced_s: float = PACED_S, presize: bool = False
+) -> ScaleResult:
     """Build one shard of ``memberships`` memberships (``holders`` per key) and measure it
-    (routes while ingesting for ``paced_s`` seconds)."""
+    (routes while ingesting for ``paced_s`` seconds). ``presize``: the table is sized for the
+    keys up front (a shard configured with its expected keys), so it never grows."""
     rng = random.Random(seed)
     chains = max(1, memberships // (CHAIN * holders))
     gc.collect()
     rss0 = _rss()
-    index = PrefixIndex()
+    index = PrefixIndex(capacity=chains * CHAIN if presize else 0)
     for w in range(WORKERS):
         index.register_worker(WorkerId(f"w{w}"), w, 1)
     run, next_id = _Run(index), [1] * WORKERS
@@ -201,7 +204,7 @@ def measure(memberships: int, holders: int, seed: int = 7, paced_s: float = PACE
         memberships=built,
         holders=holders,
         keys=chains * CHAIN,
-        table="compiled" if "slot_bytes" in stats else "python",
+        table=("compiled" if "slot_bytes" in stats else "python") + (", pre-sized" if presize else ""),
         bytes_per_membership=memory / built,
         rss_bytes_per_membership=rss / built,
         ingest_events_per_s=ingest,
@@ -275,18 +278,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=int, nargs="*", help="memberships per run (default 1M, 10M, 100M)")
     parser.add_argument("--holders", type=int, nargs="*", default=list(HOLDERS))
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--presize", action="store_true", help="also measure tables sized up front")
     args = parser.parse_args(argv)
-    return run(args.sizes or SIZES["quick" if args.quick else "full"], args.holders, args.json)
+    return run(args.sizes or SIZES["quick" if args.quick else "full"], args.holders, args.json, args.presize)
 
 
-def run(sizes: list[int] | tuple[int, ...], holders: list[int], json_path: str | None = None) -> int:
-    """Measure every (size, holders) pair, then the baselines at the smallest size; print tables."""
+def run(
+    sizes: list[int] | tuple[int, ...],
+    holders: list[int],
+    json_path: str | None = None,
+    presize: bool = False,
+) -> int:
+    """Measure every (size, holders) pair (grown, and with ``presize`` also sized up front), then
+    the baselines at the smallest size; print tables."""
     results = []
-    total = len(sizes) * len(holders)
-    for i, size in enumerate(sizes):
-        for j, r in enumerate(holders):
-            print(f"[{i * len(holders) + j + 1}/{total}] {size:,} memberships, r={r} ...", flush=True)
-            results.append(measure(size, r))
+    plan = [(size, r, p) for size in sizes for r in holders for p in ((False, True) if presize else (False,))]
+    for i, (size, r, p) in enumerate(plan):
+        print(
+            f"[{i + 1}/{len(plan)}] {size:,} memberships, r={r}{', pre-sized' if p else ''} ...", flush=True
+        )
+        results.append(measure(size, r, presize=p))
     smallest = min(sizes)
     base = dict_baseline(smallest)
     os.environ["RAYKV_PURE_INDEX"] = "1"

@@ -258,6 +258,9 @@ static void move_some(Holders *h, uint64_t budget) {
     Table *o = &h->old;
     uint64_t end = h->move_at + budget < o->cap ? h->move_at + budget : o->cap;
     for (uint64_t i = h->move_at; i < end; i++) {
+        if ((i & 15) == 0) /* request the new homes of the next 16 slots before placing them */
+            for (uint64_t k = i; k < i + 16 && k < end; k++)
+                if (o->slots[k].set >= FIRST_SET) __builtin_prefetch(&h->cur.slots[home(&h->cur, o->slots[k].a)], 1);
         Slot *s = &o->slots[i];
         if (s->set < FIRST_SET) continue;
         if (h->sets[s->set]->n == 0) {

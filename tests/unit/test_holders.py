@@ -166,3 +166,21 @@ def _batch(worker: str, ops):
     from raykv.index.prefix_index import EventBatch
 
     return EventBatch(worker, 1, 1, len(ops), tuple(ops))
+
+
+def test_a_presized_index_never_moves_and_config_checks_the_capacity():
+    from actors.settings import ConfigError, DeploymentConfig, settings_from_dict
+
+    rng = random.Random(9)
+    ix = PrefixIndex(capacity=50_000)
+    ix.register_worker("w", 0, 1)
+    ops = [(OP_STORE, rng.randbytes(32), 0) for _ in range(50_000)]
+    ix.apply_batch(_batch("w", ops))
+    stats = ix.table_stats()
+    assert len(ix) == 50_000 and stats["moves"] == 0 and not stats["moving"]
+    if compiled_mod is not None:
+        assert 8 * 50_000 <= 7 * stats["capacity"]
+    assert settings_from_dict({"deployment": {"index_capacity": 10**9}}).deployment.index_capacity == 10**9
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError):
+            DeploymentConfig(index_capacity=bad)
