@@ -516,6 +516,7 @@ static void H_dealloc(Holders *h) {
     PyMem_Free(h->itab);
     PyMem_Free(h->memo);
     PyMem_Free(h->walk);
+    hl_free_answers(h->answers);
     Py_TYPE(h)->tp_free((PyObject *)h);
 }
 

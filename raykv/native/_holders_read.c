@@ -189,6 +189,72 @@ static PyObject *new_match(PyTypeObject *type, PyObject *name, const Row *r) {
     return m;
 }
 
+/* The answer dict of a walk: match_type(name, blocks, gpu, host, disk, 0) per named lane. */
+static PyObject *build_answer(const Walk *w, PyObject *names, PyTypeObject *type) {
+    Py_ssize_t known = PyTuple_GET_SIZE(names);
+    PyObject *out = PyDict_New();
+    for (int r = 0; out && r < w->n_done; r++) {
+        if (w->done[r].lane >= known) continue;
+        PyObject *name = PyTuple_GET_ITEM(names, w->done[r].lane);
+        if (name == Py_None) continue;
+        PyObject *match = new_match(type, name, &w->done[r]);
+        if (!match || PyDict_SetItem(out, name, match) < 0) Py_CLEAR(out);
+        Py_XDECREF(match);
+    }
+    return out;
+}
+
+/* Answers with many matches, kept by their rows (with the names tuple and match type they were
+ * built for): a prefix many workers hold (a shared system prompt) then costs a dict copy, not a
+ * match object per worker. Direct-mapped; a caller always gets a fresh dict. */
+#define ANSWERS 64
+#define ANSWER_ROWS 64
+typedef struct {
+    uint64_t hash;
+    PyObject *names, *type, *dict; /* owned; NULL when empty */
+    int n;
+    Row rows[ANSWER_ROWS];
+} Answer;
+
+struct AnswerMemo {
+    Answer e[ANSWERS];
+};
+
+HIDDEN void hl_free_answers(struct AnswerMemo *memo) {
+    if (!memo) return;
+    for (int i = 0; i < ANSWERS; i++) {
+        Py_XDECREF(memo->e[i].names);
+        Py_XDECREF(memo->e[i].type);
+        Py_XDECREF(memo->e[i].dict);
+    }
+    PyMem_Free(memo);
+}
+
+static PyObject *memo_answer(Holders *h, const Walk *w, PyObject *names, PyTypeObject *type) {
+    uint64_t x = 1469598103934665603ULL;
+    const unsigned char *p = (const unsigned char *)w->done;
+    for (size_t i = 0; i < (size_t)w->n_done * sizeof(Row); i++) x = (x ^ p[i]) * 1099511628211ULL;
+    if (!h->answers && !(h->answers = PyMem_Calloc(1, sizeof(struct AnswerMemo)))) return PyErr_NoMemory();
+    Answer *e = &h->answers->e[(x ^ (x >> 32)) % ANSWERS];
+    size_t bytes = (size_t)w->n_done * sizeof(Row);
+    if (e->dict && e->hash == x && e->names == names && e->type == (PyObject *)type && e->n == w->n_done &&
+        memcmp(e->rows, w->done, bytes) == 0)
+        return PyDict_Copy(e->dict);
+    PyObject *out = build_answer(w, names, type);
+    PyObject *kept = out ? PyDict_Copy(out) : NULL;
+    if (!kept) {
+        Py_XDECREF(out);
+        return NULL;
+    }
+    Py_XSETREF(e->dict, kept);
+    Py_XSETREF(e->names, Py_NewRef(names));
+    Py_XSETREF(e->type, Py_NewRef((PyObject *)type));
+    e->hash = x;
+    e->n = w->n_done;
+    memcpy(e->rows, w->done, bytes);
+    return out;
+}
+
 /* route(keys, names, match_type) -> {name: match_type(name, blocks, gpu, host, disk, 0)};
  * names[lane] is the lane's worker (None or beyond the tuple: left out). */
 HIDDEN PyObject *hl_route(Holders *h, PyObject *const *args, Py_ssize_t nargs) {
@@ -202,17 +268,9 @@ HIDDEN PyObject *hl_route(Holders *h, PyObject *const *args, Py_ssize_t nargs) {
     if (!w || keys_open(args[0], &k) < 0) return NULL;
     walk(h, &k, w);
     keys_close(&k);
-    Py_ssize_t known = PyTuple_GET_SIZE(args[1]);
-    PyObject *out = PyDict_New();
-    for (int r = 0; out && r < w->n_done; r++) {
-        if (w->done[r].lane >= known) continue;
-        PyObject *name = PyTuple_GET_ITEM(args[1], w->done[r].lane);
-        if (name == Py_None) continue;
-        PyObject *match = new_match((PyTypeObject *)args[2], name, &w->done[r]);
-        if (!match || PyDict_SetItem(out, name, match) < 0) Py_CLEAR(out);
-        Py_XDECREF(match);
-    }
-    return out;
+    if (w->n_done > ROUTE_SPARSE && w->n_done <= ANSWER_ROWS)
+        return memo_answer(h, w, args[1], (PyTypeObject *)args[2]);
+    return build_answer(w, args[1], (PyTypeObject *)args[2]);
 }
 
 /* ---- listing and upkeep --------------------------------------------------------------------- */

@@ -71,6 +71,7 @@ typedef struct {
     char *retired; /* a moved-out table still being unmapped, RETIRE_BYTES per write */
     size_t retired_len;
     struct Walk *walk; /* the route walk's rows (allocated on first use) */
+    struct AnswerMemo *answers; /* route answers with many matches (allocated on first use) */
 } Holders;
 
 static inline uint64_t home(const Table *t, uint64_t a) {
@@ -150,5 +151,6 @@ HIDDEN PyObject *hl_route(Holders *h, PyObject *const *args, Py_ssize_t nargs);
 HIDDEN PyObject *hl_route_rows(Holders *h, PyObject *obj);
 HIDDEN PyObject *hl_lane_blocks(Holders *h, PyObject *arg);
 HIDDEN PyObject *hl_split(PyObject *m, PyObject *const *args, Py_ssize_t nargs);
+HIDDEN void hl_free_answers(struct AnswerMemo *memo);
 
 #endif

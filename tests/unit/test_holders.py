@@ -27,7 +27,7 @@ from raykv.index.holders import (
     split,
     unpack_ops,
 )
-from raykv.index.prefix_index import PrefixIndex, RouteMatch, shard_of
+from raykv.index.prefix_index import EventBatch, PrefixIndex, RouteMatch, shard_of
 from raykv.index.route import FIRST_LOOKUPS, route_held, unpack_rows
 
 compiled_mod = native.load("_holders")
@@ -226,3 +226,25 @@ def test_moves_interleaved_with_removes_clears_and_drops_match_python(seed):
     for lane in lanes:
         assert c.lane_blocks(lane) == p.lane_blocks(lane)
     assert c.stats()["moves"] > 0
+
+
+def test_a_popular_prefix_answer_is_fresh_each_time_and_follows_changes():
+    """Answers with many matches come from a memo keyed by their content: each call gets its own
+    dict, and a change of the holders (or of the workers' names) gives the new answer."""
+    rng = random.Random(4)
+    chain = [rng.randbytes(32) for _ in range(50)]
+    ix = PrefixIndex()
+    for lane in range(20):
+        ix.register_worker(f"w{lane}", lane, 1)
+        ix.apply_batch(_batch(f"w{lane}", [(OP_STORE, k, lane % 3) for k in chain[: 30 + lane]]))
+    first = ix.route(chain)
+    assert len(first) == 20 and first["w7"] == RouteMatch("w7", 37, 0, 37, 0)
+    first.pop("w7")
+    again = ix.route(chain)
+    assert len(again) == 20 and again is not first
+    ix.apply_batch(EventBatch("w7", 1, 38, 38, ((OP_REMOVE, chain[5], 0),)))
+    assert ix.route(chain)["w7"] == RouteMatch("w7", 5, 0, 5, 0)
+    ix.remove_worker("w3")
+    ix.register_worker("v3", 3, 1)  # same lane, another name: the answer names it
+    after = ix.route(chain)
+    assert "w3" not in after and "v3" not in after and len(after) == 19
