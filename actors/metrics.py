@@ -352,6 +352,7 @@ SERIES: dict[str, str] = {
             "raykv_transfer_open_connections",
             "raykv_index_keys",
             "raykv_index_workers",
+            "raykv_index_bytes",
             "raykv_index_event_lag",
             "raykv_router_duplicate_price",
             "raykv_router_pull_price",
