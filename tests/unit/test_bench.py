@@ -3,6 +3,7 @@ benchmark is reported and makes the run return 1; an unknown suite raises ValueE
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 
@@ -39,8 +40,11 @@ def parse_row(table: str, name: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def quick_run() -> tuple[int, str, str]:
+    """``raykv bench core --quick`` through the CLI (which calls run_benchmarks with the process's
+    streams): its exit code, stdout and stderr. One run serves every test here (~12 s)."""
     out, err = io.StringIO(), io.StringIO()
-    rc = run_benchmarks("core", quick=True, out=out, err=err)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli_main(["bench", "core", "--quick"])
     return rc, out.getvalue(), err.getvalue()
 
 
@@ -104,7 +108,8 @@ def test_rows_ratio_goal_and_alignment() -> None:
     assert first.index("1.00") + len("1.00") == second.index("12345") + len("12345")
 
 
-def test_cli_bench_core_quick_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["bench", "core", "--quick"]) == 0
+def test_cli_bench_core_quick_exit_code(quick_run: tuple[int, str, str]) -> None:
+    rc, out, _err = quick_run
+    assert rc == 0
     rows = 17 + 2 * len(checksum_functions())  # one checksum row per installed function and page size
-    assert f"core: {rows} rows, 0 errors" in capsys.readouterr().out
+    assert f"core: {rows} rows, 0 errors" in out

@@ -20,6 +20,10 @@ require("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see REA
 require("ray.serve.llm")
 pytest.importorskip("openai")
 
+# Among the longest engine tests (four Serve LLM engines, ~4 min on 2 cores): deselected by default,
+# run by CI with `pytest -m ci_only` (pyproject.toml, .ci/run).
+pytestmark = pytest.mark.ci_only
+
 
 # 4 vLLM engines start in Serve replicas (~2-2.5 min on an idle 2-core VM), then 4 phases of ~10 s
 @pytest.mark.timeout(1200)

@@ -43,6 +43,10 @@ from raykv.integrations.vllm.testing import Result  # noqa: E402
 
 from .helpers import TPB, held, prompt, usable_blocks, wait_held  # noqa: E402
 
+# Among the longest engine tests (three engines, ~1.5 min on 2 cores): deselected by default,
+# run by CI with `pytest -m ci_only` (pyproject.toml, .ci/run).
+pytestmark = pytest.mark.ci_only
+
 MAX_TOKENS = 40
 BATCHED_TOKENS = 112  # 3.5 blocks a step: chunks end mid-block and mix requests and decodes
 KV_BLOCKS = 24  # engine blocks: the batch's prompts fit (shared prefixes counted once), its decodes not

@@ -15,6 +15,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -302,6 +303,7 @@ def _same_as_example_connector(
     _same(runs[1], ref_again)
 
 
+@pytest.mark.ci_only  # two engines, ~1.3 min on 2 cores: run by CI with -m ci_only
 @pytest.mark.timeout(600)
 def test_an_mla_engine_loads_latents_as_vllms_own_example_connector_does(
     ray_address: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
@@ -335,6 +337,7 @@ def test_an_mla_engine_loads_latents_as_vllms_own_example_connector_does(
     assert max(abs(a[1] - b[1]) for x, y in steps for a, b in zip(x, y, strict=True)) < 1e-2
 
 
+@pytest.mark.ci_only  # two engines, ~1.3 min on 2 cores: run by CI with -m ci_only
 @pytest.mark.timeout(600)
 def test_a_tensor_parallel_mla_engine_stores_one_set_of_latent_pages(
     ray_address: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
@@ -360,12 +363,45 @@ def test_a_tensor_parallel_mla_engine_stores_one_set_of_latent_pages(
     _same_as_example_connector(model, tokens, (first, again), str(tmp_path_factory.mktemp("ex-tp")), **engine)
 
 
+@dataclass(frozen=True)
+class SlidingWindow:
+    """The sliding-window model (:func:`sliding_window`) and what its two tests share."""
+
+    model: str
+    deployment: RayKVCluster  # two testing workers laid out for the model
+    engine: Any  # kv_both, paired with worker 0
+    plain: Any  # no connector
+
+
+@pytest.fixture(scope="module")
+def sliding_window(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlidingWindow]:
+    """The tiny Llama with ``layer_types`` (sliding-window layers beside full ones, a 40-token
+    window), a deployment of two workers for its pages, an engine of it paired with worker 0 and
+    one without a connector: each engine takes ~30 s to start on 2 cores, so both tests use these
+    (their prompts share no block). One torch thread per engine (THREAD_ENV)."""
+    from vllm import LLM
+
+    from raykv.integrations.vllm import testing
+
+    saved = testing.pin_engine_threads()
+    try:
+        model = testing.save_tiny_llama(
+            str(tmp_path_factory.mktemp("tiny-swa")),
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=40,
+        )
+        with _engine_on(testing.tiny_layout(), 2, model, ray_address, 0) as (dep, llm):
+            plain = LLM(**testing.engine_kwargs(model))
+            try:
+                yield SlidingWindow(model, dep, llm, plain)
+            finally:
+                testing.shutdown_engine(plain)
+    finally:
+        testing.restore_env(saved)
+
+
 @pytest.mark.timeout(600)
-def test_sliding_window_layers_beside_full_ones_keep_only_their_window(
-    ray_address: str,
-    tmp_path_factory: pytest.TempPathFactory,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_sliding_window_layers_beside_full_ones_keep_only_their_window(sliding_window: SlidingWindow) -> None:
     """Sliding-window layers beside full-attention ones (Gemma 2/3 and gpt-oss style; here the
     tiny Llama with ``layer_types``, a 40-token window). RaykvConnector supports vLLM's hybrid KV
     cache manager, so the engine keeps two KV cache groups and a block slot holds one layer of
@@ -374,79 +410,62 @@ def test_sliding_window_layers_beside_full_ones_keep_only_their_window(
     window's sliding-window blocks (the rest are null), asynchronously. A repeat of an 8-block
     prompt, and a prompt sharing only its first 5 blocks (whose window then reads blocks 2-4,
     stored by the first prompt), generate exactly what an engine without a connector does."""
-    from vllm import LLM
-
     from raykv.integrations.vllm import testing
 
-    for key, value in testing.THREAD_ENV.items():
-        monkeypatch.setenv(key, value)
-    path = str(tmp_path_factory.mktemp("tiny-swa"))
-    model = testing.save_tiny_llama(
-        path, layer_types=["sliding_attention", "full_attention"], sliding_window=40
-    )
+    dep, llm, plain = sliding_window.deployment, sliding_window.engine, sliding_window.plain
     long = prompt(59, 8 * TPB + 3)
     branch = long[: 5 * TPB] + prompt(61, 2 * TPB + 7)
     layout = testing.tiny_layout()
-    with _engine_on(layout, 1, model, ray_address, 0) as (dep, llm):
-        blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
-        first = generate(llm, long)
-        wait_held(dep, 0, long, 8, ReuseScope(), timeout=30)
-        again = generate(llm, long)
-        other = generate(llm, branch)
+    assert held(dep, 0, long).num_blocks == 0 and held(dep, 1, long).num_blocks == 0  # nothing cached yet
+    blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    first = generate(llm, long)
+    wait_held(dep, 0, long, 8, ReuseScope(), timeout=30)
+    again = generate(llm, long)
+    other = generate(llm, branch)
     assert blocks == testing.KV_CACHE_BYTES // (layout.page_bytes // 2)  # one layer per group in a slot
     assert first.raykv["staged_blocks"] == 8
     assert again.raykv["loaded_blocks_ok"] == 8 and again.raykv["prefilled_tokens"] == 3
     assert again.raykv["async_loads"] == 1 and "load_errors" not in again.raykv
     assert other.raykv["loaded_blocks_ok"] == 5 and "load_errors" not in other.raykv
-    plain = LLM(**testing.engine_kwargs(model))
-    try:
-        _same(first, generate(plain, long))
-        _same(again, first)
-        _same(other, generate(plain, branch))
-    finally:
-        testing.shutdown_engine(plain)
+    _same(first, generate(plain, long))
+    _same(again, first)
+    _same(other, generate(plain, branch))
 
 
 @pytest.mark.timeout(600)
 def test_sliding_window_prefill_decode_pulls_every_groups_pages(
-    ray_address: str,
-    tmp_path_factory: pytest.TempPathFactory,
-    monkeypatch: pytest.MonkeyPatch,
+    sliding_window: SlidingWindow, ray_address: str
 ) -> None:
     """Prefill/decode with the sliding-window model: a ``kv_producer`` engine on worker 0 stores
     a prompt's pages; a ``kv_consumer`` engine on worker 1, given the producer's
     ``kv_transfer_params``, has its worker pull them (a fetch, not a held hit) and loads each
-    group's blocks; it generates what an engine without a connector does, bit for bit."""
+    group's blocks; it generates what an engine without a connector does, bit for bit. (The
+    producer is the module's kv_both engine on worker 0, whose first run of a prompt stores it
+    as a producer does.)"""
     from vllm import LLM
 
     from raykv.integrations.vllm import testing
 
-    for key, value in testing.THREAD_ENV.items():
-        monkeypatch.setenv(key, value)
-    model = testing.save_tiny_llama(
-        str(tmp_path_factory.mktemp("tiny-swa-pd")),
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=40,
-    )
+    dep, producer, model = sliding_window.deployment, sliding_window.engine, sliding_window.model
     tokens = prompt(67, 7 * TPB + 6)
-    with _engine_on(testing.tiny_layout(), 2, model, ray_address, 0) as (dep, producer):
-        first = generate(producer, tokens, max_tokens=1)
-        wait_held(dep, 0, tokens, 7, ReuseScope(), timeout=30)
-        kwargs = testing.engine_kwargs(model)
-        kwargs["kv_transfer_config"] = testing.connector_config(
-            dep.namespace, ray_address, worker=1, role="kv_consumer"
-        )
+    assert held(dep, 0, tokens).num_blocks == 0 and held(dep, 1, tokens).num_blocks == 0  # nothing cached yet
+    first = generate(producer, tokens, max_tokens=1)
+    wait_held(dep, 0, tokens, 7, ReuseScope(), timeout=30)
+    kwargs = testing.engine_kwargs(model)
+    kwargs["kv_transfer_config"] = testing.connector_config(
+        dep.namespace, ray_address, worker=1, role="kv_consumer"
+    )
+    saved = testing.pin_engine_threads()
+    try:
         consumer = LLM(**kwargs)
-        try:
-            out = generate(consumer, tokens, params={"raykv": first.raykv})
-        finally:
-            testing.shutdown_engine(consumer)
-        assert held(dep, 1, tokens).num_blocks >= 7  # worker 1 pulled them
+    finally:
+        testing.restore_env(saved)
+    try:
+        out = generate(consumer, tokens, params={"raykv": first.raykv})
+    finally:
+        testing.shutdown_engine(consumer)
+    assert held(dep, 1, tokens).num_blocks >= 7  # worker 1 pulled them
     assert first.raykv["blocks"] == 7
     assert out.raykv["loaded_blocks_ok"] == 7 and out.raykv["async_loads"] == 1
     assert "load_errors" not in out.raykv and out.raykv["pulled_tokens"] == 7 * TPB
-    plain = LLM(**testing.engine_kwargs(model))
-    try:
-        _same(out, generate(plain, tokens))
-    finally:
-        testing.shutdown_engine(plain)
+    _same(out, generate(sliding_window.plain, tokens))

@@ -32,6 +32,10 @@ from raykv import ReuseScope  # noqa: E402
 
 from .helpers import TPB, held, prompt, wait_held  # noqa: E402
 
+# Among the longest engine tests (three LoRA engines, ~1.2 min on 2 cores): deselected by default,
+# run by CI with `pytest -m ci_only` (pyproject.toml, .ci/run).
+pytestmark = pytest.mark.ci_only
+
 RANK = 8
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 

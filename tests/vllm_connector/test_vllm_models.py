@@ -26,6 +26,10 @@ from raykv import ConfigError, ReuseScope  # noqa: E402
 
 from .helpers import TPB, held, prompt, wait_held, worker  # noqa: E402
 
+# Among the longest engine tests (eight engines, ~3.5 min on 2 cores): deselected by default,
+# run by CI with `pytest -m ci_only` (pyproject.toml, .ci/run).
+pytestmark = pytest.mark.ci_only
+
 
 @contextlib.contextmanager
 def _llm(

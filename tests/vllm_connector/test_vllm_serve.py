@@ -23,6 +23,10 @@ from ray_helpers import load_example  # noqa: E402
 from actors.cluster import RayKVCluster  # noqa: E402
 from raykv.integrations.vllm.testing import BLOCK_SIZE  # noqa: E402
 
+# Among the longest engine tests (eight Serve LLM engines, ~6 min on 2 cores): deselected by default,
+# run by CI with `pytest -m ci_only` (pyproject.toml, .ci/run).
+pytestmark = pytest.mark.ci_only
+
 
 @pytest.fixture(scope="module")
 def http_port(deployment: RayKVCluster) -> Iterator[int]:
