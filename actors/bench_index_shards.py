@@ -23,13 +23,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import ray
 
 from actors.liveness import START_TIMEOUT_S
-from raykv.bench.index_scale import CHAIN, RECORD, WORKERS, chain_keys
+from raykv.bench.index_scale import CHAIN, WORKERS, chain_batches, chain_keys
 from raykv.core.types import WorkerId
-from raykv.index.prefix_index import EventBatch
 
 CHUNK_CHAINS = 2_000
 
@@ -42,22 +40,6 @@ class ShardsResult:
     route_p50_us: float
     route_p99_us: float
     ping_p50_us: float
-
-
-def _batches(
-    first: int, count: int, holders: int, rng: random.Random, next_id: list[int]
-) -> list[EventBatch]:
-    records = np.zeros((count, CHAIN, RECORD), dtype=np.uint8)
-    records[:, :, 2:] = chain_keys(first, count)
-    out = []
-    for c in range(count):
-        for w in rng.sample(range(WORKERS), holders):
-            records[c, :, 1] = rng.randrange(3)
-            out.append(
-                EventBatch(WorkerId(f"w{w}"), 1, next_id[w], next_id[w] + CHAIN - 1, records[c].tobytes())
-            )
-            next_id[w] += CHAIN
-    return out
 
 
 def _start(n: int) -> list[Any]:
@@ -78,7 +60,7 @@ def _ingest(shards: list[Any], chains: int, holders: int) -> float:
     events, pending = 0, []
     start = time.perf_counter()
     for first in range(0, chains, CHUNK_CHAINS):
-        batches = _batches(first, min(CHUNK_CHAINS, chains - first), holders, rng, next_id)
+        batches = list(chain_batches(first, min(CHUNK_CHAINS, chains - first), holders, rng, next_id))
         events += sum(b.n_ops for b in batches)
         parts = [b.for_shards(n) for b in batches]
         pending += [s.load_batches.remote([p[i] for p in parts]) for i, s in enumerate(shards)]

@@ -85,7 +85,7 @@ def chain_keys(first: int, count: int) -> np.ndarray:
     return words.view(np.uint8).reshape(count, CHAIN, 32)
 
 
-def _batches(
+def chain_batches(
     first: int, count: int, holders: int, rng: random.Random, next_id: list[int]
 ) -> Iterator[EventBatch]:
     """Each chain's packed store batch for each of its ``holders`` random workers."""
@@ -144,7 +144,7 @@ def _paced(
     """Routes while new chains arrive at PACED_EVENTS_PER_S; returns route seconds and the
     event rate reached."""
     queries = _queries(chains, 4_000, rng)
-    extra = _batches(
+    extra = chain_batches(
         chains, max(1, int(PACED_EVENTS_PER_S * paced_s / CHAIN / holders) + 1), holders, rng, next_id
     )
     lat: list[float] = []
@@ -188,7 +188,7 @@ def measure(
     run, next_id = _Run(index), [1] * WORKERS
     with gc_paused():
         for first in range(0, chains, CHUNK_CHAINS):
-            for batch in _batches(first, min(CHUNK_CHAINS, chains - first), holders, rng, next_id):
+            for batch in chain_batches(first, min(CHUNK_CHAINS, chains - first), holders, rng, next_id):
                 run.apply(batch)
     ingest = run.events / run.apply_s
     built = run.events
