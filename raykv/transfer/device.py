@@ -11,9 +11,10 @@ the bytes where the tiers keep them:
   :func:`page_digests` value per page, computed where the bytes are (on the GPU for GPU pages).
 - receiver (:func:`pull_direct`): one buffer on the receiving manager's top-tier device (a CUDA
   tensor for a GPU tier, host memory else), the digests recomputed there and compared before
-  anything is imported; :func:`import_direct` then copies the pages into newly allocated top-tier
-  slots with one device-side index copy and inserts the blocks, all or nothing, like
-  ``CacheManager.import_blocks`` (which needs host bytes).
+  anything is imported; :func:`import_direct` then imports them with the one import procedure
+  of every path (:func:`raykv.core.export_import.import_written`: validated, room made, slots
+  allocated, blocks inserted, all or nothing), its writer copying the pages into the new
+  top-tier slots with one device-side index copy (``CacheManager.import_pages`` needs host rows).
 
 The digest is not a CRC: per page, 64-bit wrapping sums of each 512-byte row (as int64 words),
 weighted by fixed odd constants per row and folded to 32 bits. Any single changed word changes it,
@@ -38,12 +39,13 @@ import numpy as np
 
 import raykv.transfer.wire as wire
 from raykv.core.errors import InvalidArgumentError, TransferError, TransferFailure
+from raykv.core.export_import import import_written
 from raykv.core.manager import CacheManager
-from raykv.core.records import BlockLease
-from raykv.core.types import DEFAULT_PRIORITY, BlockKey, TierKind, check_block_key, check_priority
+from raykv.core.records import BlockLease, BlockRecords
+from raykv.core.types import DEFAULT_PRIORITY, BlockKey, PageId, TierKind, check_block_key, check_priority
 from raykv.transfer.config import Peer, PeerAddress
 from raykv.transfer.connection import ClientConn
-from raykv.transfer.importer import PullOutcome
+from raykv.transfer.importer import PullOutcome, importable_prefix, refusals
 from raykv.transfer.path import TransferPath
 from raykv.transfer.payload import LeasedPayload
 from raykv.transfer.pull_client import PullClient
@@ -379,78 +381,54 @@ async def _receive(conn: ClientConn, header: wire.Header, tag: int, data: Any) -
 def import_direct(manager: CacheManager, pages: DirectPages, priority: int = DEFAULT_PRIORITY) -> PullOutcome:
     """Import the importable prefix of ``pages`` (parents first) as committed top-tier blocks.
 
-    All or nothing, like ``CacheManager.import_blocks``: pages are copied device-side into newly
-    allocated top-tier slots (a host copy only when the buffer is not on the top tier's device).
-    TransferError(reason "rejected") for partial blocks or a page size mismatch; OutOfPagesError
-    propagates. Nothing is imported in either case.
+    This is the one import procedure of every path (:func:`raykv.core.export_import.import_written`:
+    its rules, its result), with :func:`_write_top` as the writer: the new pages are copied
+    device-side into newly allocated top-tier slots (a host copy only when the buffer is not on
+    the top tier's device). The importable prefix is
+    :func:`raykv.transfer.importer.importable_prefix`; the blocks after it are ``dropped``.
+
+    All or nothing: TransferError(reason "rejected") for pages whose size (or number) differs
+    from the manager's and for any record the procedure refuses (ImportRejectedError: a partial
+    block, a key repeated in the prefix); OutOfPagesError propagates; StateError after shutdown.
+    Nothing is imported in any of these cases.
+
+    Since this import became the shared procedure (issue 39): a key repeated within ``pages``
+    (``pull_direct`` never returns one) is refused like that, where it used to be imported once;
+    a block the salt's quota refuses (``max_blocks_per_salt``) is reported with
+    ``already_present``, as on every other path, where it used to be reported as ``dropped``.
     """
     prio = check_priority(priority)
-    with manager.locked():
-        manager.store.check_open()
-        if pages.keys and int(pages.data.shape[1]) != manager.layout.page_bytes:
-            raise TransferError(
-                "import refused: page size differs from this manager's", reason=TransferFailure.REJECTED
-            )
-        tree = manager.tree
-        n = _importable(pages, tree, manager.tokens_per_block)
-        present = [i for i in range(n) if pages.keys[i] in tree]
-        first = {key: i for i, key in reversed(list(enumerate(pages.keys[:n])))}
-        new = [i for i in sorted(first.values()) if pages.keys[i] not in tree]  # a repeated key once
-        over: set[int] = set()
-        if new:
-            parents = [tree.get(pages.parent_keys[i]) for i in new]
-            exclude = {b.page.uid for b in parents if b is not None}
-            allocated = manager.store.allocate_pages(len(new), prio, exclude)
-            slots = [p.slot for p in allocated]
-            try:
-                _write_top(manager, slots, pages.data, new)
-            except BaseException:
-                manager.pools[0].release(slots)
-                raise
-            refused = manager.store.cache_blocks(  # only the salt's quota refuses any
-                [pages.keys[i] for i in new],
-                [pages.parent_keys[i] for i in new],
-                [pages.parent_is_root[i] for i in new],
-                allocated,
-                [pages.num_tokens[i] for i in new],
-                imported=True,
-            )
-            if refused:  # not imported: reported with the dropped keys
-                manager.pools[0].release([allocated[j].slot for j in refused])
-                over = {new[j] for j in refused}
-                new = [i for i in new if i not in over]
+    page = manager.layout.page_bytes
+    if pages.keys and tuple(pages.data.shape) != (len(pages.keys), page):
+        text = (
+            "page size differs from this manager's"
+            if int(pages.data.shape[-1]) != page
+            else f"{int(pages.data.shape[0])} pages for {len(pages.keys)} keys"
+        )
+        raise TransferError(f"import refused: {text}", reason=TransferFailure.REJECTED)
+    records = BlockRecords(pages.keys, pages.parent_keys, pages.parent_is_root, pages.num_tokens)
+
+    def write(slots: list[PageId], new: list[int]) -> None:
+        _write_top(manager, slots, pages.data, new)
+
+    with manager.locked():  # re-entrant: the prefix stays importable until the import
+        n = importable_prefix(manager, records)
+        with refusals(pages.keys, n):
+            result = import_written(manager, records.head(n), write, prio)
     return PullOutcome(
-        imported=tuple(pages.keys[i] for i in new),
-        already_present=tuple(pages.keys[i] for i in present),
+        imported=result.imported,
+        already_present=result.already_present,
         missing=pages.missing,
-        dropped=tuple(pages.keys[i] for i in sorted(over)) + tuple(pages.keys[n:]),
+        dropped=pages.keys[n:],
         path=pages.path,
         nbytes=pages.nbytes,
         seconds=pages.seconds,
     )
 
 
-def _importable(pages: DirectPages, tree: Any, tokens_per_block: int) -> int:
-    """How many of ``pages`` lead with a chain whose every parent is the root, an earlier page or
-    a block in ``tree``. TransferError (reason "rejected") for a block of that chain that is not
-    full; changes nothing."""
-    seen: set[bytes] = set()
-    n = 0
-    for key, parent, root, ntok in zip(pages.keys, pages.parent_keys, pages.parent_is_root, pages.num_tokens):
-        if not (root or parent in seen or parent in tree):
-            break
-        if ntok != tokens_per_block:
-            raise TransferError(
-                f"import refused: a block of {ntok} tokens (only full blocks are shared)",
-                reason=TransferFailure.REJECTED,
-            )
-        seen.add(key)
-        n += 1
-    return n
-
-
-def _write_top(manager: CacheManager, slots: list[Any], data: Any, rows: list[int]) -> None:
-    """Rows ``rows`` of ``data`` into top-tier ``slots``: a device index copy where possible."""
+def _write_top(manager: CacheManager, slots: list[PageId], data: Any, rows: list[int]) -> None:
+    """Rows ``rows`` of ``data`` into top-tier ``slots`` (the writer of :func:`import_direct`,
+    under the manager's lock): a device index copy (queued on the current stream) where possible."""
     import torch
 
     pool: Any = manager.pools[0]

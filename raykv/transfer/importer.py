@@ -102,7 +102,7 @@ def _import_pulled(
     n = importable_prefix(manager, records)
     verify = not pulled.verified
     sums = pulled.checksums[:n] if verify else None
-    with _refusals(pulled, n):
+    with refusals(pulled.keys, n):
         result = (
             manager.import_pages(
                 records if n == len(records) else records.head(n),
@@ -139,7 +139,7 @@ def _import_streamed(
         arrivals.wait_done()
         confirm()
 
-    with _refusals(pulled, n):
+    with refusals(pulled.keys, n):
         head = records if n == len(records) else records.head(n)
         write = lambda *at: placed.append(at)  # noqa: E731 - the rows follow in land()
         result = import_written(manager, head, write, DEFAULT_PRIORITY, land) if n else ImportResult((), ())
@@ -167,13 +167,15 @@ def _copy_as_arrived(
 
 
 @contextlib.contextmanager
-def _refusals(pulled: PulledPages, n: int) -> Iterator[None]:
-    """The manager's refusals of an import of ``pulled``'s first ``n`` pages as TransferError."""
+def refusals(keys: Sequence[BlockKey], n: int) -> Iterator[None]:
+    """The manager's refusals of an import of the first ``n`` of ``keys`` as TransferError: an
+    IntegrityError as reason "integrity" (``bad_keys``: the record's key), an ImportRejectedError
+    as reason "rejected" (nothing was imported in either case)."""
     try:
         yield
     except IntegrityError as exc:
         index = getattr(exc, "index", None)
-        bad = (pulled.keys[index],) if isinstance(index, int) and 0 <= index < n else ()
+        bad = (keys[index],) if isinstance(index, int) and 0 <= index < n else ()
         raise TransferError(
             f"import refused: {exc}", reason=TransferFailure.INTEGRITY, bad_keys=bad
         ) from None

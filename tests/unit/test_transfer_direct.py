@@ -179,26 +179,33 @@ def test_direct_pull_with_a_wrong_token_is_refused(
     assert not dst.committed_blocks()
 
 
-def test_a_key_repeated_in_one_pull_is_imported_once_and_leaks_no_page(
+def test_a_key_repeated_in_one_import_is_refused_and_leaks_no_page(
     pair: tuple[CacheManager, CacheManager, PageServer, PageClient],
 ) -> None:
     src, dst, server, _ = pair
     oracle = ContentOracle(BIG)
     keys, pulled = _pull(pair, oracle, 3, 3)
     rows = [0, 0, 1, 2, 1]  # pull_direct refuses repeated keys; import_direct is public too
-    pages = dataclasses.replace(
-        pulled,
-        keys=tuple(pulled.keys[i] for i in rows),
-        parent_keys=tuple(pulled.parent_keys[i] for i in rows),
-        parent_is_root=tuple(pulled.parent_is_root[i] for i in rows),
-        num_tokens=tuple(pulled.num_tokens[i] for i in rows),
-        data=pulled.data[rows],
-    )
+
+    def repeat(rows: list[int]) -> DirectPages:
+        return dataclasses.replace(
+            pulled,
+            keys=tuple(pulled.keys[i] for i in rows),
+            parent_keys=tuple(pulled.parent_keys[i] for i in rows),
+            parent_is_root=tuple(pulled.parent_is_root[i] for i in rows),
+            num_tokens=tuple(pulled.num_tokens[i] for i in rows),
+            data=pulled.data[rows],
+        )
+
     free = dst.pools[0].num_free
-    outcome = import_direct(dst, pages)
+    with pytest.raises(TransferError) as info:  # the one import procedure refuses it (issue 39)
+        import_direct(dst, repeat(rows))
+    assert info.value.reason == "rejected" and "duplicate" in str(info.value)
     dst.check_invariants()
+    assert not dst.committed_blocks() and dst.pools[0].num_free == free
+    outcome = import_direct(dst, repeat([0, 1, 2]))  # the distinct keys: imported
     assert list(outcome.imported) == keys and outcome.dropped == ()
-    assert dst.pools[0].num_free == free - 3  # one page per distinct block, none left allocated
+    assert dst.pools[0].num_free == free - 3
     assert oracle.verify_manager(dst) == 3
     _no_leases(server, src)
 
@@ -218,4 +225,31 @@ def test_a_partial_block_in_a_direct_import_is_refused_and_imports_nothing(
     dst.check_invariants()
     outcome = import_direct(dst, pulled)  # the same pages, whole: imported
     assert list(outcome.imported) == keys and oracle.verify_manager(dst) == 3
+    _no_leases(server, src)
+
+
+def test_direct_import_skips_present_blocks_and_refuses_other_page_sizes(
+    pair: tuple[CacheManager, CacheManager, PageServer, PageClient],
+) -> None:
+    src, dst, server, _ = pair
+    oracle = ContentOracle(BIG)
+    keys, pulled = _pull(pair, oracle, 6, 4)
+    narrow = dataclasses.replace(pulled, data=pulled.data[:, : BIG.page_bytes // 2])
+    with pytest.raises(TransferError) as info:
+        import_direct(dst, narrow)
+    assert info.value.reason == "rejected" and "page size" in str(info.value)
+    first = dataclasses.replace(
+        pulled,
+        keys=pulled.keys[:1],
+        parent_keys=pulled.parent_keys[:1],
+        parent_is_root=pulled.parent_is_root[:1],
+        num_tokens=pulled.num_tokens[:1],
+        data=pulled.data[:1],
+    )
+    assert list(import_direct(dst, first).imported) == keys[:1]
+    free = dst.pools[0].num_free
+    outcome = import_direct(dst, pulled)
+    assert list(outcome.imported) == keys[1:] and list(outcome.already_present) == keys[:1]
+    assert dst.pools[0].num_free == free - 3 and oracle.verify_manager(dst) == 4
+    dst.check_invariants()
     _no_leases(server, src)
