@@ -204,13 +204,17 @@ class IndexShard:
             self._metrics.observe_route(time.perf_counter() - start)
 
     async def route_batch(self, queries: Sequence[Sequence[bytes]]) -> list[dict[WorkerId, RouteMatch]]:
-        """Route several queries in one call (amortizes the Ray round trip)."""
+        """Route several queries in one call (amortizes the Ray round trip; ``IndexClient.route_many``,
+        the vLLM connector's lookups on one shard); counted in ``batched_queries``."""
         await self._ensure_ready()
+        self.index.counters["batched_queries"] += len(queries)
         return [self.index.route(keys) for keys in queries]
 
     async def lookup_batch(self, queries: Sequence[Sequence[bytes]]) -> list[tuple[list[Any], list[int]]]:
-        """:meth:`lookup` of several key lists in one call."""
+        """:meth:`lookup` of several key lists in one call (``IndexClient.route_many`` over several
+        shards); counted in ``batched_queries``."""
         await self._ensure_ready()
+        self.index.counters["batched_queries"] += len(queries)
         start = time.perf_counter()
         out = [self.index.lookup(keys) for keys in queries]
         self._observe(start)

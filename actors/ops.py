@@ -308,19 +308,31 @@ def _per_token(worker: dict[str, Any]) -> str:
     return f"{pull}, {prefill}"
 
 
+def _inboxes(worker: dict[str, Any]) -> str:
+    """Engines with a store inbox at the worker, and their inbox slots held/all (``-`` for a
+    worker of an older version)."""
+    inboxes = worker.get("inboxes")
+    if not inboxes:
+        return "-"
+    engines = inboxes.get("engines", {})
+    held = sum(e["held"] for e in engines.values())
+    slots = sum(e["slots"] for e in engines.values())
+    return f"{len(engines)}, {held}/{slots}"
+
+
 def format_status(report: dict[str, Any]) -> str:
     """The two tables of :func:`collect_status`'s report ("-" where a worker did not answer)."""
     wrows = []
     for w in report["workers"]:
         if "tiers" not in w:
-            wrows.append([w["worker"], w["health"], *["-"] * 8])
+            wrows.append([w["worker"], w["health"], *["-"] * 9])
             continue
         node = f"{w['node_ip']} {str(w['node_id'])[:8]}" if w.get("node_id") else "-"
         tiers = ", ".join(f"{k} {_size(u)}/{_size(c)}" for k, u, c in w["tiers"])
         moved = f"{_size(w['pulled_bytes'])} in, {_size(w['served_bytes'])} out"
         wrows.append(
             [w["worker"], w["health"], node, tiers, f"{w['hit_ratio']:.3f}", str(w["blocks"]),
-             str(w["pinned_pages"]), str(w["events_published"]), moved, _per_token(w)]
+             str(w["pinned_pages"]), str(w["events_published"]), moved, _per_token(w), _inboxes(w)]
         )  # fmt: skip
     wheader = [
         "worker",
@@ -333,6 +345,7 @@ def format_status(report: dict[str, Any]) -> str:
         "events",
         "transfer",
         "engine us/token pull, prefill",
+        "engines, inbox held/slots",
     ]
     srows = [
         [s["shard"], s["health"], str(s.get("node_id", "-"))[:8]]

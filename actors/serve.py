@@ -4,7 +4,8 @@
   with ``@serve.deployment(request_router_config=RequestRouterConfig(request_router_class=
   CacheAwareRouter, request_router_kwargs={"namespace": "raykv", ...}))`` to the deployment that
   runs the model (not to an HTTP ingress: the router needs token ids, see :func:`parse_request`).
-  Its logic lives in :class:`CacheRanker`, which needs no Serve and is unit-tested directly.
+  Its logic lives in :class:`CacheRanker`, which needs no Serve and is unit-tested directly. Its
+  index answer travels with the request to the engine (:mod:`actors.serve_match`).
 - :class:`actors.serve_kv.ReplicaCache` is the replica side: it pairs the replica with one raykv
   CacheWorker, moves pages between them, and keeps the load numbers the replica reports.
 - :class:`actors.serve_kv.PDPairer` picks a (prefill worker, decode worker) pair for a PD proxy
@@ -44,8 +45,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from actors.cluster import REGISTRY
 from actors.index import IndexClient
 from actors.metrics import RouterMetrics
-from actors.serve_fields import capacity_of, keys_of, pulls_of, timing_of, worker_of
-from actors.serve_prompts import RENDER_BUDGET_S, RequestTokens, renderable
+from actors.serve_fields import capacity_of, key_scheme, pulls_of, timing_of, worker_of
+from actors.serve_match import engine_route, forward_route
+from actors.serve_prompts import RENDER_BUDGET_S, RequestTokens, prompt_ids, renderable
 from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope, lora_id_from_name
 from raykv.core.types import WorkerId
@@ -74,16 +76,6 @@ class RoutedRequest:
     scope: ReuseScope
     target: WorkerId | None = None
     session: str | None = None
-
-
-def key_scheme(replicas: Sequence[Any]) -> tuple[int, bytes] | bool | None:
-    """How the replicas' engines key blocks (:func:`~actors.serve_fields.keys_of`): the one
-    (tokens per block, model fingerprint) those that announced one share; None when none did
-    (the deployment's block size then, no model); False when they announced different ones."""
-    found = {k for k in (keys_of(r) for r in replicas) if k is not None}
-    if len(found) > 1:
-        return False
-    return found.pop() if found else None
 
 
 def scope_of(lora_id: Any = None, cache_salt: Any = None) -> ReuseScope:
@@ -152,16 +144,6 @@ def _extra(source: Any, name: str) -> Any:
     """A field an OpenAI request (a pydantic model) took as an extra (``extra_body``)."""
     extra = getattr(source, "model_extra", None)
     return extra.get(name) if isinstance(extra, Mapping) else None
-
-
-def prompt_ids(prompt: Any) -> list[int] | None:
-    """An OpenAI completion ``prompt`` as token ids: a list of ints, or a batch of exactly one
-    such list; None for text or larger batches."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return prompt
-    return None
 
 
 # ---- the index, seen from a router ----------------------------------------------------------------
@@ -276,6 +258,8 @@ class CacheRanker:
         self._brought: dict[bytes, str] = {}  # block key -> the last routed request holding it
         self._sweep_at = self.MAX_KEYS
         self._timing: dict[Any, tuple[int, int, int, int]] = {}  # replica id -> its last timing totals
+        # request id -> the match its engine gets (actors.serve_match; taken by CacheAwareRouter)
+        self.routes: collections.OrderedDict[str, dict[str, Any] | None] = collections.OrderedDict()
         self.counters: collections.Counter[str] = collections.Counter()
         self.metrics = metrics
 
@@ -352,7 +336,8 @@ class CacheRanker:
             self._count("index_timeouts" if isinstance(exc, asyncio.TimeoutError) else "index_errors")
             self.link.failed()
             return self.fallback(replicas)
-        policy = self.policy(tpb, all(pulls_of(r) for r in replicas))
+        pulls = all(pulls_of(r) for r in replicas)  # every engine loads KV, fetching remote hits
+        policy = self.policy(tpb, pulls)
         moved = policy.placement.moved
         ranks, worker, cached = self._by_cost(policy, replicas, keys, matches, len(request.tokens), tpb)
         placed = policy.placement.moved > moved
@@ -361,6 +346,8 @@ class CacheRanker:
         if request_id is not None:
             hot = not policy.cfg.allow_pulls  # with pulls the policy never asks whether a prefix is hot
             self._remember(self._pending, request_id, (worker, keys, len(request.tokens) - cached, hot))
+            if pulls and scheme is not None:  # engines keyed as here: their lookups use this match
+                self._remember(self.routes, request_id, engine_route(keys, matches, len(request.tokens), tpb))
         self._count("cache_routed")
         seconds = time.monotonic() - start
         self.counters["decision_us_total"] += int(seconds * 1e6)
@@ -518,9 +505,10 @@ def router_counters() -> dict[str, dict[str, int]]:
     """Decision counters of the CacheAwareRouters living in this process (a Serve router runs in
     each caller: the proxy, an upstream replica, or a driver holding a handle), by deployment:
     ``decisions``, ``cache_routed``, ``targeted``, ``fallback``, ``index_timeouts``,
-    ``index_errors``, ``decision_us_total``; for chat and text requests ``rendered``,
-    ``render_us_total``, ``unrendered`` (and ``unrendered_<reason>``), ``render_timeouts``,
-    ``render_errors`` (:class:`actors.serve_prompts.RequestTokens`)."""
+    ``index_errors``, ``decision_us_total``, ``routes_forwarded`` (:mod:`actors.serve_match`); for
+    chat and text requests ``rendered``, ``render_us_total``, ``unrendered`` (and
+    ``unrendered_<reason>``), ``render_timeouts``, ``render_errors``
+    (:class:`actors.serve_prompts.RequestTokens`)."""
     return {dep: dict(c) for dep, c in list(_COUNTERS.items())}
 
 
@@ -532,7 +520,9 @@ class CacheAwareRouter(RequestRouter):
     (index back-off, default 5), ``seed`` (tie-breaks and fallback choices), ``tokenizer`` (where
     the model's tokenizer loads from: chat and text requests are then rendered to the engine's
     token ids, :mod:`actors.serve_prompts`; :func:`actors.serve_llm.with_raykv` sets the
-    model's) and ``render_budget_s`` (per request, default 0.25: past it, routed by load).
+    model's), ``render_budget_s`` (per request, default 0.25: past it, routed by load) and
+    ``forward_route`` (default True: the index answer a request was routed by goes with it to the
+    engine, which then does not ask the index again; :mod:`actors.serve_match`).
     """
 
     def initialize_state(  # type: ignore[override]
@@ -544,9 +534,11 @@ class CacheAwareRouter(RequestRouter):
         seed: int = 0,
         tokenizer: str | None = None,
         render_budget_s: float = RENDER_BUDGET_S,
+        forward_route: bool = True,
         **_: Any,
     ) -> None:
         deployment = str(self._deployment_id)
+        self.forwarding = forward_route
         self.ranker = CacheRanker(
             lambda: connect_index(namespace),
             routing,
@@ -581,7 +573,10 @@ class CacheAwareRouter(RequestRouter):
                 return await ranker.rank(candidate_replicas, None)
             rid = pending_request.metadata.internal_request_id
             request = await self._request(pending_request.args, pending_request.kwargs, rid)
-            return await ranker.rank(candidate_replicas, request, rid)
+            ranks = await ranker.rank(candidate_replicas, request, rid)
+            route = ranker.routes.pop(rid, None)
+            forward_route(pending_request, route if self.forwarding else None, ranker.counters)
+            return ranks
         except Exception:
             log.exception("cache-aware routing failed; using power of two choices")
             return ranker.fallback(candidate_replicas)

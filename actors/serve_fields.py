@@ -8,8 +8,8 @@ and return None or False for a field that is missing or malformed, never raise.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 from raykv.core.types import WorkerId
 
@@ -78,3 +78,13 @@ def keys_of(replica: Any) -> tuple[int, bytes] | None:
     except ValueError:
         return None
     return (got[0], model) if len(model) == 32 else None
+
+
+def key_scheme(replicas: Sequence[Any]) -> tuple[int, bytes] | Literal[False] | None:
+    """How the replicas' engines key blocks (:func:`keys_of`): the one (tokens per block, model
+    fingerprint) those that announced one share; None when none did (the deployment's block size
+    then, no model); False when they announced different ones."""
+    found = {k for k in (keys_of(r) for r in replicas) if k is not None}
+    if len(found) > 1:
+        return False
+    return found.pop() if found else None

@@ -72,7 +72,7 @@ class NoWorkerOnNode(Exception):
 
 def pair_on_node(cluster: Any, names: Sequence[str], engine: str, model: str, rank: int) -> str:
     """The worker of ``names`` a replica running ``model`` pairs with: one on the replica's own
-    Ray node (the engine's staging server listens on 127.0.0.1 and same-node paths need it),
+    Ray node (the engine maps its worker's inbox and host tier: same-node paths need it),
     rotated by ``rank`` (the replica's); among those, first one it can claim for ``model``
     (``CacheWorker.claim_engine``: free, or serving ``model`` already), else one serving other
     models (it shares when their layouts agree). NoWorkerOnNode when the node has none."""

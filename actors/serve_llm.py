@@ -82,7 +82,7 @@ def with_raykv(
     :func:`actors.serve.router_config` (``routing``, ``time_budget_s``, ``render_budget_s``, ...;
     ``tokenizer`` defaults to the config's tokenizer or model source, from which the router
     renders chat and text requests to token ids; None turns that off); ``extra``: more
-    ``kv_connector_extra_config`` keys (``staging_bytes``, ``timeout_s``, ...). ConfigError for a
+    ``kv_connector_extra_config`` keys (``inbox_bytes``, ``timeout_s``, ...). ConfigError for a
     bad role, or when the config already names another connector or server class. The original
     is not changed.
     """

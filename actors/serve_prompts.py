@@ -45,6 +45,16 @@ def renderable(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
     return None
 
 
+def prompt_ids(prompt: Any) -> list[int] | None:
+    """An OpenAI completion ``prompt`` as token ids: a list of ints, or a batch of exactly one
+    such list; None for text or larger batches."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return prompt
+    return None
+
+
 def _text_batch(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
 

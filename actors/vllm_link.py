@@ -7,12 +7,13 @@ Pages never travel through Ray: the worker process moves them (raykv.transfer).
 
 Lookups return a Future at once; a background thread answers them in batches, asking the paired
 CacheWorker which leading blocks it holds (one call per batch) and the index which other worker
-holds more (actors.vllm_lookups). Fetches (the paired
+holds more (actors.vllm_lookups), unless the request carries the router's match. Fetches (the paired
 worker pulling a longer prefix from another worker, after waiting for a producer's hinted blocks
 to arrive there) run on a small thread pool, each bounded by ``timeout_s`` per wait; the
-connector's scheduler side polls them without blocking. Stores are pulled by the paired
-CacheWorker one staged chain after another, in staging order, on a daemon thread (a block imports
-only after its parent, so concurrent pulls could drop blocks).
+connector's scheduler side polls them without blocking. Stores (blocks the worker side wrote
+into the inboxes the paired worker leased it at start) are committed by the paired worker in
+the order they were written, all queued ones in one call, from a daemon thread (a block imports
+only after its parent, so concurrent commits could refuse blocks).
 Joining Ray keeps the process's SIGTERM/SIGINT handlers (Ray's driver would replace them with its
 crash reporter, which kills vLLM's engine process without its orderly shutdown).
 """
@@ -24,6 +25,7 @@ import concurrent.futures
 import logging
 import os
 import queue
+import secrets
 import signal
 import socket
 import threading
@@ -43,7 +45,7 @@ from raykv.core.keys import MultimodalItem, ReuseScope, block_keys, clip_mm_item
 from raykv.core.types import WorkerId
 from raykv.integrations.vllm.link import Match
 from raykv.integrations.vllm.plan import EngineLink, rank_scope
-from raykv.transfer import PeerAddress
+from raykv.transfer.inbox import InboxCommit, InboxLease, InboxResult
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +76,8 @@ class RayDeploymentLink:
 
     ``extra``: ``namespace`` (default "raykv"), ``ray_address``, ``worker`` (default 0),
     ``use_index`` (default True), ``timeout_s`` (default 10), ``engine`` (the name this engine's
-    timing totals go to the worker under; a Serve replica sets it, default host and pid),
+    timing totals and store inboxes go to the worker under; a Serve replica sets it; default
+    host, pid and a random suffix, so two engines of one process are two engines),
     ``tensor_parallel_size`` (set by the connector: a fetch then pulls every rank's pages).
     Raises StateError (no deployment) or a Ray error when nothing is reachable, ConfigError for
     a bad ``worker``.
@@ -89,13 +92,15 @@ class RayDeploymentLink:
         self.tpb = self.layout.tokens_per_block
         self.timeout_s = float(extra.get("timeout_s", 10.0))
         self.use_index = bool(extra.get("use_index", True))
-        self.engine = str(extra.get("engine") or f"{socket.gethostname()}:{os.getpid()}")
+        self.engine = str(
+            extra.get("engine") or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        )
         self.ranks = int(extra.get("tensor_parallel_size", 1))
         self._bound = False
         self.address: Any = ray.get(self.handle.page_server_address.remote(), timeout=self.timeout_s)
         if self.address is None:
             raise StateError(f"{self.worker} runs no page server")
-        self._queue: queue.Queue[tuple[PeerAddress, list[bytes]] | None] = queue.Queue()
+        self._queue: queue.Queue[list[InboxCommit] | None] = queue.Queue()
         self._done: collections.Counter[str] = collections.Counter()
         self._lock: Any = threading.Lock()
         self._thread: Any = threading.Thread(target=self._store_loop, daemon=True, name="raykv-vllm-stores")
@@ -123,13 +128,22 @@ class RayDeploymentLink:
         if self.address is None:
             raise StateError(f"{self.worker} runs no page server")
 
-    def engine_link(self, staging_bytes: int, listen_host: str) -> EngineLink:
+    def engine_link(self, inbox_bytes: int, listen_host: str) -> EngineLink:
+        """The worker side's link, with ``tensor_parallel_size`` inboxes of ``inbox_bytes`` leased
+        by the paired worker (:meth:`actors.worker.CacheWorker.open_inboxes`) when the engine
+        runs on the worker's node; on another node none (logged: such an engine stores nothing)."""
         assert self.address is not None
         mine = ray.get_runtime_context().get_node_id()
         same_node = self.address.node_id == mine
         node = self.address.node_id if same_node else f"vllm-engine-{mine}"
         token = self.cluster.spec.token
-        return EngineLink(str(self.worker), self.address, node, token, staging_bytes, listen_host)
+        inboxes: tuple[InboxLease, ...] = ()
+        if same_node:
+            call = self.handle.open_inboxes.remote(self.engine, self.ranks, int(inbox_bytes))
+            inboxes = tuple(ray.get(call, timeout=self.timeout_s))
+        else:
+            log.warning("raykv: %s runs on another node than this engine: nothing is stored", self.worker)
+        return EngineLink(str(self.worker), self.address, node, token, inboxes, listen_host)
 
     def lookup(
         self,
@@ -159,8 +173,10 @@ class RayDeploymentLink:
 
     def _answer(self, queries: Sequence[Query], held: list[int]) -> list[Match]:
         """(On the lookup thread.) The Matches of ``queries`` whose every rank the paired worker
-        holds ``held`` leading blocks of: a producer's hinted worker, else the index's best (one
-        index call for those that need it)."""
+        holds ``held`` leading blocks of: a producer's hinted worker, else the best other worker
+        of the router's match that came with the request (:meth:`_routed`, counted in
+        ``lookups_routed``), else the index's best (one index call for those that need it,
+        counted in ``lookups_indexed``)."""
         out: list[Match | None] = []
         asking = []
         for query, n in zip(queries, held):
@@ -176,8 +192,11 @@ class RayDeploymentLink:
             elif not self.use_index:
                 out.append(Match(n))
             else:
-                out.append(None)
-                asking.append(len(out) - 1)
+                out.append(self._routed(query, keys, n))
+                if out[-1] is None:
+                    asking.append(len(out) - 1)
+        if asking:
+            self._count("lookups_indexed", len(asking))
         routes = self.cluster.route_many([queries[i].chain_all()[0] for i in asking]) if asking else []
         for i, found in zip(asking, routes):
             best, most = None, held[i]
@@ -186,6 +205,31 @@ class RayDeploymentLink:
                     best, most = worker, match.blocks
             out[i] = Match(held[i]) if best is None else Match(held[i], str(best), most)
         return [m if m is not None else Match(0) for m in out]
+
+    def _routed(self, query: Query, keys: Sequence[bytes], held: int) -> Match | None:
+        """(On the lookup thread.) The Match that the router's match in ``query``'s hint gives
+        (:mod:`raykv.integrations.vllm.route`; the paired worker's own ``held`` is the worker's
+        fresher answer): its best other worker holding more than ``held`` of ``keys``, as the
+        index's answer would be used (``lookups_routed``). None, so that the index is asked,
+        when no match came, or when it is malformed or names a worker this deployment does not
+        have (``route_malformed``) or is about other keys than ``keys`` (``route_mismatched``:
+        another block size, model, salt, adapter or prompt). Never raises."""
+        try:
+            route = query.route()
+            if route is not None and not all(WorkerId(w) in self.cluster.workers for w in route.workers):
+                raise ValueError(f"unknown workers in {sorted(route.workers)}")
+        except ValueError as exc:
+            self._count("route_malformed")
+            log.debug("raykv: the router's match is ignored: %s", exc)
+            return None
+        if route is None:
+            return None
+        if not route.covers(keys):
+            self._count("route_mismatched")
+            return None
+        self._count("lookups_routed")
+        best = route.best_other(str(self.worker), held)
+        return Match(held) if best is None else Match(held, best[0], best[1])
 
     def _held_by_all(
         self,
@@ -284,25 +328,48 @@ class RayDeploymentLink:
         with self._lock:
             self._done[name] += amount
 
-    def store(self, staging: PeerAddress, keys: Sequence[bytes]) -> None:
-        self._queue.put((staging, list(keys)))
+    def store(self, commits: Sequence[InboxCommit]) -> None:
+        self._queue.put(list(commits))
 
     def _store_loop(self) -> None:
+        """Send queued commits to the paired worker in order, all that are queued in one call."""
         while True:
             item = self._queue.get()
             if item is None:
-                return
-            staging, keys = item
-            try:
-                outcome: Any = ray.get(self.handle.pull.remote(staging, keys), timeout=self.timeout_s)
-                counts = {"stored_blocks": len(outcome.imported) + len(outcome.already_present)}
-            except Exception as exc:
-                counts = {"store_errors": 1}
-                log.warning("raykv store into %s failed: %s", self.worker, exc)
-            finally:
                 self._queue.task_done()
-            with self._lock:
-                self._done.update(counts)
+                return
+            batch, stop = list(item), False
+            taken = 1
+            while not stop:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                taken += 1
+                stop = more is None
+                batch.extend(more or ())
+            self._commit(batch)
+            for _ in range(taken):
+                self._queue.task_done()
+            if stop:
+                return
+
+    def _commit(self, batch: list[InboxCommit]) -> None:
+        """(On the store thread.) One ``commit_inbox`` call; its outcome goes to the counters."""
+        try:
+            result: InboxResult = ray.get(self.handle.commit_inbox.remote(batch), timeout=self.timeout_s)
+            counts = {
+                "stored_blocks": result.stored + result.present,
+                "store_refused_blocks": result.refused,
+                "commit_us": result.commit_us,
+            }
+            for reason in result.reasons[:3]:
+                log.info("raykv: %s refused a store: %s", self.worker, reason)
+        except Exception as exc:
+            counts = {"store_errors": 1}
+            log.warning("raykv store into %s failed: %s", self.worker, exc)
+        with self._lock:
+            self._done.update(counts)
 
     def report_timing(self, totals: Sequence[int]) -> None:
         """Hand the totals to the paired worker from a fetch thread (an actor call costs the

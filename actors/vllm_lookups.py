@@ -5,10 +5,18 @@ there for another process. :class:`LookupThread` takes each lookup as a :class:`
 Future at once, and answers queries on one background thread, in batches: everything queued
 when the thread wakes goes to the paired CacheWorker in one actor call
 (``CacheWorker.held_many``: the leading blocks it holds of each key chain, every tensor-parallel
-rank's chain included), then, for the queries the paired worker does not hold whole and no
-producer's hint names a worker for, to the index (one call per shard for the batch). A query whose Future was
-cancelled before its batch left is skipped. A batch that fails answers ``Match(0)`` for each of
-its queries (counted as ``lookup_errors``); nothing raises into the scheduler.
+rank's chain included), then, for the queries the paired worker does not hold whole, no
+producer's hint names a worker for and no router's match came with (the hint's ``route``,
+:mod:`raykv.integrations.vllm.route`), to the index (one call per shard for the batch). A
+query whose Future was cancelled before its batch left is skipped. A batch that fails answers
+``Match(0)`` for each of its queries (counted as ``lookup_errors``); nothing raises into the
+scheduler.
+
+A query's Future stays pending (cancellable) while its batch waits on the worker or the index:
+it is marked running only at the moment its answer is set. The scheduler gives up on an answer
+later than its budget by cancelling the Future, and must not then wait for a call that may hang
+for ``timeout_s`` (a stopped worker): a Future marked running for the whole call could not be
+cancelled, and reading its outcome blocked the scheduler until the call timed out.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raykv.integrations.vllm.link import Match
+from raykv.integrations.vllm.route import FIELD as ROUTE_FIELD
+from raykv.integrations.vllm.route import Route
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +43,8 @@ MAX_BATCH = 256
 class Query:
     """One lookup: ``keys`` (the prompt's usable blocks) and, on a tensor-parallel engine,
     ``others`` (the other ranks' chains of those blocks), whose leading held blocks the paired
-    worker counts; ``hint`` (a producer's ``kv_transfer_params["raykv"]``) and the Future its
-    Match goes to."""
+    worker counts; ``hint`` (the request's ``kv_transfer_params["raykv"]``: a producer's worker
+    and blocks, the router's match) and the Future its Match goes to."""
 
     keys: Sequence[bytes]
     hint: Mapping[str, Any]
@@ -42,6 +52,12 @@ class Query:
     """The other tensor-parallel ranks' chains, computed on the lookup thread."""
     future: Future[Match] = field(default_factory=Future)
     chains: list[list[bytes]] = field(default_factory=list)
+
+    def route(self) -> Route | None:
+        """The router's match the hint carries (:class:`~raykv.integrations.vllm.route.Route`),
+        None when it carries none; ValueError when the field is malformed."""
+        raw = self.hint.get(ROUTE_FIELD)
+        return None if raw is None else Route.parse(raw)
 
     def chain_all(self) -> list[list[bytes]]:
         """Every rank's chain (rank 0's first), computed once."""
@@ -98,14 +114,14 @@ class LookupThread:
                     stop = True
                     break
                 batch.append(more)
-            self._run([q for q in batch if q.future.set_running_or_notify_cancel()])
+            self._run([q for q in batch if not q.future.cancelled()])
             if stop:
                 self._drain()
                 return
 
     def _run(self, batch: Sequence[Query]) -> None:
-        """Answer ``batch`` (its futures are running): one call for what the paired worker
-        holds, then each query's Match."""
+        """Answer ``batch`` (its futures pending; one cancelled meanwhile is not answered): one
+        call for what the paired worker holds, then each query's Match."""
         if not batch:
             return
         self._count("lookup_batches")
@@ -116,7 +132,7 @@ class LookupThread:
             log.warning("raykv lookup of %d requests failed: %s", len(batch), exc)
             for q in batch:
                 self._count("lookup_errors")
-                q.future.set_result(Match(0))
+                _resolve(q, Match(0))
             return
         least, at = [], 0
         for q in batch:
@@ -129,7 +145,7 @@ class LookupThread:
             log.warning("raykv index lookup of %d requests failed: %s", len(batch), exc)
             matches = [Match(n) for n in least]
         for q, match in zip(batch, matches):
-            q.future.set_result(match)
+            _resolve(q, match)
 
     def _drain(self) -> None:
         while True:
@@ -139,3 +155,13 @@ class LookupThread:
                 return
             if q is not None:
                 q.future.cancel()
+
+
+def _resolve(query: Query, match: Match) -> bool:
+    """Set ``match`` as ``query``'s answer unless its Future was cancelled; whether it was set.
+    Marking the Future running and setting its result happen back to back (nothing blocks in
+    between), so a scheduler that cancels it either succeeds or finds it answered at once."""
+    if not query.future.set_running_or_notify_cancel():
+        return False
+    query.future.set_result(match)
+    return True

@@ -31,6 +31,7 @@ from raykv.core.records import ExportedBlock, ImportResult, ProbeResult
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import EventBatch
 from raykv.transfer import PeerAddress, PullOutcome, TransferConfig
+from raykv.transfer.inbox import InboxCommit, Inboxes, InboxLease, InboxResult
 
 MAX_ENGINES = 64  # engines whose timing totals a worker keeps (a replica restart is a new engine)
 
@@ -83,6 +84,7 @@ class CacheWorker:
         self.metrics_exports = 0
         self._engine_timing: dict[str, list[int]] = {}  # by engine, in reporting order
         self.engines = EngineBindings(engine_layouts)
+        self.inboxes = Inboxes(self.manager)
         # Page transfers (actors/transfer.py): a page server starts when a token is given.
         self._transfer_args = (attach_to[0] if attach_to else None, token, transfer)
         self.transfer = self._start_transfer()
@@ -124,8 +126,21 @@ class CacheWorker:
         return self.engines.claim(engine, model)
 
     def unbind_engine(self, engine: str) -> None:
-        """``engine`` (:meth:`bind_engine`) is gone: the worker may take another engine's layout."""
+        """``engine`` (:meth:`bind_engine`) is gone: the worker may take another engine's layout;
+        its inboxes close."""
         self.engines.unbind(engine)
+        self.inboxes.close_engine(engine)
+
+    def open_inboxes(self, engine: str, ranks: int, nbytes: int) -> tuple[InboxLease, ...]:
+        """Lease ``engine`` one store inbox of ``nbytes`` per rank (:mod:`raykv.transfer.inbox`),
+        replacing those it had. InvalidArgumentError for a bad name, rank count or size;
+        OutOfMemoryError when /dev/shm cannot hold them."""
+        return self.inboxes.open(engine, ranks, nbytes)
+
+    def commit_inbox(self, commits: Sequence[InboxCommit]) -> InboxResult:
+        """Commit blocks engines wrote into their inboxes (:meth:`raykv.transfer.inbox.Inboxes.commit`:
+        keyed here, imported through the one commit path, slots freed)."""
+        return self.inboxes.commit(commits)
 
     def binding(self) -> dict[str, Any]:
         """What engine pairing reads: ``layout`` (the pages in force), ``engine_layouts`` (whether
@@ -143,6 +158,7 @@ class CacheWorker:
             with self._publish_lock:
                 old = self.manager
                 self.transfer.close()
+                self.inboxes.close()  # of the old page size; engines open theirs after binding
                 old.shutdown()  # first: a GPU tier's memory is freed before the new one is allocated
                 try:
                     self.manager = CacheManager(config)
@@ -152,6 +168,7 @@ class CacheWorker:
                 finally:
                     self.incarnation = time.time_ns()
                     self.transfer = self._start_transfer()
+                    self.inboxes = Inboxes(self.manager)
             log.info("%s: laid out for an engine's pages: %s", self.worker_id, layout)
         finally:
             if self._shard_names:
@@ -426,8 +443,9 @@ class CacheWorker:
         """What ``raykv status`` shows of this worker: its Ray node (id and IP; None outside
         Ray), per tier ``(kind, bytes in use, capacity bytes)``, the block hit ratio, committed
         blocks, pinned pages, open requests, events published to the index and the last event
-        id, the page bytes it pulled and its page server sent (over every path), and its engines'
-        timing totals (:meth:`engine_timing`, summed)."""
+        id, the page bytes it pulled and its page server sent (over every path), its engines'
+        timing totals (:meth:`engine_timing`, summed) and its store inboxes (per engine; blocks
+        stored, present and refused, commits and their microseconds)."""
         stats = self.manager.stats()
         transfer = self.transfer.stats()
         node_id, node_ip = _node_id(), None
@@ -453,12 +471,14 @@ class CacheWorker:
             "pulled_bytes": sum(transfer.get("client", {}).get("bytes", {}).values()),
             "served_bytes": sum(transfer.get("server", {}).get("bytes", {}).values()),
             "engine_timing": self.engine_timing(),
+            "inboxes": {"engines": self.inboxes.engines(), **self.inboxes.counters},
         }
 
     def shutdown(self) -> None:
         """Stop publishing, close open requests and release the tiers."""
         self._stop.set()
         self.transfer.close()  # ends the page server's leases before the tiers go
+        self.inboxes.close()
         for handle in list(self._requests):
             self.close(handle)
         self.flush_events()

@@ -13,6 +13,11 @@ absolute figures, are what to compare across machines. Suites:
           same bytes (:mod:`raykv.bench.gpu`; needs CUDA)
 ``transfer`` page pulls (shared memory, UCX) vs memcpy and raw ucxx between two processes
           (:mod:`raykv.bench.transfer`); ``actors.transfer`` adds the Ray object-store row
+``host_loads`` the vLLM connector's worker-side loads from a CacheWorker's shared host tier into
+          a CUDA engine's blocks vs a raw pinned host-to-device copy
+          (:mod:`raykv.bench.vllm_host_loads`; needs CUDA, not vLLM)
+
+The suites of :data:`CUDA_SUITES` are left out of :func:`run_all_benchmarks` without a CUDA device.
 
 Return codes: 0 when every benchmark ran, 1 when one raised (it is reported, the others still run).
 A slow figure is never a failure: noise must not break CI. An unknown suite name is a programming
@@ -53,6 +58,12 @@ def _gpu(quick: bool) -> tuple[list[Benchmark], str]:
     return suite(quick)
 
 
+def _host_loads(quick: bool) -> tuple[list[Benchmark], str]:
+    from raykv.bench.vllm_host_loads import suite
+
+    return suite(quick)
+
+
 def _routing(quick: bool) -> tuple[list[Benchmark], str]:
     from raykv.bench.routing import suite
 
@@ -65,8 +76,11 @@ SUITES: dict[str, Callable[[bool], tuple[list[Benchmark], str]]] = {
     "routing": _routing,
     "transfer": _transfer,
     "gpu": _gpu,
+    "host_loads": _host_loads,
 }
 """Suite name -> builder of (benchmarks, description line). Later suites register here."""
+CUDA_SUITES = frozenset({"gpu", "host_loads"})
+"""Suites that need a CUDA device (skipped by :func:`run_all_benchmarks` without one)."""
 
 
 def run_benchmarks(
@@ -99,7 +113,8 @@ def run_all_benchmarks(
     err: TextIO | None = None,
     exclude: Collection[str] = (),
 ) -> int:
-    """Run every registered suite (``gpu`` only when CUDA is present) and print one combined table.
+    """Run every registered suite (those of :data:`CUDA_SUITES` only when CUDA is present) and
+    print one combined table.
 
     Suites named in ``exclude`` are left out (the caller reports why: e.g. the CLI when Ray is
     missing). Each row's name is prefixed with its suite (``[core] ...``). Returns 0 when every
@@ -108,7 +123,7 @@ def run_all_benchmarks(
     benchmarks: list[Benchmark] = []
     descriptions: list[str] = []
     for name, builder in SUITES.items():
-        if name in exclude or (name == "gpu" and not _cuda_available()):
+        if name in exclude or (name in CUDA_SUITES and not _cuda_available()):
             continue
         benches, desc = builder(bool(quick))
         descriptions.append(f"{name}: {desc}")

@@ -63,7 +63,7 @@ def _engine(kind: str, order: str, token: bytes, address: PeerAddress) -> tuple[
     caches = vllm_kv_caches(NAMES, BLOCKS, 8, LAYOUT.tokens_per_block, 128, "float16", "cuda", order)
     side = WorkerSide(LAYOUT, NAMES)
     side.register(caches, kind)
-    link = EngineLink("w0", address, default_node_id(), token, 16 * LAYOUT.page_bytes)
+    link = EngineLink("w0", address, default_node_id(), token)
     return side, link
 
 

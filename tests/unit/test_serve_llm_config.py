@@ -22,14 +22,14 @@ def _config(**engine: object) -> LLMConfig:
 def test_a_raykv_failure_never_fails_a_request() -> None:
     """vLLM's default ``kv_load_failure_policy`` fails a request whose load fails; with_raykv
     recomputes instead, and keeps the user's extra config."""
-    user = {"kv_transfer_config": {"kv_connector_extra_config": {"staging_bytes": 1 << 20}}}
+    user = {"kv_transfer_config": {"kv_connector_extra_config": {"inbox_bytes": 1 << 20}}}
     original = _config(**user)
     served = with_raykv(original, namespace="ns", timeout_s=4.0)
     transfer = served.engine_kwargs["kv_transfer_config"]
     assert transfer["kv_load_failure_policy"] == "recompute"
     assert transfer["kv_connector"] == "RaykvConnector" and transfer["kv_role"] == "kv_both"
     assert transfer["kv_connector_extra_config"] == {
-        "staging_bytes": 1 << 20,
+        "inbox_bytes": 1 << 20,
         "timeout_s": 4.0,
         "namespace": "ns",
     }

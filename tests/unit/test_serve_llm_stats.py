@@ -278,5 +278,21 @@ def test_status_shows_the_engines_microseconds_per_token(worker: CacheWorker) ->
     fresh = {**worker.status(), "health": "ok"}
     text = format_status({"namespace": "ns", "workers": [row, fresh], "shards": []})
     header, before, after = text.splitlines()[1:4]
-    assert header.endswith("engine us/token pull, prefill")
-    assert before.endswith("-, -") and after.endswith("5.3, 42.0")
+    assert "engine us/token pull, prefill" in header
+    assert before.split()[-4:] == ["-,", "-", "0,", "0/0"]
+    assert after.split()[-4:] == ["5.3,", "42.0", "0,", "0/0"]
+
+
+def test_status_shows_the_engines_store_inboxes(worker: CacheWorker) -> None:
+    from actors.ops import format_status
+
+    page = worker.manager.config.layout.page_bytes
+    worker.open_inboxes("e1", 2, 4 * page)
+    worker.open_inboxes("e2", 1, 3 * page)
+    status = worker.status()
+    assert status["inboxes"]["engines"]["e1"] == {"inboxes": 2, "slots": 8, "held": 0}
+    text = format_status({"namespace": "ns", "workers": [{**status, "health": "ok"}], "shards": []})
+    header, row = text.splitlines()[1:3]
+    assert header.endswith("engines, inbox held/slots") and row.endswith("2, 0/11")
+    worker.unbind_engine("e1")
+    assert set(worker.status()["inboxes"]["engines"]) == {"e2"}

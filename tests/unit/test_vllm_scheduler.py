@@ -22,7 +22,7 @@ from raykv.integrations.vllm.link import Match
 from raykv.integrations.vllm.plan import LoadOp, RaykvMetadata, WorkerReport, rank_scope
 from raykv.integrations.vllm.scheduler import TIMING_EVERY_S, SchedulerSide
 from raykv.integrations.vllm.worker import WorkerSide
-from raykv.transfer import PeerAddress
+from raykv.transfer.inbox import InboxCommit
 
 TPB = 4
 LAYOUT = KVLayout.uniform(num_layers=1, num_kv_heads=1, head_dim=4, tokens_per_block=TPB, dtype="float32")
@@ -49,8 +49,9 @@ class FakeLink:
         self.fetches: list[FakeFetch] = []
         self.lookups = 0
         self.timings: list[list[int]] = []
+        self.stored: list[Any] = []
 
-    def engine_link(self, staging_bytes: int, listen_host: str) -> Any:
+    def engine_link(self, inbox_bytes: int, listen_host: str) -> Any:
         return None
 
     def lookup(
@@ -81,8 +82,8 @@ class FakeLink:
     def cancel_fetch(self, fetch: Any) -> None:
         fetch.cancelled = True
 
-    def store(self, staging: Any, keys: Sequence[bytes]) -> None:
-        pass
+    def store(self, commits: Sequence[Any]) -> None:
+        self.stored.extend(commits)
 
     def report_timing(self, totals: Sequence[int]) -> None:
         self.timings.append(list(totals))
@@ -382,20 +383,39 @@ def test_rank_scopes_are_deterministic_distinct_and_rank_zero_is_the_requests_ow
             rank_scope(ReuseScope(), rank, ranks)
 
 
-def test_reports_of_several_ranks_keep_each_ranks_staging_server() -> None:
-    a, b = PeerAddress("127.0.0.1", 1), PeerAddress("127.0.0.1", 2)
-    one = WorkerReport([(a, (b"x" * 32,))])
+def _commit(lease: int, slot: int) -> InboxCommit:
+    return InboxCommit(lease, (slot,), tuple(PROMPT[:TPB]), ReuseScope(), 0)
+
+
+def test_reports_of_several_ranks_keep_each_ranks_commits_in_order() -> None:
+    one = WorkerReport([_commit(1, 0)])
     one.count("r1", "staged_blocks", 1)
-    two = WorkerReport([(b, (b"y" * 32,))])
+    two = WorkerReport([_commit(2, 5)])
     two.counters["staged_blocks"] += 1  # a rank above 0 counts overall only
     both = one.aggregate(two)
-    assert both.staged == [(a, (b"x" * 32,)), (b, (b"y" * 32,))]
+    assert both.commits == [_commit(1, 0), _commit(2, 5)]
     assert both.counters["staged_blocks"] == 2 and both.per_request["r1"]["staged_blocks"] == 1
     side, link = _side(Match(0))
-    stores: list[tuple[Any, tuple[bytes, ...]]] = []
-    link.store = lambda staging, keys: stores.append((staging, tuple(keys)))  # type: ignore[method-assign]
     side.on_report(both)
-    assert stores == both.staged  # the worker pulls each chain from its rank's server
+    assert link.stored == both.commits  # each rank's blocks go to its own inbox's commit
+
+
+def test_blocks_a_store_could_not_write_are_offered_again() -> None:
+    """Backpressure: the worker side reports the first block it could not write (no free inbox
+    slots); the next step's store offers it again, and the figures say so."""
+    side, _ = _side(Match(0))
+    request = _request()
+    assert side.lookup(request, 0) == (0, False)
+    (store,) = side.build(_step("r1", 0, 3 * TPB, new=True), lambda rid: [list(BLOCKS)]).stores
+    assert (store.first_block, store.end_block) == (0, 3)
+    report = WorkerReport(unstored={"r1": 1})
+    report.count("r1", "store_backpressure_blocks", 2)
+    side.on_report(report)
+    (again,) = side.build(_step("r1", 3 * TPB, TPB, new=False), lambda rid: [list(BLOCKS)]).stores
+    assert (again.first_block, again.end_block) == (1, 4)
+    result = side.finished(request)
+    assert result is not None
+    assert result["raykv"]["store_backpressure_blocks"] == 2 and result["raykv"]["offered_blocks"] == 4
 
 
 def test_a_tensor_parallel_engines_loads_carry_the_tokens_its_ranks_key_from() -> None:

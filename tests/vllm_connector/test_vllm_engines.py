@@ -61,6 +61,50 @@ def test_fresh_engine_loads_blocks_another_engine_stored(
     _same(got, generate(baseline, tokens))
 
 
+@pytest.mark.timeout(600)
+def test_stores_past_a_full_inbox_are_counted_and_offered_again(
+    baseline: Any, model_dir: str, deployment: RayKVCluster, ray_address: str
+) -> None:
+    """Backpressure, not silent drops: an engine whose inbox holds 2 pages stores a 6-block
+    prompt while its worker is stopped (SIGSTOP: nothing is committed, no slot comes free). The
+    2 blocks that fit wait in the inbox; the other 4 are counted as store_backpressure_blocks in
+    the request's results. Once the worker runs again, the 2 are committed, and the same prompt
+    again loads them and stores the 4 others: the worker holds all 6, and every output equals
+    the no-connector engine's."""
+    import os
+    import signal
+
+    from vllm import LLM
+
+    from raykv.integrations.vllm import testing
+
+    page = deployment.config.layout.page_bytes
+    kwargs = testing.engine_kwargs(model_dir)
+    kwargs["kv_transfer_config"] = testing.connector_config(
+        deployment.namespace, ray_address, worker=1, inbox_bytes=2 * page, timeout_s=2.0
+    )
+    llm = LLM(**kwargs)
+    tokens = prompt(47, 6 * TPB + 3)
+    pid = int(ray.get(worker(deployment, 1).status.remote(), timeout=30)["pid"])
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            first = generate(llm, tokens, max_tokens=4)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert first.raykv["staged_blocks"] == 2
+        assert first.raykv["store_backpressure_blocks"] >= 4  # offered again each step, counted
+        wait_held(deployment, 1, tokens, 2)
+        again = generate(llm, tokens, max_tokens=4)
+        assert again.raykv["loaded_blocks_ok"] == 2 and again.raykv["staged_blocks"] == 4
+        wait_held(deployment, 1, tokens, 6)
+        want = generate(baseline, tokens, max_tokens=4)
+        _same(first, want)
+        _same(again, want)
+    finally:
+        testing.shutdown_engine(llm)
+
+
 def test_prefill_decode_pair_chosen_by_raykv_pd(
     baseline: Any, engines: Callable[[str], Any], deployment: RayKVCluster
 ) -> None:

@@ -50,7 +50,7 @@ class KeyLink:
     def __init__(self) -> None:
         self.looked_up: list[list[bytes]] = []
 
-    def engine_link(self, staging_bytes: int, listen_host: str) -> Any:
+    def engine_link(self, inbox_bytes: int, listen_host: str) -> Any:
         return None
 
     def lookup(

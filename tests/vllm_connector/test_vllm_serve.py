@@ -3,7 +3,8 @@
 CacheAwareRouter, over HTTP on 127.0.0.1.
 
 Checks content: every repeat of a system prompt lands on the replica whose worker holds it and
-loads at least the system prompt's blocks through the connector; in the PD app the decode engine
+loads at least the system prompt's blocks through the connector, and no engine asks the index
+where a request's blocks are (the router's answer came with the request); in the PD app the decode engine
 (worker 1) loads the blocks the prefill engine (worker 0) stored and generates the same tokens
 and logprobs as the routed app did for the same prompt.
 """
@@ -49,7 +50,10 @@ def test_serve_llm_routes_repeats_to_their_holder_then_pd_matches_it(
 
     example = load_example("vllm_serve.py")
     serve.run(example.build_app(model_dir, deployment.namespace), name="routed", route_prefix="/")
+    asked = _engine_index_queries(deployment)
     workers = example.verify(http_port, deployment)  # asserts holder and hits per request
+    # the router's index answer came with each request: no engine asked the index again
+    assert _engine_index_queries(deployment) == asked
     assert sorted(len(ws) for ws in workers.values()) == [3, 3]
     assert all(len(set(ws)) == 1 for ws in workers.values())
     reference = example.complete(http_port, example.pd_prompt(), cache_salt="reference")
@@ -63,6 +67,12 @@ def test_serve_llm_routes_repeats_to_their_holder_then_pd_matches_it(
     assert stats["hit_blocks"] == stats["loaded_blocks_ok"]
     assert stats["pulled_tokens"] == stats["hit_blocks"] * BLOCK_SIZE and stats["fetch_us"] > 0  # a pull
     serve.delete("pd")
+
+
+def _engine_index_queries(deployment: RayKVCluster) -> int:
+    """Queries the index shards answered in batches (``IndexClient.route_many``: the connector's
+    lookups; a router and the test's own checks route one query per call)."""
+    return sum(int(info["counters"].get("batched_queries", 0)) for info in deployment.index_info())
 
 
 def _prefilled(deployment: RayKVCluster, settle_s: float = 0.0) -> int:

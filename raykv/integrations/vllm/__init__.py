@@ -62,9 +62,10 @@ Process topology (one engine, one CacheWorker on the same node):
   come from the host tiers: one-sided
   reads of the CacheWorker's shared host tier (``TierConfig.host(..., shared=True)``, a file
   under /dev/shm mapped read-only, slot generations re-checked after the copy), the ``shm``
-  request path, or UCX for pages on the disk tier. Stores go the other way through a staging
-  tier in the worker process that the CacheWorker reads the same way. Ray's object store never
-  carries a page.
+  request path, or UCX for pages on the disk tier. Stores go the other way through an inbox the
+  CacheWorker leases the engine (:mod:`raykv.transfer.inbox`): the worker process copies blocks
+  straight from its KV tensors into leased slots, the CacheWorker keys and commits them. Ray's
+  object store never carries a page.
 
 Extra config: ``namespace``, ``ray_address``, ``worker``, ``model_id`` (names the weights in
 the model fingerprint every key carries, instead of their content: two copies of the same
@@ -80,12 +81,15 @@ vLLM chose,
 see :mod:`~raykv.integrations.vllm.kv_blocks`; needed only for a backend raykv has not
 checked that stores blocks like one of these), ``link`` (``"module:attr"`` of the
 deployment link factory, default ``actors.vllm_link:RayDeploymentLink``), ``use_index`` (pull a
-longer prefix from another worker, default True), ``staging_bytes`` (default 256 MiB),
-``listen_host`` (staging page server, default 127.0.0.1), ``store_generated`` (store blocks of
+longer prefix from another worker, default True), ``inbox_bytes`` (the store inbox
+per rank, default 256 MiB; blocks a store finds no free slot for are counted as
+``store_backpressure_blocks`` and offered again later), ``listen_host`` (where the page client
+binds, default 127.0.0.1), ``store_generated`` (store blocks of
 generated tokens too, default True; see :mod:`~raykv.integrations.vllm.scheduler`),
 ``engine`` (the name under which the engine's timing totals, pulled and prefilled tokens and
 their microseconds over every finished request, go to the paired CacheWorker at most every 0.5 s,
-``CacheWorker.engine_timing``; a Serve replica sets it; default host and pid),
+``CacheWorker.engine_timing``, and its store inboxes; a Serve replica sets it; default host, pid
+and a random suffix),
 ``timeout_s`` (per deployment call, default 10; an asynchronous load's fetch, which may first wait
 that long for a producer's blocks, is given up after ``2 * timeout_s``, and the blocks it did not
 bring are recomputed). Tests inject faults through their own link
@@ -100,7 +104,8 @@ pages came: ``gpu_peer``, ``gpu_read``, ``shm_read``, ``shm``, ``ucx``), ``dma_d
 load was planned), ``pulled_tokens`` (the tokens of the blocks that fetch brought to the paired
 worker), ``prefilled_tokens`` and ``prefill_us`` (the prompt tokens the engine computed, and the
 wall time from planning the step that computed the first of them to planning the step after the
-last), ``offered_blocks``, ``staged_blocks``, ``model`` (the engine's model fingerprint, hex:
+last), ``offered_blocks``, ``staged_blocks`` (written into the inbox) and ``store_us`` (the
+wall time of those copies), ``store_backpressure_blocks``, ``model`` (the engine's model fingerprint, hex:
 the scope of its keys, :mod:`~raykv.integrations.vllm.identity`), ``worker`` and
 ``blocks`` (leading blocks the deployment holds or was offered: the prompt's, and with
 ``store_generated`` those of generated tokens too; a PD proxy hands these to the

@@ -19,12 +19,12 @@ without a forward pass) and reports the request through ``get_finished`` as fini
 blocks the fetch did not bring are load errors, recomputed by vLLM. A request that finishes or
 is aborted while its fetch is pending is released the same way without a load.
 
-Stores are copies: ``wait_for_save`` stages the blocks computed in the step into the worker
-side's staging tier, synchronously, after the forward pass; the CacheWorker pulls them from
-there later. Engine blocks are therefore never needed after the step that computed them, and
-``request_finished`` always returns False: vLLM frees a finished request's blocks at once (but
-those of a request aborted while it waits for an asynchronous load, which vLLM frees once the
-release above is reported), and ``get_finished`` reports no finished sending.
+Stores are copies: ``wait_for_save`` copies the blocks computed in the step into the inbox the
+paired CacheWorker leased the worker side, synchronously, after the forward pass; the CacheWorker
+commits them from there later. Engine blocks are therefore never needed after the step that
+computed them, and ``request_finished`` always returns False: vLLM frees a finished request's
+blocks at once (but those of a request aborted while it waits for an asynchronous load, which vLLM
+frees once the release above is reported), and ``get_finished`` reports no finished sending.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Any, Protocol, overload
 
 from raykv import ConfigError, KVLayout, MultimodalItem, ReuseScope
 from raykv.integrations.vllm.plan import EngineLink
-from raykv.transfer import PeerAddress
+from raykv.transfer.inbox import InboxCommit
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,10 @@ class DeploymentLink(Protocol):
         :attr:`layout` to the layout in force. ConfigError (short, naming the differing fields
         and the fix) when the worker cannot serve such pages."""
 
-    def engine_link(self, staging_bytes: int, listen_host: str) -> EngineLink:
-        """The worker side's :class:`EngineLink` (address, node id, token)."""
+    def engine_link(self, inbox_bytes: int, listen_host: str) -> EngineLink:
+        """The worker side's :class:`EngineLink` (address, node id, token) with an inbox of
+        ``inbox_bytes`` leased for each rank (none when the engine is on another node than its
+        worker)."""
 
     def lookup(
         self,
@@ -115,8 +117,13 @@ class DeploymentLink(Protocol):
         items ``mm_items`` in ``scope``; the scheduler side passes :class:`LazyKeys`, which a
         link reads off the scheduler thread when it can) are:
         how many the paired CacheWorker holds, and which other worker holds more when the index
-        says so, or when ``hint`` (a producer's ``kv_transfer_params["raykv"]``: ``worker``,
-        ``blocks``) names one (then ``wait``: its blocks may still be on their way). Moves no
+        says so, or when ``hint`` (the request's ``kv_transfer_params["raykv"]``) names one.
+        ``hint`` may carry a producer's ``worker`` and ``blocks`` (prefill/decode: then ``wait``,
+        its blocks may still be on their way; this comes first), and ``route``: the match of the
+        Serve router that picked the engine's replica (:mod:`raykv.integrations.vllm.route`:
+        the leading blocks the best few workers hold, checked against ``keys``). A link uses
+        that match instead of asking the index again, and asks the index when none came or it
+        is malformed or about other keys (never an error). Moves no
         page. A link that must ask another process returns at once with a Future of the Match
         (the scheduler side polls it each step and never waits for it on a busy engine; it may
         cancel it); either way ``Match(0)`` on any failure, never an exception."""
@@ -143,9 +150,9 @@ class DeploymentLink(Protocol):
     def cancel_fetch(self, fetch: Any) -> None:
         """Its result is not wanted any more (blocks it still brings stay cached, nothing leaks)."""
 
-    def store(self, staging: PeerAddress, keys: Sequence[bytes]) -> None:
-        """Have the paired CacheWorker pull ``keys`` from the engine's staging page server
-        (asynchronously; failures are counted, never raised)."""
+    def store(self, commits: Sequence[InboxCommit]) -> None:
+        """Have the paired CacheWorker commit blocks the worker side wrote into its inboxes, in
+        order (asynchronously; the outcome is counted, never raised)."""
 
     def report_timing(self, totals: Sequence[int]) -> None:
         """Hand the engine's timing totals ``[pulled tokens, pull us, prefilled tokens, prefill

@@ -4,22 +4,24 @@ These cross vLLM's process boundary (EngineCore -> worker process in the connect
 worker -> EngineCore in the worker metadata), so they are plain picklable dataclasses.
 
 - :class:`EngineLink`: how the worker side reaches its CacheWorker's pages (page-server address,
-  node id, deployment token) and how big its staging tier is. Sent in every step's metadata.
+  node id, deployment token) and the inboxes it writes stores into (one lease per rank). Sent in
+  every step's metadata.
 - :class:`LoadOp`: copy the pages of ``keys`` into engine blocks ``block_ids`` (failures become
   vLLM load errors). Synchronous ones run before the forward pass of the step that computes on
   them; asynchronous ones (``is_async``) belong to a request waiting in vLLM's
   WAITING_FOR_REMOTE_KVS, are loaded in whatever step carries them (a step without a forward
   pass too) and report the request as finished receiving in that step.
-- :class:`StoreOp`: after the forward pass, stage the KV of the request's blocks up to
-  ``end_block`` (tokens ``tokens``) and report the keys of blocks ``first_block ..`` for the
-  CacheWorker to pull.
-- :class:`WorkerReport`: the worker side's staged keys, each with its staging server's address,
-  and its counters, folded over workers with :meth:`WorkerReport.aggregate`.
+- :class:`StoreOp`: after the forward pass, write the KV of the request's blocks
+  ``first_block .. end_block - 1`` (tokens ``tokens``) into leased inbox slots and report them as
+  :class:`~raykv.transfer.inbox.InboxCommit` records for the CacheWorker to commit.
+- :class:`WorkerReport`: the worker side's inbox commits, the stores it could not take (no free
+  slots: offered again later) and its counters, folded over workers with
+  :meth:`WorkerReport.aggregate`.
 
 Under tensor parallelism each rank holds some KV heads of every block, so each rank has its own
 pages: rank ``r`` of ``n`` keys its blocks in :func:`rank_scope` (rank 0 in the request's own
 scope, so the index and routers see rank 0's keys as those of any engine), stores them from its
-own staging server and loads its own; the deployment's layout is one rank's.
+own inbox and loads its own; the deployment's layout is one rank's.
 """
 
 from __future__ import annotations
@@ -31,20 +33,22 @@ from typing import Any
 
 from raykv import InvalidArgumentError, MultimodalItem, ReuseScope
 from raykv.transfer import PeerAddress
+from raykv.transfer.inbox import InboxCommit, InboxLease
 
 
 @dataclass(frozen=True)
 class EngineLink:
     """The worker side's view of the deployment: its CacheWorker's page server, the node id to
     use (equal to the CacheWorker's when both run on one Ray node, which enables the
-    shared-memory paths), the deployment token, the staging tier's size and where the staging
-    page server binds."""
+    shared-memory paths), the deployment token, the inbox leases (``inboxes[r]``: rank ``r``'s;
+    none when the engine runs on another node than its CacheWorker: it stores nothing) and the
+    host its page client binds."""
 
     worker: str
     address: PeerAddress
     node_id: str
     token: bytes = field(repr=False)
-    staging_bytes: int
+    inboxes: tuple[InboxLease, ...] = ()
     listen_host: str = "127.0.0.1"
 
 
@@ -116,10 +120,10 @@ class LoadOp:
 
 @dataclass(frozen=True)
 class StoreOp:
-    """Stage blocks ``0 .. end_block - 1`` of a request (``tokens`` are their tokens, ``scope`` and
-    ``mm_items`` what else their keys name, ``block_ids`` the engine blocks holding them,
-    ``group_ids`` those of groups 1.. as in :class:`LoadOp`) and offer blocks ``first_block ..``
-    to the CacheWorker."""
+    """Store blocks ``first_block .. end_block - 1`` of a request: ``tokens`` are the tokens of
+    blocks ``0 .. end_block - 1``, ``scope`` and ``mm_items`` what else their keys name,
+    ``block_ids`` the engine blocks holding blocks ``0 .. end_block - 1`` (``group_ids`` those of
+    groups 1.. as in :class:`LoadOp`)."""
 
     req_id: str
     tokens: tuple[int, ...]
@@ -151,26 +155,31 @@ class RaykvMetadata:
 class WorkerReport:
     """One step's results from the worker side (vLLM's KVConnectorWorkerMetadata).
 
-    ``staged``: key chains staged this step, each with the page server (the worker side's
-    staging server; one per tensor-parallel rank) the CacheWorker pulls it from. ``counters``:
-    loads, load errors, bytes...; ``per_request``: the same per request id (they end up in the
-    request's output; summed over ranks).
+    ``commits``: blocks written into inbox slots this step, for the CacheWorker to commit (each
+    rank's into its own inbox). ``unstored``: per request, the first block a store could not
+    write (no free inbox slots: backpressure); the scheduler side offers it again.
+    ``counters``: loads, load errors, bytes...; ``per_request``: the same per request id (they
+    end up in the request's output; summed over ranks).
     """
 
-    staged: list[tuple[PeerAddress, tuple[bytes, ...]]] = field(default_factory=list)
+    commits: list[InboxCommit] = field(default_factory=list)
     counters: collections.Counter[str] = field(default_factory=collections.Counter)
     per_request: dict[str, collections.Counter[str]] = field(default_factory=dict)
+    unstored: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: Any) -> WorkerReport:
         """Both reports in one (vLLM folds the reports of all workers of a step)."""
         if not isinstance(other, WorkerReport):
             return self
-        staged = self.staged + other.staged
+        commits = self.commits + other.commits
         counters = self.counters + other.counters
         per_request = {k: collections.Counter(v) for k, v in self.per_request.items()}
         for req_id, counts in other.per_request.items():
             per_request.setdefault(req_id, collections.Counter()).update(counts)
-        return WorkerReport(staged, counters, per_request)
+        unstored = dict(self.unstored)
+        for req_id, first in other.unstored.items():
+            unstored[req_id] = min(first, unstored.get(req_id, first))
+        return WorkerReport(commits, counters, per_request, unstored)
 
     def count(self, req_id: str, name: str, amount: int = 1) -> None:
         """Add ``amount`` to counter ``name``, overall and for request ``req_id``."""
@@ -178,4 +187,4 @@ class WorkerReport:
         self.per_request.setdefault(req_id, collections.Counter())[name] += amount
 
     def __bool__(self) -> bool:
-        return bool(self.staged or self.counters)
+        return bool(self.commits or self.counters or self.unstored)

@@ -7,7 +7,9 @@ content, :func:`~raykv.integrations.vllm.multimodal.mm_items`), how many blocks 
 holds (``hit``) and how many are stored or offered (``stored``).
 
 Lookups never block the scheduler: a link that asks another process (the Ray link asks the
-paired CacheWorker and the index from a background thread, batched) answers with a Future, and
+paired CacheWorker and, unless the request carries the router's match
+(``kv_transfer_params["raykv"]["route"]``, :mod:`raykv.integrations.vllm.route`), the index, from
+a background thread, batched) answers with a Future, and
 until it is answered ``get_num_new_matched_tokens`` returns ``(None, False)``, so vLLM leaves
 the request waiting for that step and schedules the others. Past ``lookup_budget_ms`` the
 request is admitted without a hit (``lookup_timeouts``). An idle engine waits up to 5 ms for an
@@ -71,7 +73,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from raykv import InvalidArgumentError, KVLayout, MultimodalItem, ReuseScope, block_keys
+from raykv import ConfigError, InvalidArgumentError, KVLayout, MultimodalItem, ReuseScope, block_keys
 from raykv.core.keys import clip_mm_items
 from raykv.integrations.vllm.identity import lora_identity
 from raykv.integrations.vllm.link import DeploymentLink, LazyKeys, Match
@@ -83,6 +85,8 @@ log = logging.getLogger(__name__)
 PARAMS_KEY = "raykv"
 TIMING_EVERY_S = 0.5  # at most this often the timing totals go to the paired worker
 KEY_MEMO_BYTES = 16 << 20  # recently keyed blocks, reused by later prompts that share them
+INBOX_BYTES = 256 << 20
+"""Default ``inbox_bytes``: the store inbox the paired CacheWorker leases each rank."""
 LOOKUP_BUDGET_MS = 250.0
 """Default ``lookup_budget_ms``: how long a new request may wait for its lookup's answer before
 the engine computes its prompt instead."""
@@ -168,8 +172,10 @@ class SchedulerSide:
         self.fetch_limit_s = 2 * float(extra.get("timeout_s", 10.0))
         self.lookup_budget_s = float(extra.get("lookup_budget_ms", LOOKUP_BUDGET_MS)) / 1e3
         if link is not None:
-            staging = int(extra.get("staging_bytes", 256 << 20))
-            self._engine_link = link.engine_link(staging, str(extra.get("listen_host", "127.0.0.1")))
+            if "staging_bytes" in extra:
+                raise ConfigError("staging_bytes", "was renamed inbox_bytes (the inbox size per rank)")
+            inbox = int(extra.get("inbox_bytes", INBOX_BYTES))
+            self._engine_link = link.engine_link(inbox, str(extra.get("listen_host", "127.0.0.1")))
         self._requests: dict[str, _Request] = {}
         self._fetching: dict[str, _Request] = {}  # allocated, waiting for their fetch
         self._asking: dict[str, _Request] = {}  # waiting for their lookup's answer
@@ -500,16 +506,21 @@ class SchedulerSide:
         return StoreOp(req_id, tokens, scope, tuple(groups[0][:end]), first, more, items)
 
     def on_report(self, report: Any, invalid_block_ids: set[int] | None = None) -> None:
-        """Fold a step's worker report: ask the CacheWorker to pull what was staged."""
+        """Fold a step's worker report: hand the inbox commits to the CacheWorker, and offer the
+        blocks a store could not write (no free slots) again from the next step on."""
         if isinstance(report, WorkerReport):
             self.counters.update(report.counters)
             for req_id, counts in report.per_request.items():
                 state = self._requests.get(req_id)
                 if state is not None:
                     state.counts.update(counts)
-            if self.link is not None:
-                for staging, keys in report.staged:
-                    self.link.store(staging, keys)
+            for req_id, first in report.unstored.items():
+                state = self._requests.get(req_id)
+                if state is not None and first < state.stored:
+                    state.counts["offered_blocks"] -= state.stored - first
+                    state.stored = first
+            if self.link is not None and report.commits:
+                self.link.store(report.commits)
         if self.link is not None:
             self.counters.update(self.link.poll())
 

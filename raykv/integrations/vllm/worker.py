@@ -13,21 +13,24 @@ every step's metadata; on first sight the worker side opens:
   CacheWorker in the background while the request waited) is loaded the same way in the step that
   carries it, a step without a forward pass too, and its request is reported finished receiving
   through ``get_finished`` in that step, with its failed blocks in the same step's load errors.
-- a staging :class:`raykv.CacheManager` (one shared host tier, ``EngineLink.staging_bytes``) and a
-  :class:`raykv.transfer.PageServer` on it. Stores copy the engine's blocks into staging pages and
-  commit them; the scheduler side then asks the CacheWorker to pull those keys from this server
-  (same node: one-sided reads of the staging tier). Staged blocks stay until the staging tier
-  needs the room (LRU); a store the CacheWorker could not pull is a future miss, nothing else.
+- the inbox its CacheWorker leased it (:mod:`raykv.transfer.inbox`; one per rank, in host shared
+  memory). A store copies the engine's blocks straight from its KV tensors into free inbox slots
+  (one copy; page-locked for CUDA so the device copy is a DMA) and reports the slots with the
+  blocks' tokens, scope and parent key; the scheduler side hands them to the CacheWorker, which
+  keys the blocks itself, commits them into its own pages and frees the slots. A store that finds
+  too few free slots writes the leading blocks that fit: the others are counted
+  (``store_backpressure_blocks``) and offered again in a later step while the request lives.
 
 Under tensor parallelism every rank runs one worker side for its own KV heads: it stages and loads
 pages keyed in :func:`~raykv.integrations.vllm.plan.rank_scope` (the load ops carry the prompt
 tokens ranks above 0 key theirs from), and only rank 0 reports per-request figures (every rank
 reports its load errors, which vLLM unions). An MLA engine's ranks hold the same latents: there
-every rank loads rank 0's pages and only rank 0 stages, so a block is stored once.
+every rank loads rank 0's pages and only rank 0 stores, so a block is stored once.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,18 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from raykv import (
-    CacheConfig,
-    CacheManager,
-    KVLayout,
-    OutOfPagesError,
-    ReuseScope,
-    TierConfig,
-    TransferError,
-    block_keys,
-)
-from raykv.core.keys import clip_mm_items
-from raykv.core.tiers.host import HostPool
+from raykv import KVLayout, MultimodalItem, ReuseScope, StateError, TransferError, block_keys
+from raykv.core.errors import CudaError
+from raykv.core.keys import chain_keys, clip_mm_items, tokens_to_array
 from raykv.integrations.vllm.copier import BlockCopier, is_pinned
 from raykv.integrations.vllm.groups import GroupedCopier
 from raykv.integrations.vllm.plan import (
@@ -58,9 +52,13 @@ from raykv.integrations.vllm.plan import (
     WorkerReport,
     rank_scope,
 )
-from raykv.transfer import PageClient, PageServer, PeerAddress, TransferConfig
+from raykv.transfer import PageClient, TransferConfig
+from raykv.transfer.inbox import InboxCommit, InboxWriter
 
 log = logging.getLogger(__name__)
+
+MAX_CHAINS = 4096
+"""Requests whose last stored block key the worker side remembers (their next store's parent)."""
 
 
 class WorkerSide:
@@ -69,7 +67,7 @@ class WorkerSide:
     :func:`~raykv.integrations.vllm.plan.rank_scope` (its own KV heads) and reports only load
     errors per request (a request's other figures are rank 0's). ``replicated``: every rank
     holds the same KV (an MLA engine's latents): all ranks load rank 0's pages and only rank 0
-    stages (the other ranks open no staging tier). ``groups``: the KV cache group of each layer
+    stores (the other ranks map no inbox). ``groups``: the KV cache group of each layer
     of ``names`` when the engine addresses blocks per group (vLLM's hybrid manager, a sliding
     window: :class:`~raykv.integrations.vllm.groups.GroupedCopier`); a failed load then fails
     its whole request (:meth:`take_failed_requests`: vLLM takes no block-level errors there), and
@@ -95,15 +93,16 @@ class WorkerSide:
         self.copier: BlockCopier | GroupedCopier | None = None
         self.link: EngineLink | None = None
         self.client: PageClient | None = None
-        self.staging: CacheManager | None = None
-        self.server: PageServer | None = None
+        self.inbox: InboxWriter | None = None
         self._rows = np.empty((0, layout.page_bytes), dtype=np.uint8)
         self._rows_tensor: Any = None  # owns self._rows when they are page-locked
         self._failed: set[int] = set()
         self._failed_requests: set[str] = set()
         self._received: set[str] = set()
         self._report = WorkerReport()
-        self._staging_at: PeerAddress | None = None  # the staging server's address, once started
+        self._inbox_pinned = 0  # the inbox rows' address while page-locked for CUDA
+        self._chains: collections.OrderedDict[str, tuple[int, bytes]] = collections.OrderedDict()
+        """Per request, the last block stored and its key (the next store's parent)."""
 
     def register(self, kv_caches: Mapping[str, Any], kv_cache_layout: str | None = None) -> None:
         """Take the engine's per-layer KV tensors, stored as ``kv_cache_layout`` says (see
@@ -127,16 +126,27 @@ class WorkerSide:
         self.client = PageClient(link.token, config)
         if self._on_cuda():
             self.client.pin_for_cuda()
-        if not self.stages:
+        if self.stages and self.rank < len(link.inboxes):
+            self._map_inbox(link)
+
+    def _map_inbox(self, link: EngineLink) -> None:
+        """Map this rank's inbox (page-locked for a CUDA engine, so stores DMA into it); without
+        one (the lease's file is gone, or the engine is on another node) nothing is stored."""
+        lease = link.inboxes[self.rank]
+        try:
+            self.inbox = InboxWriter(lease)
+        except StateError as exc:
+            log.warning("raykv: cannot map the inbox of %s (%s); nothing is stored", link.worker, exc)
             return
-        tier = TierConfig.host(link.staging_bytes, pin_memory=False, shared=True)
-        self.staging = CacheManager(CacheConfig(self.layout, (tier,)))
-        if self._on_cuda():  # loads and stores then DMA host pages directly
-            pool = self.staging.pools[0]
-            if isinstance(pool, HostPool):
-                pool.pin_for_cuda()
-        self.server = PageServer(self.staging, link.token, config)
-        self._staging_at = self.server.start()
+        if self._on_cuda():
+            from raykv.core.tiers.cuda_util import try_host_register
+
+            rows = self.inbox.rows
+            refused = try_host_register(int(rows.ctypes.data), rows.nbytes)
+            if refused is not None:
+                log.info("raykv: the inbox is not page-locked (%s); stores stage", refused)
+            else:
+                self._inbox_pinned = int(rows.ctypes.data)
 
     def _on_cuda(self) -> bool:
         """Whether the engine's KV tensors are on a CUDA device."""
@@ -294,45 +304,94 @@ class WorkerSide:
 
     # ---- stores ----------------------------------------------------------------------------------
     def save(self, meta: RaykvMetadata) -> None:
-        """Stage every planned store (after the step's forward pass wrote the KV)."""
+        """Write every planned store into inbox slots (after the step's forward pass wrote the
+        KV) and report them for commit."""
         if meta.link is not None:
             self._open(meta.link)
-        if self.staging is None or self.copier is None:
+        if self.inbox is None or self.copier is None:
             return
         for op in meta.stores:
-            keys = self._stage(op)
-            if keys and self._staging_at is not None:
-                self._report.staged.append((self._staging_at, keys))
-                self._count(op.req_id, "staged_blocks", len(keys))
+            if op.end_block > op.first_block:
+                self._store(op)
 
-    def _stage(self, op: StoreOp) -> tuple[bytes, ...]:
-        """Write blocks ``0 .. op.end_block - 1`` into staging pages and commit them; the keys of
-        blocks ``op.first_block ..`` (empty when staging has no room)."""
-        assert self.staging is not None and self.copier is not None
-        scope = rank_scope(op.scope, self.rank, self.ranks)
-        kv = self.staging.create(list(op.tokens), scope, mm_items=op.mm_items)
+    def _store(self, op: StoreOp) -> None:
+        """Copy blocks ``op.first_block ..`` into free slots and add their commit to the report.
+        With too few free slots, as many leading blocks as fit are written and the rest are
+        reported unstored (counted as ``store_backpressure_blocks``); a window block gone on a
+        grouped engine skips the store."""
+        assert self.inbox is not None and self.copier is not None
+        first, n = op.first_block, op.end_block - op.first_block
+        blocks: list[Any] = list(op.blocks()[first:])
+        if self.groups is not None and NULL_BLOCK in np.asarray(blocks):
+            self._report.counters["store_skipped"] += 1  # a page's window block is gone
+            return
+        fit = min(n, self.inbox.free_slots())
+        if fit < n:
+            self._count(op.req_id, "store_backpressure_blocks", n - fit)
+            unstored = self._report.unstored
+            unstored[op.req_id] = min(first + fit, unstored.get(op.req_id, first + fit))
+        slots = self.inbox.reserve(fit) if fit else None
+        if slots is None:
+            return
+        start = time.perf_counter()
+        end = first + fit
         try:
-            if not kv.resume():
-                self._report.counters["store_skipped"] += 1
-                return ()
-            have = kv.num_reused_tokens // self.tpb
-            blocks: list[Any] = list(op.blocks()[have:])
-            if self.groups is not None and NULL_BLOCK in np.asarray(blocks):
-                self._report.counters["store_skipped"] += 1  # a page's window block is gone
-                return ()
-            kv.extend(list(op.tokens[have * self.tpb :]))
-            rows = self._buffer(op.end_block - have)
-            self.copier.save(blocks, rows)
-            for j in range(len(rows)):
-                kv.page(have + j)[:] = rows[j]
-            kv.commit()
-            keys = kv.committed_keys()  # every block of op.tokens (reused ones included)
-        except OutOfPagesError:
-            self._report.counters["store_skipped"] += 1
-            return ()
-        finally:
-            kv.close()
-        return tuple(bytes(k) for k in keys[op.first_block :])
+            self._write(slots, blocks[:fit])
+            scope = rank_scope(op.scope, self.rank, self.ranks)
+            tokens = op.tokens[: end * self.tpb]
+            parent = self._parent(op.req_id, tokens, first, op.mm_items, scope)
+        except BaseException:
+            self.inbox.cancel(slots)
+            raise
+        lease = self.inbox.lease.lease_id
+        commit = InboxCommit(lease, tuple(slots), tokens, scope, first, parent, op.mm_items, op.req_id)
+        self._report.commits.append(commit)
+        self._count(op.req_id, "staged_blocks", fit)
+        self._count(op.req_id, "store_us", int((time.perf_counter() - start) * 1e6))
+
+    def _write(self, slots: list[int], blocks: list[Any]) -> None:
+        """Copy engine ``blocks`` into inbox ``slots``: straight into their rows when the slots
+        are one run, else through the row buffer."""
+        assert self.inbox is not None and self.copier is not None
+        rows = self.inbox.rows
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            self.copier.save(blocks, rows[slots[0] : slots[0] + len(slots)])
+            return
+        buffer = self._buffer(len(slots))
+        self.copier.save(blocks, buffer)
+        rows[np.asarray(slots, dtype=np.intp)] = buffer
+
+    def _parent(
+        self,
+        req_id: str,
+        tokens: tuple[int, ...],
+        first: int,
+        mm_items: tuple[MultimodalItem, ...],
+        scope: ReuseScope,
+    ) -> bytes | None:
+        """The key in ``scope`` of block ``first - 1`` of ``tokens`` (None for block 0), from the
+        request's last store when it ended there, else hashed from the tokens; remembers the key
+        of the last full block of ``tokens`` for the request's next store."""
+        end = len(tokens) // self.tpb
+        known = self._chains.pop(req_id, None)
+        array = tokens_to_array(tokens[: end * self.tpb])
+        parent: bytes | None
+        base: bytes
+        if first == 0:
+            parent, base, start = None, scope.root_key(), 0
+        elif known is not None and known[0] == first:
+            parent = base = known[1]
+            start = first
+        else:
+            base, start = scope.root_key(), 0
+            parent = None
+        keys = chain_keys(base, array, self.tpb, start, clip_mm_items(mm_items, end * self.tpb))
+        if first > 0 and parent is None:
+            parent = bytes(keys[first - 1])
+        self._chains[req_id] = (end, bytes(keys[-1]))
+        while len(self._chains) > MAX_CHAINS:
+            self._chains.popitem(last=False)
+        return parent
 
     # ---- results ---------------------------------------------------------------------------------
     def take_report(self) -> WorkerReport | None:
@@ -342,11 +401,17 @@ class WorkerSide:
         return report if report else None
 
     def close(self) -> None:
-        """Stop the staging server, drop connections and release the staging tier."""
-        if self.server is not None:
-            self.server.close()
+        """Drop the page client and unmap the inbox."""
         if self.client is not None:
             self.client.close()
-        if self.staging is not None:
-            self.staging.shutdown()
-        self.server = self.client = self.staging = None
+        if self._inbox_pinned:
+            from raykv.core.tiers.cuda_util import host_unregister
+
+            try:
+                host_unregister(self._inbox_pinned)
+            except CudaError as exc:
+                log.warning("raykv: unpinning the inbox failed (%s)", exc)
+            self._inbox_pinned = 0
+        if self.inbox is not None:
+            self.inbox.close()
+        self.client = self.inbox = None
