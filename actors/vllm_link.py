@@ -49,6 +49,9 @@ from raykv.transfer.inbox import InboxCommit, InboxLease, InboxResult
 
 log = logging.getLogger(__name__)
 
+WARN_EVERY_S = 10.0
+"""Failed stores log one warning per this many seconds (a dead worker fails every batch)."""
+
 
 def _worker_name(cluster: RayKVCluster, choice: Any) -> WorkerId:
     """The paired worker: an index into the deployment's workers or a worker's actor name."""
@@ -110,6 +113,8 @@ class RayDeploymentLink:
             max_workers=8, thread_name_prefix="raykv-fetch"
         )
         self._lookups = LookupThread(self._held_many, self._answer, self._count)
+        self._timing_sent: concurrent.futures.Future[None] | None = None  # the last timing report
+        self._quiet_until = 0.0  # no store warning before then (time.monotonic())
 
     def bind(self, layout: KVLayout, model: str, fingerprint: bytes) -> None:
         """Pair this engine with its worker (``CacheWorker.bind_engine``: a worker of a deployment
@@ -367,15 +372,22 @@ class RayDeploymentLink:
                 log.info("raykv: %s refused a store: %s", self.worker, reason)
         except Exception as exc:
             counts = {"store_errors": 1}
-            log.warning("raykv store into %s failed: %s", self.worker, exc)
+            if time.monotonic() >= self._quiet_until:  # one warning per WARN_EVERY_S, not per batch
+                self._quiet_until = time.monotonic() + WARN_EVERY_S
+                log.warning("raykv store into %s failed: %s", self.worker, exc)
         with self._lock:
             self._done.update(counts)
 
     def report_timing(self, totals: Sequence[int]) -> None:
         """Hand the totals to the paired worker from a fetch thread (an actor call costs the
-        scheduler thread milliseconds now and then; a queued job, microseconds)."""
+        scheduler thread milliseconds now and then; a queued job, microseconds). While an
+        earlier report is still on its way (a stalled worker) this one is dropped
+        (``timing_skipped``): later totals include it, and fetch threads stay free."""
+        if self._timing_sent is not None and not self._timing_sent.done():
+            self._count("timing_skipped")
+            return
         try:
-            self._fetches.submit(self._send_timing, list(totals))
+            self._timing_sent = self._fetches.submit(self._send_timing, list(totals))
         except RuntimeError:  # closed
             pass
 

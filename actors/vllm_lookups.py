@@ -157,11 +157,9 @@ class LookupThread:
                 q.future.cancel()
 
 
-def _resolve(query: Query, match: Match) -> bool:
-    """Set ``match`` as ``query``'s answer unless its Future was cancelled; whether it was set.
+def _resolve(query: Query, match: Match) -> None:
+    """Set ``match`` as ``query``'s answer unless its Future was cancelled (then nothing).
     Marking the Future running and setting its result happen back to back (nothing blocks in
     between), so a scheduler that cancels it either succeeds or finds it answered at once."""
-    if not query.future.set_running_or_notify_cancel():
-        return False
-    query.future.set_result(match)
-    return True
+    if query.future.set_running_or_notify_cancel():
+        query.future.set_result(match)

@@ -542,18 +542,27 @@ def _scheduled_new(req_id: str, computed: int) -> Any:
 
 
 def test_a_lookup_past_its_budget_or_failed_is_a_miss_and_an_aborted_one_is_cancelled() -> None:
+    """Past its budget a lookup is a miss and becomes the link's liveness probe: until it is
+    answered new requests are not asked about (a stalled worker costs one budget, not one per
+    request); then lookups resume."""
     link = LaterLink()
     side = SchedulerSide(LAYOUT, link, extra={"lookup_budget_ms": 20})  # type: ignore[arg-type]
     late, failed, aborted = _request("late"), _request("failed"), _request("aborted")
     for request in (late, failed, aborted):
         assert side.lookup(request, 0) == (None, False)
     time.sleep(0.05)
-    assert side.lookup(late, 0) == (0, False) and link.asked[0].cancelled()
+    assert side.lookup(late, 0) == (0, False) and not link.asked[0].cancelled()  # the probe
     link.asked[1].set_exception(RuntimeError("worker gone"))
     assert side.lookup(failed, 0) == (0, False)
     side.finished(aborted)
     assert link.asked[2].cancelled()
     assert side.counters["lookup_timeouts"] == 1 and link.lookups == 3
+    assert side.lookup(_request("fresh"), 0) == (0, False)  # not asked: the probe is pending
+    assert side.counters["lookups_skipped"] == 1 and link.lookups == 3
+    link.asked[0].set_result(Match(0))  # the link answers again
+    assert side.lookup(_request("next"), 0) == (None, False) and link.lookups == 4
+    side.close()
+    assert link.asked[3].cancelled()
 
 
 def test_a_deferred_request_whose_prompt_vllm_now_holds_drops_its_lookup() -> None:

@@ -41,8 +41,9 @@ class EngineLink:
     """The worker side's view of the deployment: its CacheWorker's page server, the node id to
     use (equal to the CacheWorker's when both run on one Ray node, which enables the
     shared-memory paths), the deployment token, the inbox leases (``inboxes[r]``: rank ``r``'s;
-    none when the engine runs on another node than its CacheWorker: it stores nothing) and the
-    host its page client binds."""
+    none when the engine runs on another node than its CacheWorker: it stores nothing), the
+    host its page client binds and ``load_budget_ms``, the most a load's pull from the
+    CacheWorker (connect included) may take before its blocks are recomputed."""
 
     worker: str
     address: PeerAddress
@@ -50,6 +51,7 @@ class EngineLink:
     token: bytes = field(repr=False)
     inboxes: tuple[InboxLease, ...] = ()
     listen_host: str = "127.0.0.1"
+    load_budget_ms: float = 2000.0
 
 
 def rank_scope(scope: ReuseScope, rank: int, ranks: int) -> ReuseScope:

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import math
 import threading
@@ -87,6 +88,9 @@ TIMING_EVERY_S = 0.5  # at most this often the timing totals go to the paired wo
 KEY_MEMO_BYTES = 16 << 20  # recently keyed blocks, reused by later prompts that share them
 INBOX_BYTES = 256 << 20
 """Default ``inbox_bytes``: the store inbox the paired CacheWorker leases each rank."""
+LOAD_BUDGET_MS = 2000.0
+"""Default ``load_budget_ms``: the most a load's pull from the paired worker may take (its blocks
+are recomputed past it, and pulls pause a while: ``worker.LATE_COOLDOWN_S``)."""
 LOOKUP_BUDGET_MS = 250.0
 """Default ``lookup_budget_ms``: how long a new request may wait for its lookup's answer before
 the engine computes its prompt instead."""
@@ -175,10 +179,15 @@ class SchedulerSide:
             if "staging_bytes" in extra:
                 raise ConfigError("staging_bytes", "was renamed inbox_bytes (the inbox size per rank)")
             inbox = int(extra.get("inbox_bytes", INBOX_BYTES))
-            self._engine_link = link.engine_link(inbox, str(extra.get("listen_host", "127.0.0.1")))
+            engine_link = link.engine_link(inbox, str(extra.get("listen_host", "127.0.0.1")))
+            budget = float(extra.get("load_budget_ms", LOAD_BUDGET_MS))
+            if engine_link is not None:
+                engine_link = dataclasses.replace(engine_link, load_budget_ms=budget)
+            self._engine_link = engine_link
         self._requests: dict[str, _Request] = {}
         self._fetching: dict[str, _Request] = {}  # allocated, waiting for their fetch
         self._asking: dict[str, _Request] = {}  # waiting for their lookup's answer
+        self._late: Future[Match] | None = None  # a lookup past its budget, not answered yet
         self._keys = SessionKeys(self.tpb, memo_bytes=KEY_MEMO_BYTES)
         self._keys_lock = threading.Lock()
         self._releases: list[LoadOp] = []  # of requests that finished while waiting
@@ -238,9 +247,17 @@ class SchedulerSide:
     def _match(self, request: Any, state: _Request, usable: int) -> Match | None:
         """The link's answer for the request's first ``usable`` blocks: asked once, then polled
         (None while it is on its way, up to ``lookup_budget_s``; past it ``Match(0)``, counted in
-        ``lookup_timeouts``: the engine computes the prompt rather than wait)."""
+        ``lookup_timeouts``: the engine computes the prompt rather than wait). A lookup past its
+        budget is kept as the link's liveness probe: until it is answered, new requests are not
+        asked about at all (``Match(0)`` at once, counted in ``lookups_skipped``), so a stalled
+        worker costs one budget, not one per request. Never blocks."""
         assert self.link is not None
         if state.asking is None:
+            if self._late is not None:
+                if not self._late.done():
+                    self.counters["lookups_skipped"] += 1
+                    return Match(0)
+                self._late = None  # the link answers again
             params = (getattr(request, "kv_transfer_params", None) or {}).get(PARAMS_KEY) or {}
             tokens, items = self._usable(state, usable)
             answer = self.link.lookup(tokens, state.scope, state.keys.head(usable), params, items)
@@ -254,12 +271,14 @@ class SchedulerSide:
             if time.monotonic() - state.asked_at <= self.lookup_budget_s:
                 self.counters["lookups_deferred"] += 1
                 return None
-            future.cancel()
             self.counters["lookup_timeouts"] += 1
-        self._drop_lookup(request.request_id, state)
-        if future.cancelled() or future.exception() is not None:
+            state.asking, self._late = None, future  # the probe: not cancelled
+            self._asking.pop(request.request_id, None)
             return Match(0)
-        return future.result()
+        self._drop_lookup(request.request_id, state)
+        if future.cancelled() or future.exception(timeout=0) is not None:
+            return Match(0)
+        return future.result(timeout=0)
 
     def _drop_lookup(self, req_id: str, state: _Request) -> None:
         """Forget the request's pending lookup (cancelled when still on its way)."""
@@ -605,6 +624,8 @@ class SchedulerSide:
                 self._drop_lookup(req_id, state)
                 if state.fetch is not None:
                     self._cancel(state.fetch)
+            if self._late is not None:
+                self._late.cancel()
             self.link.close()
 
 

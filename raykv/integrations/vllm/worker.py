@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from raykv import KVLayout, MultimodalItem, ReuseScope, StateError, TransferError, block_keys
-from raykv.core.errors import CudaError
+from raykv.core.errors import CudaError, TransferFailure
 from raykv.core.keys import chain_keys, clip_mm_items, tokens_to_array
 from raykv.integrations.vllm.copier import BlockCopier, is_pinned
 from raykv.integrations.vllm.groups import GroupedCopier
@@ -57,6 +57,10 @@ from raykv.transfer.inbox import InboxCommit, InboxWriter
 
 log = logging.getLogger(__name__)
 
+LATE_COOLDOWN_S = 5.0
+"""After a pull from the paired worker timed out (or could not connect), loads take only the
+one-sided reads, which need nothing from the worker, for this long; pages those cannot read are
+recomputed at once instead of each load waiting ``load_budget_ms`` for a stalled worker."""
 MAX_CHAINS = 4096
 """Requests whose last stored block key the worker side remembers (their next store's parent)."""
 
@@ -100,6 +104,7 @@ class WorkerSide:
         self._failed_requests: set[str] = set()
         self._received: set[str] = set()
         self._report = WorkerReport()
+        self._pulls_after = 0.0  # pulls wait for the worker again from then (time.monotonic())
         self._inbox_pinned = 0  # the inbox rows' address while page-locked for CUDA
         self._chains: collections.OrderedDict[str, tuple[int, bytes]] = collections.OrderedDict()
         """Per request, the last block stored and its key (the next store's parent)."""
@@ -119,10 +124,12 @@ class WorkerSide:
         if self.link is not None:
             return
         self.link = link
+        budget = link.load_budget_ms / 1e3  # a request waits on a load: never the pull defaults
+        limits = {"node_id": link.node_id, "timeout_s": budget, "connect_timeout_s": budget}
         if link.listen_host == "127.0.0.1":
-            config = TransferConfig.loopback(node_id=link.node_id)
+            config = TransferConfig.loopback(**limits)
         else:
-            config = TransferConfig(host=link.listen_host, node_id=link.node_id)
+            config = TransferConfig(host=link.listen_host, **limits)  # type: ignore[arg-type]
         self.client = PageClient(link.token, config)
         if self._on_cuda():
             self.client.pin_for_cuda()
@@ -254,9 +261,14 @@ class WorkerSide:
         )
         if direct is not None:
             return int(direct)
+        if time.monotonic() < self._pulls_after:  # the worker did not answer lately: no waiting
+            self._count(req_id, "loads_skipped_late", 1)
+            return 0
         try:
             pulled = self.client.pull_sync(self.link.address, keys, out=self._buffer(len(keys)))
         except TransferError as exc:
+            if exc.reason in (TransferFailure.TIMEOUT, TransferFailure.CONNECT):
+                self._pulls_after = time.monotonic() + LATE_COOLDOWN_S
             log.warning("raykv: load of %d blocks failed (%s); vLLM recomputes them", len(keys), exc)
             return 0
         row_of = {bytes(k): i for i, k in enumerate(pulled.keys)}
