@@ -3,7 +3,8 @@
 A *shared* host tier (``TierConfig.shared``) keeps the same array in a file under /dev/shm
 (``raykv-host-<pid>-*``, mode 0600) so a peer process on the same node can map it read-only and copy
 leased pages with one memcpy (:mod:`raykv.transfer`). The file is reserved up front (no SIGBUS on
-a full /dev/shm later) and unlinked on close; a process killed with SIGKILL leaves it behind.
+a full /dev/shm later), its page tables filled in the background (:func:`prefault`), and unlinked
+on close; a process killed with SIGKILL leaves it behind.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import mmap
 import os
 import tempfile
+import threading
 from typing import Any
 
 import numpy as np
@@ -28,6 +30,25 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "raykv-host-"
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap does not name it
+PREFAULT_CHUNK = 64 << 20
+
+
+def prefault(mapping: mmap.mmap, size: int, stop: threading.Event) -> int:
+    """Fault in the page tables of ``mapping``'s first ``size`` bytes for writing, without
+    changing a byte (``MADV_POPULATE_WRITE``), 64 MiB at a time until ``stop`` is set; returns the
+    bytes done (0 where the kernel does not know the call, or the mapping was closed). A fresh
+    shared tier's first write to each 4 KiB page would otherwise take a page fault: imports into
+    fresh pages ran at a fifth of the speed of later ones (measured)."""
+    done = 0
+    while done < size and not stop.is_set():
+        length = min(PREFAULT_CHUNK, size - done)
+        try:
+            mapping.madvise(MADV_POPULATE_WRITE, done, length)
+        except (OSError, ValueError):
+            return done
+        done += length
+    return done
 
 
 class HostPool(PagePool):
@@ -52,6 +73,8 @@ class HostPool(PagePool):
         """Which committed block sits in which slot, for one-sided same-node reads (shared tiers;
         see :mod:`raykv.core.tiers.shm_directory`)."""
         self._registered = False
+        self._stop_prefault = threading.Event()
+        self._prefaulting: threading.Thread | None = None
         if config.shared:
             self.array = self._allocate_shared()
             assert self.shm_path is not None
@@ -102,6 +125,9 @@ class HostPool(PagePool):
             else:  # pragma: no cover - non-Linux
                 os.ftruncate(fd, size)
             self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            args = (self._mmap, size, self._stop_prefault)
+            self._prefaulting = threading.Thread(target=prefault, args=args, daemon=True, name="prefault")
+            self._prefaulting.start()
         except OSError as exc:
             os.unlink(path)
             raise OutOfMemoryError(f"host tier: cannot reserve {size} bytes in {directory}: {exc}") from None
@@ -172,6 +198,10 @@ class HostPool(PagePool):
 
     def close(self) -> None:
         super().close()
+        self._stop_prefault.set()
+        if self._prefaulting is not None:
+            self._prefaulting.join()  # at most one chunk's madvise
+            self._prefaulting = None
         self._unregister()
         self._torch_buffer = None
         if self.slot_directory is not None:
