@@ -92,7 +92,11 @@ their microseconds over every finished request, go to the paired CacheWorker at 
 and a random suffix),
 ``timeout_s`` (per deployment call, default 10; an asynchronous load's fetch, which may first wait
 that long for a producer's blocks, is given up after ``2 * timeout_s``, and the blocks it did not
-bring are recomputed). Tests inject faults through their own link
+bring are recomputed), ``lookup_budget_ms`` (default 250: how long a new request waits for its
+lookup before it is computed without a hit; past it new requests skip their lookups until the
+late one is answered, ``lookups_skipped``), ``load_budget_ms`` (default 2,000: a load's pull from
+the paired worker, connect included; past it the blocks are recomputed and such pulls pause for
+5 s, ``loads_skipped_late``). Tests inject faults through their own link
 (``link="actors.testing:FaultyDeploymentLink"``); the production link has no fault hooks.
 
 Results per request land in ``RequestOutput.kv_transfer_params["raykv"]``: ``hit_blocks``,
