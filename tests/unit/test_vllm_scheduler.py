@@ -20,7 +20,8 @@ import pytest
 from raykv import InvalidArgumentError, KVLayout, ReuseScope
 from raykv.integrations.vllm.link import Match
 from raykv.integrations.vllm.plan import LoadOp, RaykvMetadata, WorkerReport, rank_scope
-from raykv.integrations.vllm.scheduler import TIMING_EVERY_S, SchedulerSide
+from raykv.integrations.vllm.scheduler import SchedulerSide
+from raykv.integrations.vllm.timing import TIMING_EVERY_S
 from raykv.integrations.vllm.worker import WorkerSide
 from raykv.transfer.inbox import InboxCommit
 

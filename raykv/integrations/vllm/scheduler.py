@@ -54,7 +54,7 @@ scheduled the first of them to the step after the last) come back in the request
 ``kv_transfer_params["raykv"]``. The side also adds up the pulls and prefills of every finished
 request (:attr:`SchedulerSide.timing`: ``[pulled tokens, pull us, prefilled tokens, prefill
 us]``) and hands the totals to the paired CacheWorker (:meth:`DeploymentLink.report_timing`) at
-most every ``TIMING_EVERY_S`` seconds (what is due then goes from a timer thread, as an idle
+most every ``timing.TIMING_EVERY_S`` seconds (what is due then goes from a timer thread, as an idle
 engine plans no steps), streamed responses included (they carry no
 ``kv_transfer_params``): the engine's Serve replica reads them there and reports them to routers,
 which price a pulled token against a recomputed one from them.
@@ -66,7 +66,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -79,12 +78,12 @@ from raykv.core.keys import clip_mm_items
 from raykv.integrations.vllm.identity import lora_identity
 from raykv.integrations.vllm.link import DeploymentLink, LazyKeys, Match
 from raykv.integrations.vllm.plan import EngineLink, LoadOp, RaykvMetadata, StoreOp, WorkerReport
+from raykv.integrations.vllm.timing import TimingTotals
 from raykv.routing.session_keys import SessionKeys
 
 log = logging.getLogger(__name__)
 
 PARAMS_KEY = "raykv"
-TIMING_EVERY_S = 0.5  # at most this often the timing totals go to the paired worker
 KEY_MEMO_BYTES = 16 << 20  # recently keyed blocks, reused by later prompts that share them
 INBOX_BYTES = 256 << 20
 """Default ``inbox_bytes``: the store inbox the paired CacheWorker leases each rank."""
@@ -193,12 +192,12 @@ class SchedulerSide:
         self._releases: list[LoadOp] = []  # of requests that finished while waiting
         self._prefilled: dict[str, _Request] = {}  # prompt computed by the last step: timed next step
         self.counters: collections.Counter[str] = collections.Counter()
-        self.timing = [0, 0, 0, 0]
+        self._timing = TimingTotals(link.report_timing if link is not None else None)
+
+    @property
+    def timing(self) -> list[int]:
         """Pulled tokens, pull us, prefilled tokens, prefill us of the finished requests."""
-        self._timing_at = -math.inf  # when the totals last went to the link
-        self._timing_due = False  # totals changed since
-        self._timing_timer: threading.Timer | None = None  # reports what is due once allowed
-        self._timing_lock = threading.Lock()  # the timer thread reads the totals
+        return self._timing.totals
 
     # ---- lookups ---------------------------------------------------------------------------------
     def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -393,7 +392,7 @@ class SchedulerSide:
         if self.link is None:
             return meta
         self._end_prefills()
-        self._report_timing()
+        self._timing.report()
         idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         self._async_loads(meta, 0.01 if idle and not self._asking else 0.0)
         if idle and self._asking:  # nothing else to do: wait a little for an answer, not spin
@@ -566,60 +565,16 @@ class SchedulerSide:
                 self.counters["released_loads"] += 1
             state.fetch = state.target = None
         result: dict[str, Any] = {k: int(v) for k, v in state.counts.items()}
-        self._add_timing(result)
+        self._timing.add(result)
         result["worker"] = self.link.worker
         result["blocks"] = state.stored
         if self.model is not None:
             result["model"] = self.model.hex()  # the fingerprint in its keys' scope
         return {PARAMS_KEY: result}
 
-    def _add_timing(self, result: Mapping[str, int]) -> None:
-        """Add a finished request's pull (``pulled_tokens`` in ``fetch_us``) and prefill
-        (``prefilled_tokens`` in ``prefill_us``) to :attr:`timing`, each only when both of its
-        figures are positive; then report the totals if they are due."""
-        pulled, pull_us = result.get("pulled_tokens", 0), result.get("fetch_us", 0)
-        prefilled, prefill_us = result.get("prefilled_tokens", 0), result.get("prefill_us", 0)
-        with self._timing_lock:
-            if pulled > 0 and pull_us > 0:
-                self.timing[0] += pulled
-                self.timing[1] += pull_us
-                self._timing_due = True
-            if prefilled > 0 and prefill_us > 0:
-                self.timing[2] += prefilled
-                self.timing[3] += prefill_us
-                self._timing_due = True
-        self._report_timing()
-
-    def _report_timing(self) -> None:
-        """Hand :attr:`timing` to the link, or, when it did so less than ``TIMING_EVERY_S`` ago,
-        once that much time has passed (a timer thread: an idle engine plans no more steps)."""
-        with self._timing_lock:
-            if self.link is None or not self._timing_due:
-                return
-            wait = self._timing_at + TIMING_EVERY_S - time.monotonic()
-            if wait > 0:
-                if self._timing_timer is None:
-                    self._timing_timer = threading.Timer(wait, self._timer_fired)
-                    self._timing_timer.daemon = True
-                    self._timing_timer.start()
-                return
-            self._timing_at, self._timing_due = time.monotonic(), False
-            totals = list(self.timing)
-        self.link.report_timing(totals)
-
-    def _timer_fired(self) -> None:
-        with self._timing_lock:
-            self._timing_timer = None
-        self._report_timing()
-
     def close(self) -> None:
         if self.link is not None:
-            with self._timing_lock:
-                timer, self._timing_timer = self._timing_timer, None
-                self._timing_at = -math.inf  # what is due goes now
-            if timer is not None:
-                timer.cancel()
-            self._report_timing()
+            self._timing.close()  # what is due goes now
             for req_id, state in self._requests.items():
                 self._drop_lookup(req_id, state)
                 if state.fetch is not None:

@@ -41,6 +41,7 @@ import numpy as np
 from raykv import KVLayout, MultimodalItem, ReuseScope, StateError, TransferError, block_keys
 from raykv.core.errors import CudaError, TransferFailure
 from raykv.core.keys import chain_keys, clip_mm_items, tokens_to_array
+from raykv.core.tiers.base import is_run
 from raykv.integrations.vllm.copier import BlockCopier, is_pinned
 from raykv.integrations.vllm.groups import GroupedCopier
 from raykv.integrations.vllm.plan import (
@@ -366,7 +367,7 @@ class WorkerSide:
         are one run, else through the row buffer."""
         assert self.inbox is not None and self.copier is not None
         rows = self.inbox.rows
-        if slots == list(range(slots[0], slots[0] + len(slots))):
+        if is_run(slots):
             self.copier.save(blocks, rows[slots[0] : slots[0] + len(slots)])
             return
         buffer = self._buffer(len(slots))
