@@ -192,7 +192,7 @@ class SchedulerSide:
         self._releases: list[LoadOp] = []  # of requests that finished while waiting
         self._prefilled: dict[str, _Request] = {}  # prompt computed by the last step: timed next step
         self.counters: collections.Counter[str] = collections.Counter()
-        self._timing = TimingTotals(link.report_timing if link is not None else None)
+        self._timing = TimingTotals(None if link is None else lambda totals: link.report_timing(totals))
 
     @property
     def timing(self) -> list[int]:
