@@ -1,7 +1,7 @@
 """Build hook for the optional compiled extensions (everything else is in pyproject.toml).
 
 ``raykv.native._holders`` holds the prefix index's table (:mod:`raykv.index.holders`),
-``raykv.native._shmread`` same-node one-sided pulls (:mod:`raykv.transfer.shm_read`) and ``raykv.native._chain``
+``raykv.native._shmread`` same-node one-sided pulls (:mod:`raykv.transfer.paths.shm_read`) and ``raykv.native._chain``
 the building of imported pages and blocks (:mod:`raykv.core.page`, :mod:`raykv.core.radix`) and the
 keying of prompts (:mod:`raykv.routing.session_keys`), and ``raykv.native._cost`` the routing
 decision's cost loop (:mod:`raykv.routing.policy`); where they

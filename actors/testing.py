@@ -2,7 +2,7 @@
 
 The content oracle (:class:`raykv.testing.ContentOracle`) stands in for an inference engine: it
 writes deterministic KV bytes per (key, layer, position) and checks them after any move. The
-production :class:`actors.worker.CacheWorker` has none of these methods; a deployment runs this
+production :class:`actors.cache.worker.CacheWorker` has none of these methods; a deployment runs this
 class when started with ``start(..., worker_class=TestingCacheWorker)`` (the tests' deployments,
 ``raykv demo`` and ``raykv replay`` through Ray), and in-process replays construct it directly.
 
@@ -21,8 +21,8 @@ from typing import Any
 
 import ray
 
-from actors.vllm_link import RayDeploymentLink
-from actors.worker import CacheWorker
+from actors.cache.worker import CacheWorker
+from actors.vllm.link import RayDeploymentLink
 from raykv.core.errors import OutOfPagesError, TransferError, TransferFailure
 from raykv.core.keys import MultimodalItem, ReuseScope
 from raykv.core.tiers import DiskPool
@@ -202,7 +202,7 @@ class FaultyDeploymentLink(RayDeploymentLink):
     fault must follow the lookup it hooks).
 
     Named in the connector's extra config as ``link="actors.testing:FaultyDeploymentLink"``; the
-    production link (:class:`actors.vllm_link.RayDeploymentLink`) has no such hook.
+    production link (:class:`actors.vllm.link.RayDeploymentLink`) has no such hook.
     ``counters["fault_dropped_blocks"]`` counts the blocks dropped.
     """
 
@@ -229,16 +229,16 @@ class FaultyDeploymentLink(RayDeploymentLink):
 
 class PairingProbe:
     """Stands in for a Serve replica's connector backend on one node (run it as an actor pinned to
-    that node): pairs as :func:`actors.serve_kv.pair_on_node` does for a replica."""
+    that node): pairs as :func:`actors.serve.deployments.pair_on_node` does for a replica."""
 
     def __init__(self, namespace: str) -> None:
-        from actors.cluster import connect
+        from actors.cache.cluster import connect
 
         self.cluster = connect(namespace)
 
     def pair(self, engine: str, model: str, rank: int) -> str:
         """The worker a replica of ``model`` with ``rank`` pairs with, or ``"none: <why>"``."""
-        from actors.serve_kv import NoWorkerOnNode, pair_on_node
+        from actors.serve.deployments import NoWorkerOnNode, pair_on_node
 
         try:
             return pair_on_node(self.cluster, [str(w) for w in self.cluster.worker_ids], engine, model, rank)

@@ -31,8 +31,8 @@ import torch
 from ray import serve
 
 import raykv
-from actors.serve import parse_request, router_config
-from actors.serve_kv import PDPairer, ReplicaCache
+from actors.serve.deployments import PDPairer, ReplicaCache
+from actors.serve.router import parse_request, router_config
 from raykv.core.types import WorkerId
 from raykv.integrations.hf import (
     HFKVAdapter,

@@ -28,8 +28,8 @@ import torch
 from ray import serve
 
 import raykv
-from actors.serve import parse_request, router_config, router_counters
-from actors.serve_kv import ReplicaCache
+from actors.serve.deployments import ReplicaCache
+from actors.serve.router import parse_request, router_config, router_counters
 from raykv.integrations.hf import (
     HFKVAdapter,
     generate_from_blocks,

@@ -1,7 +1,7 @@
 """Ray Serve LLM (``ray.serve.llm``) with vLLM engines that use RaykvConnector, routed by raykv.
 
 Two ``LLMServer`` replicas (a tiny random-weight Llama made locally, vLLM on CPU), each paired
-with one raykv CacheWorker: :func:`actors.serve_llm.with_raykv` adds the connector to the
+with one raykv CacheWorker: :func:`actors.serve.llm.with_raykv` adds the connector to the
 engine, the pairing server class and raykv's CacheAwareRouter to an ordinary ``LLMConfig``, and
 Ray's own ``build_openai_app`` builds the OpenAI-compatible app.
 
@@ -29,8 +29,8 @@ import ray
 from ray import serve
 
 import raykv
-from actors.serve import router_counters
-from actors.serve_llm import with_raykv
+from actors.serve.llm import with_raykv
+from actors.serve.router import router_counters
 from raykv import ReuseScope, block_keys
 from raykv.integrations.vllm import testing
 

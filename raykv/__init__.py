@@ -1,7 +1,7 @@
 """raykv: a distributed KV cache for LLM serving.
 
 This package is the pure core: it never imports ray. ``raykv.start`` and ``raykv.connect`` (the
-cluster entry points) live in ``actors.cluster`` and are re-exported lazily once that module exists.
+cluster entry points) live in ``actors.cache.cluster`` and are re-exported lazily once that module exists.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ __all__ = [
     "page_checksum",
 ]
 
-_LAZY = {"start": "actors.cluster", "connect": "actors.cluster"}
+_LAZY = {"start": "actors.cache.cluster", "connect": "actors.cache.cluster"}
 
 
 def __getattr__(name: str) -> Any:

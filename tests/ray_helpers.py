@@ -11,8 +11,8 @@ from typing import Any
 import ray
 
 import raykv
-from actors.cluster import RayKVCluster
-from actors.ray_util import shutdown_ray
+from actors.cache.cluster import RayKVCluster
+from actors.cache.ray_util import shutdown_ray
 from actors.testing import TestingCacheWorker
 from raykv import CacheConfig, KVLayout, TierConfig
 from raykv.core.types import WorkerId
@@ -140,5 +140,5 @@ def serve_example(example: Any, prefix: str, num_workers: int, app_name: str) ->
 
 
 def quiet_shutdown() -> None:
-    """:func:`actors.ray_util.shutdown_ray` with a longer settle (a deployment was just killed)."""
+    """:func:`actors.cache.ray_util.shutdown_ray` with a longer settle (a deployment was just killed)."""
     shutdown_ray(settle_s=0.5)

@@ -6,13 +6,13 @@ absolute figures, are what to compare across machines. Suites:
 
 ``core``  block keys vs raw sha256, radix tree ops, host <-> disk copies (:mod:`raykv.bench.core`)
 ``index`` prefix-index route latency and event ingest, in-process (:mod:`raykv.bench.index`);
-          ``actors.bench`` adds the through-Ray rows when the CLI runs it
+          ``actors.bench.index`` adds the through-Ray rows when the CLI runs it
 ``routing`` a routing decision (index route + cost model) vs Ray Serve LLM's PrefixTree
           (:mod:`raykv.bench.routing`; imports ray.llm lazily)
 ``gpu``   GPU tier page copies (GPU <-> pinned host, within the pool) vs raw CUDA copies of the
           same bytes (:mod:`raykv.bench.gpu`; needs CUDA)
 ``transfer`` page pulls (shared memory, UCX) vs memcpy and raw ucxx between two processes
-          (:mod:`raykv.bench.transfer`); ``actors.transfer`` adds the Ray object-store row
+          (:mod:`raykv.bench.transfer`); ``actors.cache.transfer`` adds the Ray object-store row
 ``host_loads`` the vLLM connector's worker-side loads from a CacheWorker's shared host tier into
           a CUDA engine's blocks vs a raw pinned host-to-device copy
           (:mod:`raykv.bench.vllm_host_loads`; needs CUDA, not vLLM)

@@ -5,19 +5,19 @@ a page-server process owns a CacheManager whose top tier is a GPU tier on cuda:0
 host tier) holding committed blocks written by the device oracle; this process pulls them into a
 manager on cuda:1 and times:
 
-* ``direct pull``: :func:`raykv.transfer.device.pull_direct` into a buffer on cuda:1, every page's
+* ``direct pull``: :func:`raykv.transfer.paths.direct.pull_direct` into a buffer on cuda:1, every page's
   digest checked; the sender gathers the pages into a plain device allocation (``staged``: up to 4
   UCX messages; ``staged_1msg``: one), or with ``--in-place`` also sends them straight from the
   GPU tier (slow: UCX cannot map its CUDA virtual memory); each row also gives the median split
   of a pull into request (to the header), payload and digest check;
-* ``direct pull+import``: the same plus :func:`raykv.transfer.device.import_direct` into the
+* ``direct pull+import``: the same plus :func:`raykv.transfer.paths.direct.import_direct` into the
   GPU tier, device synchronized;
-* ``gpu_peer pull+import``: :func:`raykv.transfer.gpu_peer.pull_gpu_peer_into` with one-sided
+* ``gpu_peer pull+import``: :func:`raykv.transfer.paths.gpu_peer.pull_gpu_peer_into` with one-sided
   reads off: cuda:1 maps the server's GPU tier and copies the leased pages into its own GPU tier
   (request, header, copy, done/ack); ``gpu_read pull+import (event loop)``: the same call with its
   defaults, which after the first request copies with no request at all (the owner's slot
   directory), in overlapping chunks; ``(caller's thread)``: what ``CacheWorker.pull`` does,
-  :func:`raykv.transfer.gpu_peer.pull_gpu_local` with no event-loop or executor hop;
+  :func:`raykv.transfer.paths.gpu_peer.pull_gpu_local` with no event-loop or executor hop;
 * ``ucx pull+import``: the host path (:func:`raykv.transfer.pull_into`): pages land in host memory,
   CRC-32 on both sides, then imported (only with ``--host-path``; fewer samples: it is slow).
 
@@ -74,7 +74,7 @@ def _emit(obj: Any) -> None:
 
 def _transports() -> list[str]:
     """The UCX transports this process's context reports (starts UCX)."""
-    from raykv.transfer.runtime import active_transports, get_runtime, ucx_context
+    from raykv.transfer.net.runtime import active_transports, get_runtime, ucx_context
 
     async def read() -> list[str]:
         return active_transports(ucx_context(device_memory=True).ucp_context_info)
@@ -275,7 +275,7 @@ class _Pulls:
         self.mgr.clear_reusable()
 
     def pull(self, peer: Any) -> Any:
-        from raykv.transfer.device import pull_direct
+        from raykv.transfer.paths.direct import pull_direct
 
         pages = self.runtime.run(pull_direct(self.client, peer, self.keys, self.dst_dev), 60)
         self.sync()
@@ -283,7 +283,7 @@ class _Pulls:
         return pages
 
     def pull_import(self, peer: Any) -> None:
-        from raykv.transfer.device import import_direct
+        from raykv.transfer.paths.direct import import_direct
 
         outcome = import_direct(self.mgr, self.pull(peer))
         self.sync()

@@ -3,7 +3,7 @@
 Setup (same for both): the built-in replay workload, each session pinned to one of 8 workers
 (the state a cache-aware router converges to). raykv: a :class:`~raykv.index.prefix_index.PrefixIndex` holding
 every request's block keys on its worker; a decision is ``route(keys)`` + ``choose_loads``.
-Baseline: Ray's own ``PrefixTree`` (``ray.llm``, built by the factory ``actors/ray_tree.py``
+Baseline: Ray's own ``PrefixTree`` (``ray.llm``, built by the factory ``actors/replay/ray_tree.py``
 registers) holding the same requests as text; a decision is ``prefix_match(text, replicas)`` plus
 ``get_smallest_tenants()`` when the match rate is under 10% (PrefixCacheAffinityRouter's calls).
 Text is 16 characters per 512-token block (the replay's encoding) and, in a second row, 2048

@@ -11,7 +11,7 @@ RequestRecord`) and its router's timings into a :class:`ConfigResult`:
   server keeps pace, however long the requests take;
 - prefix tokens reused: the engines' ``cached_tokens`` summed, and as a fraction of prompt tokens;
 - router decision time: every ``choose_replicas`` call of the config's router, timed in the
-  router (:mod:`actors.bench_serve_routers`), per request (all calls for it) and per call; plus
+  router (:mod:`actors.bench.serve_routers`), per request (all calls for it) and per call; plus
   its ``on_request_routed`` callbacks;
 - keeping up: completed rate >= 0.9 x offered, and queueing not growing: late sends (a turn that
   waited for its previous reply past its planned time: the server answered slower than the user
@@ -109,7 +109,7 @@ def summarize(
     name: str, records: Sequence[RequestRecord], offered_rps: float, timings: Mapping[str, Any] | None = None
 ) -> ConfigResult:
     """One config's result (module docstring). ``timings``: the router's, as
-    :meth:`actors.bench_serve_routers.RouterTimings.get` returns them."""
+    :meth:`actors.bench.serve_routers.RouterTimings.get` returns them."""
     ok = [r for r in records if r.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     itls = [x for x in (r.itl_s for r in ok) if x is not None]

@@ -1,6 +1,6 @@
 """The store of router timings of ``raykv bench serve`` (a plain class; the bench runs one as a
-named Ray actor, :mod:`actors.bench_serve`, and the timed routers of
-:mod:`actors.bench_serve_routers` report to it with fire-and-forget calls). Kept apart from the
+named Ray actor, :mod:`actors.bench.serve`, and the timed routers of
+:mod:`actors.bench.serve_routers` report to it with fire-and-forget calls). Kept apart from the
 routers so the actor's process imports nothing heavy."""
 
 from __future__ import annotations

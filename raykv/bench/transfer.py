@@ -1,13 +1,13 @@
 """Page-transfer benchmarks (``raykv bench transfer``): pull bandwidth against same-run baselines.
 
-A peer process (:class:`BenchPeer` in a spawned helper; ``actors.transfer`` runs the same class as
+A peer process (:class:`BenchPeer` in a spawned helper; ``actors.cache.transfer`` runs the same class as
 a Ray actor for the object-store row) holds, per page size, a manager whose shared host tier
 holds a committed chain of blocks, and serves it with a PageServer. This process pulls the first
 N blocks, which sit in consecutive slots (sent in place, copied with one memcpy). Rows, each
 moving the same bytes between the same two processes in the same run:
 
 - ``shm_read pull``: what a same-node pull does by default once connected: a one-sided read
-  (:mod:`raykv.transfer.shm_read`: slots from the owner's directory, one copy out of its mapping,
+  (:mod:`raykv.transfer.paths.shm_read`: slots from the owner's directory, one copy out of its mapping,
   generations checked, no request) vs a plain ``np.copyto`` of the same pages out of the same
   mapping. Goal >= 0.5x.
 - ``shm pull``: the same-node request path (one-sided reads off: request, header, one copy out of
@@ -50,9 +50,15 @@ from raykv.core.config import CacheConfig, KVLayout, TierConfig
 from raykv.core.manager import CacheManager
 from raykv.core.records import crc32
 from raykv.transfer import PageClient, PageServer, PeerAddress, TransferConfig, get_runtime, pull_into
-from raykv.transfer.importer import pull_into_local
-from raykv.transfer.runtime import active_transports, configure_ucx, ucx_address, ucx_context, ucx_endpoint
-from raykv.transfer.shm import ShmMapping
+from raykv.transfer.net.runtime import (
+    active_transports,
+    configure_ucx,
+    ucx_address,
+    ucx_context,
+    ucx_endpoint,
+)
+from raykv.transfer.pages.shm import ShmMapping
+from raykv.transfer.paths.importer import pull_into_local
 
 KIB = 1024
 RAW_REQUEST_TAG = 0x5241574B56  # "RAWKV"

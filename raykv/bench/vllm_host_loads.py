@@ -159,7 +159,7 @@ class Engine:
         from raykv.integrations.vllm.plan import EngineLink, LoadOp, RaykvMetadata
         from raykv.integrations.vllm.testing import vllm_kv_caches
         from raykv.integrations.vllm.worker import WorkerSide
-        from raykv.transfer.config import default_node_id
+        from raykv.transfer.net.config import default_node_id
 
         layout, blocks = owner.layout, len(owner.keys)
         names = [f"model.layers.{i}.self_attn.attn" for i in layout.layer_ids]

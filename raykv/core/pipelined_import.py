@@ -1,7 +1,7 @@
 """Pipelined imports: the pages of a batch copied in chunks whose copies overlap the inserts.
 
 :func:`import_pipelined` is :func:`raykv.core.export_import.import_written` in chunks, for writers that
-copy asynchronously (the GPU ``gpu_read`` path, :mod:`raykv.transfer.gpu_peer`): the copies of the
+copy asynchronously (the GPU ``gpu_read`` path, :mod:`raykv.transfer.paths.gpu_peer`): the copies of the
 chunks that fit in free slots all start before the records are validated (the rest are staged
 while earlier ones copy), and each chunk is confirmed and inserted (as one chain when it is one)
 while later ones still copy.

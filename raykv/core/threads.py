@@ -4,7 +4,7 @@ One memcpy thread moves a fraction of what the memory can (two copies in paralle
 twice what one does: docs/benchmarks.md, "Transfers: same node, host pages"), and numpy copies
 and zlib/ISA-L checksums release the GIL, so large row ranges are cut into pieces of at least
 :data:`PIECE_BYTES`, one per thread. :func:`run_rows` is for a caller that may block;
-``raykv.transfer.runtime.map_rows`` is its event-loop twin over the same threads.
+``raykv.transfer.net.runtime.map_rows`` is its event-loop twin over the same threads.
 """
 
 from __future__ import annotations

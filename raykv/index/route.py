@@ -1,7 +1,7 @@
 """Route answers from index entries: each worker's cached prefix of a request's keys (pure).
 
 Shared by :class:`raykv.index.prefix_index.PrefixIndex` (one shard) and the sharded index client
-(``actors/index.py``), which gathers the entries from every shard. An entry is the immutable
+(``actors/cache/index.py``), which gathers the entries from every shard. An entry is the immutable
 tuple ``(all, gpu, host, disk)`` of lane-spread bitmasks of one key (see :mod:`raykv.index.prefix_index`):
 worker ``w``'s bit is ``1 << (LANE_BITS * lane)``. Routing ANDs the masks of consecutive keys and
 adds the per-tier masks into 16-bit lanes, so one pass over the keys yields, for every worker at

@@ -8,7 +8,7 @@ work, slower. Each can also be switched off at run time with an environment vari
 extension      speeds up                                                           switched off by
 =============  ==================================================================  =========================
 ``_holders``   the prefix index's table (:mod:`raykv.index.holders`)               ``RAYKV_PURE_INDEX=1``
-``_shmread``   same-node one-sided reads (:mod:`raykv.transfer.shm_read`)          ``RAYKV_PURE_SHM_READ=1``
+``_shmread``   one-sided reads (:mod:`raykv.transfer.paths.shm_read`)               ``RAYKV_PURE_SHM_READ=1``
 ``_chain``     building imported pages and chains of blocks (:mod:`raykv.core`)    ``RAYKV_PURE_CHAIN=1``
                and keying prompts (:mod:`raykv.routing.session_keys`)
 ``_cost``      the routing decision's cost loop (:mod:`raykv.routing.policy`)      ``RAYKV_PURE_COST=1``

@@ -16,7 +16,7 @@ Pure core (never imports ray; ``ray_prefix`` imports Ray's PrefixTree only when 
 | ``report`` | summaries, the table, JSON, the PNG plot, the goal checks |
 
 Backends (in-process CacheWorkers feeding a PrefixIndex, or a Ray deployment) and the ``raykv
-replay`` / ``raykv demo`` commands live in ``actors/replay.py`` and ``actors/demo.py``.
+replay`` / ``raykv demo`` commands live in ``actors/replay/backends.py`` and ``actors/cli/demo.py``.
 """
 
 from __future__ import annotations

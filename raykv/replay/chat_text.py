@@ -24,7 +24,7 @@ tokens and its parent's id; a trailing partial block gets a fresh id). A session
 their message dicts: read them, never change them.
 
 :class:`ChatPrompts` is the router's side: one :class:`~raykv.routing.prompts.PromptRenderer`
-(raykv's Serve router holds one per model, ``actors/serve_prompts.py``) renders each request's
+(raykv's Serve router holds one per model, ``actors/serve/prompts.py``) renders each request's
 messages in arrival order, timed; a request it cannot render gives None and is counted, and the
 raykv routers route it by load, as Serve's router does. ``transformers`` loads on first use only.
 """

@@ -2,7 +2,7 @@
 
 :func:`replay` drives one router over one prepared trace against a :class:`Backend`: the cache
 workers and the index (in-process CacheWorker objects or a Ray deployment; see
-``actors/replay.py``). For each request, in arrival order:
+``actors/replay/backends.py``). For each request, in arrival order:
 
 1. the servers' clock moves to the arrival time;
 2. the router chooses a server (timed: the *routing decision*, from the request's block keys,

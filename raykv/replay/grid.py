@@ -10,7 +10,7 @@ requests (the ``chat_text`` family) are rendered to ids once, by one
 
 ``make_backend(num_caches, blocks_per_cache, pooled)`` is a context manager yielding a
 :class:`~raykv.replay.engine.Backend` with empty caches (``pooled``: the one cache of the pooled
-ideal); ``actors/replay.py`` provides in-process CacheWorkers and a Ray deployment. After each
+ideal); ``actors/replay/backends.py`` provides in-process CacheWorkers and a Ray deployment. After each
 run the backend verifies ``verify`` cached pages against the content oracle (when it has a
 ``verify`` method). Ctrl-C stops the grid and keeps every finished run plus
 the partial one.

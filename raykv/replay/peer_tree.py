@@ -1,7 +1,7 @@
 """Where the ``ray_prefix`` router and the routing benchmark get Ray Serve LLM's PrefixTree.
 
 raykv never imports ray, so the tree comes from a factory that the Ray layer registers
-(``actors/ray_tree.py`` does so when imported; the CLI, the replay backends and the tests import
+(``actors/replay/ray_tree.py`` does so when imported; the CLI, the replay backends and the tests import
 it). Measuring the peer's real code is the point, so there is no stand-in implementation.
 """
 
@@ -25,7 +25,7 @@ def new_prefix_tree() -> Any:
     """A fresh PrefixTree. Raises StateError when no factory is registered."""
     if _factory is None:
         raise StateError(
-            "the ray_prefix router needs Ray's PrefixTree: import actors.ray_tree first "
+            "the ray_prefix router needs Ray's PrefixTree: import actors.replay.ray_tree first "
             "(raykv itself never imports ray)"
         )
     return _factory()

@@ -8,7 +8,7 @@ pow2
 ray_prefix
     Ray Serve LLM's PrefixCacheAffinityRouter (ray 2.60) on Ray's own PrefixTree
     (``ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree``, built by the factory
-    ``actors/ray_tree.py`` registers in :mod:`raykv.replay.peer_tree`), fed with
+    ``actors/replay/ray_tree.py`` registers in :mod:`raykv.replay.peer_tree`), fed with
     :func:`~raykv.replay.trace.block_text` of each hash id. Per request: draw the pow2 pair (the
     fallback); if max-min queue length > ``imbalanced_threshold`` use the pair; else
     ``prefix_match(text, all replicas)``; below ``match_rate_threshold`` take
@@ -54,7 +54,7 @@ routing decision; ``routed`` is the router's own state update afterwards (timed 
 raykv the timed decision is the index route over the request's block keys, the reported loads
 and the cost model (with the hot-prefix rule); the keys themselves are computed before the loop
 (:func:`~raykv.replay.engine.prepare`, timed there: ``Prepared.keys_ns``), though raykv's Serve
-router hashes the prompt itself before it routes (``actors/serve.py``).
+router hashes the prompt itself before it routes (``actors/serve/router.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Liveness (pure): which named targets (cache workers, index shards) routing may use right now.
 
 A :class:`Liveness` turns ping observations into a :class:`Health` per target; whoever pings
-(``actors.liveness.Pinger``, a thread of cheap actor calls) feeds it, and routing decisions only
+(``actors.cache.liveness.Pinger``, a thread of cheap actor calls) feeds it, and routing decisions only
 read it, so a decision never waits on a ping. The rules:
 
 - a good answer makes a target ``up`` (and records its incarnation: a new one counts a restart);

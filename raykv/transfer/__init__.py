@@ -5,14 +5,14 @@ shared token; a :class:`PageClient` pulls a list of blocks by key from one or se
 returns them intact (:class:`PulledPages`), ready for ``CacheManager.import_pages``.
 :func:`pull_into` does both steps, landing the pages in the manager's top tier with one copy, and
 imports only a complete, intact, parent-consistent prefix; :func:`pull_best` first tries the
-same-node GPU-to-GPU path (:mod:`raykv.transfer.gpu_peer`) when the manager's top tier is a GPU.
+same-node GPU-to-GPU path (:mod:`raykv.transfer.paths.gpu_peer`) when the manager's top tier is a GPU.
 Integrity: over UCX every page is checked against the sender's CRC-32; over same-node shared
 memory (and GPU peer copies) the pages are copied straight out of the owner's memory under its
 lease (no checksums unless asked; the owner confirms the lease instead), see
-:mod:`raykv.transfer.wire`.
+:mod:`raykv.transfer.net.wire`.
 
-Paths: each way pages move is a :class:`raykv.transfer.path.TransferPath` (``shm_read``,
-``gpu_read``, ``shm``, ``ucx``, ``direct``, ``gpu_peer``; :mod:`raykv.transfer.paths` lists them);
+Paths: each way pages move is a :class:`raykv.transfer.paths.base.TransferPath` (``shm_read``,
+``gpu_read``, ``shm``, ``ucx``, ``direct``, ``gpu_peer``; :mod:`raykv.transfer.paths.registry` lists them);
 the server and the client dispatch to them by name.
 
 Layers, bottom to top (a module imports only lower ones; none imports this package): ``config``,
@@ -31,17 +31,23 @@ first time a server or client starts.
 from __future__ import annotations
 
 from raykv.core.errors import TransferFailure
-from raykv.transfer.auth import AuthToken
 from raykv.transfer.client import ClientStats, PageClient, PulledPages
-from raykv.transfer.config import PeerAddress, TransferConfig, default_node_id
-from raykv.transfer.gpu_peer import pull_best, pull_gpu_peer_into
-from raykv.transfer.gpu_read import pull_gpu_local
-from raykv.transfer.importer import PullOutcome, import_pulled, merge_outcomes, pull_into, pull_into_local
-from raykv.transfer.path import TransferPath
-from raykv.transfer.paths import PATH_CLASSES
-from raykv.transfer.runtime import TransferRuntime, get_runtime
+from raykv.transfer.net.auth import AuthToken
+from raykv.transfer.net.config import PeerAddress, TransferConfig, default_node_id
+from raykv.transfer.net.runtime import TransferRuntime, get_runtime
+from raykv.transfer.paths.base import TransferPath
+from raykv.transfer.paths.gpu_peer import pull_best, pull_gpu_peer_into
+from raykv.transfer.paths.gpu_read import pull_gpu_local
+from raykv.transfer.paths.importer import (
+    PullOutcome,
+    import_pulled,
+    merge_outcomes,
+    pull_into,
+    pull_into_local,
+)
+from raykv.transfer.paths.registry import PATH_CLASSES
+from raykv.transfer.paths.serving import ServerConn, ServerFaults
 from raykv.transfer.server import PageServer, ServerStats
-from raykv.transfer.serving import ServerConn, ServerFaults
 
 __all__ = [
     "AuthToken",

@@ -2,7 +2,7 @@
 
 A pull connects (or reuses an idle authenticated connection to that peer), sends the keys, and
 receives the header, the payload and the checksums or the server's acknowledgement (protocol:
-:mod:`raykv.transfer.wire`). The result is a :class:`PulledPages` whose every page is intact
+:mod:`raykv.transfer.net.wire`). The result is a :class:`PulledPages` whose every page is intact
 (see its ``verified``); anything else (bad token, malformed or oversized message, corrupt page,
 dead or slow peer, a lease that ended early, timeout) raises
 :class:`raykv.core.errors.TransferError` with a ``reason`` and leaves nothing behind: the connection is
@@ -11,22 +11,22 @@ it sees the connection go. Cancelling the calling task cleans up the same way.
 
 Keys the peer does not have are not an error: they are listed in ``PulledPages.missing``.
 
-Paths (one :class:`raykv.transfer.path.TransferPath` each): ``shm_read`` once this client has
+Paths (one :class:`raykv.transfer.paths.base.TransferPath` each): ``shm_read`` once this client has
 connected to a same-node server whose shared host tier and slot directory it could map, when the
 directory lists every key (a one-sided read in the calling task's thread, no request:
-:mod:`raykv.transfer.shm_read`); ``shm`` when the server runs on this node (same node id), has a
+:mod:`raykv.transfer.paths.shm_read`); ``shm`` when the server runs on this node (same node id), has a
 shared host tier that this process can map, and every page is on it; ``ucx`` otherwise. A batch
-is received and landed by the path its header names (:data:`raykv.transfer.paths.REQUEST_PATHS`,
-:mod:`raykv.transfer.host_paths`). ``ClientStats`` counts pulls, pages and bytes per path; each
+is received and landed by the path its header names (:data:`raykv.transfer.paths.registry.REQUEST_PATHS`,
+:mod:`raykv.transfer.paths.host`). ``ClientStats`` counts pulls, pages and bytes per path; each
 result says which path it used. Checksums: always on ``ucx`` (the receiver's pass overlaps with
 the transfer); on ``shm`` only with ``verify`` (default ``TransferConfig.verify_shm``, off): the
 pages are copied straight out of the owner's memory under its lease, and the owner acknowledges
-that the lease lasted (:mod:`raykv.transfer.wire`).
+that the lease lasted (:mod:`raykv.transfer.net.wire`).
 
 :meth:`PageClient.pull_land` hands the pages to an import instead of returning them: over ``shm``
 the import reads the rows from the mapping itself (one copy, into the destination tier), over
 ``ucx`` from the one buffer they were received into, each chunk as soon as it arrived when the
-land can (:mod:`raykv.transfer.landing`).
+land can (:mod:`raykv.transfer.pages.landing`).
 
 Backpressure: at most ``client_inflight_bytes`` of receive buffers are being filled at once, over
 all peers; :meth:`PageClient.pull_many` pulls from several peers concurrently.
@@ -46,22 +46,14 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-import raykv.transfer.gpu_land as gpu_land
-import raykv.transfer.shm_read as shm_read
+import raykv.transfer.paths.gpu_land as gpu_land
+import raykv.transfer.paths.shm_read as shm_read
 from raykv.core.errors import TransferError, TransferFailure
 from raykv.core.types import BlockKey
-from raykv.transfer.auth import AuthToken
-from raykv.transfer.config import Peer, TransferConfig, check_config, check_timeout, pull_request
-from raykv.transfer.connection import ClientConn, handshake
-from raykv.transfer.gpu_land import GpuLand, GpuLanding
-from raykv.transfer.host_paths import Batch, checks
-from raykv.transfer.landing import Land, LeaseCheck, run_land
-from raykv.transfer.paths import REQUEST_PATHS
-from raykv.transfer.payload import early_split
-from raykv.transfer.peer_pools import PeerPools
-from raykv.transfer.receive import SpareBuffers, post_first, read_header
-from raykv.transfer.results import ClientStats, Part, PulledPages, check_out, merge
-from raykv.transfer.runtime import (
+from raykv.transfer.net.auth import AuthToken
+from raykv.transfer.net.config import Peer, TransferConfig, check_config, check_timeout, pull_request
+from raykv.transfer.net.connection import ClientConn, handshake
+from raykv.transfer.net.runtime import (
     ByteBudget,
     TransferRuntime,
     as_transfer_error,
@@ -70,7 +62,15 @@ from raykv.transfer.runtime import (
     ucx_context,
     within,
 )
-from raykv.transfer.shm import ShmMapping
+from raykv.transfer.pages.landing import Land, LeaseCheck, run_land
+from raykv.transfer.pages.payload import early_split
+from raykv.transfer.pages.receive import SpareBuffers, post_first, read_header
+from raykv.transfer.pages.results import ClientStats, Part, PulledPages, check_out, merge
+from raykv.transfer.pages.shm import ShmMapping
+from raykv.transfer.paths.gpu_land import GpuLand, GpuLanding
+from raykv.transfer.paths.host import Batch, checks
+from raykv.transfer.paths.peer_pools import PeerPools
+from raykv.transfer.paths.registry import REQUEST_PATHS
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class PageClient:
         self._labels: dict[tuple[str, int], str] = {}  # endpoint -> "host:port" (stats keys)
         self._pin_local = False
         self.gpu_pools = PeerPools()
-        """Owners' GPU tiers mapped by gpu_peer pulls (:mod:`raykv.transfer.gpu_peer`)."""
+        """Owners' GPU tiers mapped by gpu_peer pulls (:mod:`raykv.transfer.paths.gpu_peer`)."""
 
     # ---- public API ------------------------------------------------------------------------------
     async def pull(
@@ -361,7 +361,7 @@ class PageClient:
         """The most receive-buffer bytes held at once so far (0 before the first request)."""
         return self._budget.peak if self._budget is not None else 0
 
-    # ---- one-sided same-node reads (raykv.transfer.shm_read) -----------------------------------
+    # ---- one-sided same-node reads (raykv.transfer.paths.shm_read) -----------------------------------
     def _register_local(self, peer: tuple[str, int], conn: ClientConn) -> None:
         """Map a same-node peer's shared tier and directory for one-sided reads (once per file)."""
         config = self.config
@@ -399,7 +399,7 @@ class PageClient:
 
     def land_gpu(self, peer: Peer, keys: Sequence[bytes], device: int, land: GpuLand) -> GpuLanding:
         """Land the pages of ``keys`` from a same-node ``peer``'s GPU tier straight into this
-        process's device memory (``land``: :data:`raykv.transfer.gpu_land.GpuLand`, on CUDA device
+        process's device memory (``land``: :data:`raykv.transfer.paths.gpu_land.GpuLand`, on CUDA device
         ``device``): one-sided when the owner's directory lists every key, else one ``gpu_peer``
         request per batch. Returns how many leading keys landed and by which path (0 and None
         when the path is not available: another node, no GPU tier, switched off). TransferError

@@ -2,15 +2,15 @@
 
 One server per manager. Its control listener (asyncio TCP) binds to ``TransferConfig.host`` (the
 node's address in a deployment, 127.0.0.1 in tests); each connection first runs the token
-challenge-response (:mod:`raykv.transfer.auth`), then serves any number of pulls, one at a time.
+challenge-response (:mod:`raykv.transfer.net.auth`), then serves any number of pulls, one at a time.
 (ucxx's Python listener cannot bind to one interface, hence a plain TCP control listener; the
 payload itself goes over UCX endpoints built from the peers' worker addresses.)
 
 A pull leases the committed blocks among the requested keys (so the pages stay in place) and hands
-them to the path the request names (:mod:`raykv.transfer.path`; the registry is
-:mod:`raykv.transfer.paths`), or to ``ucx`` when that path does not accept the pull; the path
+them to the path the request names (:mod:`raykv.transfer.paths.base`; the registry is
+:mod:`raykv.transfer.paths.registry`), or to ``ucx`` when that path does not accept the pull; the path
 sends the header, the payload, and the checksums or an ``ack`` through a
-:class:`raykv.transfer.serving.ServerConn`. The lease ends once the path returns (the client
+:class:`raykv.transfer.paths.serving.ServerConn`. The lease ends once the path returns (the client
 reported ``done`` and the local sends have completed) or when anything fails: a dead or slow
 peer, a timeout, cancellation, server shutdown. A path aborts its failing endpoint *before* the
 lease ends, so UCX never reads a page that has been released.
@@ -18,7 +18,7 @@ lease ends, so UCX never reads a page that has been released.
 Backpressure: at most ``server_inflight_bytes`` of payload are being served at once (a byte
 semaphore; further pulls wait their turn).
 
-Guards (:mod:`raykv.transfer.guard`; docs/security.md): a connection over
+Guards (:mod:`raykv.transfer.net.guard`; docs/security.md): a connection over
 ``max_connections_per_peer`` (per peer host) or ``max_connections`` (in all) is refused at once
 with reason ``busy`` and counted in ``connections_refused``. An admitted connection must
 authenticate within ``auth_timeout_s``; until it has, nothing it sends reaches the stats beyond
@@ -48,18 +48,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import raykv.transfer.wire as wire
+import raykv.transfer.net.wire as wire
 from raykv.core.errors import InvalidArgumentError, RayKVError, TransferError, TransferFailure
 from raykv.core.manager import CacheManager
 from raykv.core.tiers.host import HostPool
 from raykv.core.types import TierKind
-from raykv.transfer.auth import CLIENT_LABEL, NONCE_BYTES, SERVER_LABEL, AuthToken, new_nonce
-from raykv.transfer.config import PeerAddress, TransferConfig, check_config
-from raykv.transfer.gpu_peer import GpuPeerExport
-from raykv.transfer.guard import ConnectionSlots, LogLimiter, close_stream, frame_start
-from raykv.transfer.path import TransferPath
-from raykv.transfer.paths import server_paths
-from raykv.transfer.runtime import (
+from raykv.transfer.net.auth import CLIENT_LABEL, NONCE_BYTES, SERVER_LABEL, AuthToken, new_nonce
+from raykv.transfer.net.config import PeerAddress, TransferConfig, check_config
+from raykv.transfer.net.guard import ConnectionSlots, LogLimiter, close_stream, frame_start
+from raykv.transfer.net.runtime import (
     ByteBudget,
     TransferRuntime,
     abort_endpoint,
@@ -70,7 +67,10 @@ from raykv.transfer.runtime import (
     ucx_context,
     within,
 )
-from raykv.transfer.serving import PullRequest, ServerConn, ServerFaults, ServerSite
+from raykv.transfer.paths.base import TransferPath
+from raykv.transfer.paths.gpu_peer import GpuPeerExport
+from raykv.transfer.paths.registry import server_paths
+from raykv.transfer.paths.serving import PullRequest, ServerConn, ServerFaults, ServerSite
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class PageServer:
         shm_level, self._shm_info = _shared_tier(manager)
         self.gpu_peer = GpuPeerExport(manager, self.config.use_gpu_peer)
         self.paths: dict[str, TransferPath] = server_paths(shm_level, self.config, self.gpu_peer)
-        """The paths this server answers on, by name (see :mod:`raykv.transfer.paths`)."""
+        """The paths this server answers on, by name (see :mod:`raykv.transfer.paths.registry`)."""
         self._site: ServerSite | None = None
         self._slots = ConnectionSlots(self.config.max_connections_per_peer, self.config.max_connections)
         self._refusals = LogLimiter(log)  # connections refused or rejected before authentication

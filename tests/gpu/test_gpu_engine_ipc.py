@@ -3,7 +3,7 @@
 The engine side is the vLLM connector's worker side (:class:`WorkerSide`, no vLLM needed) with
 KV tensors in vLLM's GPU layouts. GPU tier: the owner is another process (as a CacheWorker is)
 whose VMM GPU tier holds blocks written by the device oracle; the engine maps that tier
-(:mod:`raykv.transfer.gpu_land`) and copies device to device into its blocks, first by a
+(:mod:`raykv.transfer.paths.gpu_land`) and copies device to device into its blocks, first by a
 ``gpu_peer`` request, then one-sided. Host tier: an owner's shared host tier, mapped read-only
 and page-locked in the engine's process, is copied to the device by DMA with no staging copy.
 Every loaded block is saved back to page rows and checked against the content oracle.
@@ -29,7 +29,7 @@ from raykv.integrations.vllm.plan import EngineLink, LoadOp, RaykvMetadata  # no
 from raykv.integrations.vllm.testing import vllm_kv_caches  # noqa: E402
 from raykv.integrations.vllm.worker import WorkerSide  # noqa: E402
 from raykv.transfer import PageServer, PeerAddress, TransferConfig  # noqa: E402
-from raykv.transfer.config import default_node_id  # noqa: E402
+from raykv.transfer.net.config import default_node_id  # noqa: E402
 
 PAGE_KIB, PAGES, BLOCKS = 512, 24, 64
 LAYOUT = page_layout(PAGE_KIB)  # 8 layers of K and V, 16 tokens x 8 heads x 128, float16

@@ -31,7 +31,7 @@ from raykv.bench.vllm_host_loads import (  # noqa: E402
 from raykv.integrations.vllm.plan import EngineLink, LoadOp, RaykvMetadata  # noqa: E402
 from raykv.integrations.vllm.testing import vllm_kv_caches  # noqa: E402
 from raykv.integrations.vllm.worker import WorkerSide  # noqa: E402
-from raykv.transfer.config import default_node_id  # noqa: E402
+from raykv.transfer.net.config import default_node_id  # noqa: E402
 
 PAGES, BLOCKS = 96, 128
 """96 pages of 1 MiB (2 layers of 512 KiB): 96 MiB, two of the copier's 64 MiB chunks."""

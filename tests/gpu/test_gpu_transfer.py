@@ -36,7 +36,7 @@ from raykv.transfer import (  # noqa: E402
     pull_gpu_peer_into,
     pull_into,
 )
-from raykv.transfer.device import pull_direct_into  # noqa: E402
+from raykv.transfer.paths.direct import pull_direct_into  # noqa: E402
 
 SCENARIO = Scenario("64x512KiB", 512, 64)
 CFG = TransferConfig(host="127.0.0.1", timeout_s=30.0, connect_timeout_s=10.0)
@@ -215,7 +215,7 @@ def test_gpu_read_needs_no_request_after_the_first(remote: Remote, monkeypatch: 
     """After one gpu_peer request the owner's slot directory is mapped: later pulls of bound keys
     copy one-sided (path "gpu_read"), the owner serves nothing, every byte matches; a page that
     changes during the copy (simulated) makes the pull ask the owner instead."""
-    from raykv.transfer import shm_read
+    from raykv.transfer.paths import shm_read
 
     peer = remote.peers["staged"]
     remote.mgr.clear_reusable()
@@ -240,8 +240,8 @@ def test_gpu_read_stale_later_chunk_keeps_the_earlier_ones(
     """A local import runs in chunks whose copies overlap the inserts; when a later chunk's pages
     changed during its copy (simulated), the chunks before it stay imported and the owner is asked
     for the rest: every key arrives, every byte matches, no lease or page is left over."""
-    from raykv.transfer import shm_read
-    from raykv.transfer.gpu_read import chunk_starts
+    from raykv.transfer.paths import shm_read
+    from raykv.transfer.paths.gpu_read import chunk_starts
 
     peer = remote.peers["staged"]
     remote.mgr.clear_reusable()

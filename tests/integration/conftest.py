@@ -15,7 +15,7 @@ import pytest
 import ray
 from ray_helpers import quiet_shutdown, running
 
-from actors.cluster import RayKVCluster
+from actors.cache.cluster import RayKVCluster
 
 
 @pytest.fixture(scope="package")

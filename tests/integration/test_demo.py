@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import ray
 
-from actors.cluster import REGISTRY
-from actors.demo import run_ray_demo
-from actors.replay import RayBackend, RayBackends
+from actors.cache.cluster import REGISTRY
+from actors.cli.demo import run_ray_demo
+from actors.replay.backends import RayBackend, RayBackends
 from raykv.replay.routers import ROUTERS
 
 

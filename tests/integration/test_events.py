@@ -9,7 +9,7 @@ import pytest
 from ray_helpers import DISK_PAGES, HOST_PAGES, get, index_view, poll, prefixed, snapshot_view, tokens
 
 import raykv
-from actors.cluster import RayKVCluster
+from actors.cache.cluster import RayKVCluster
 from raykv import TierKind
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import OP_REMOVE, OP_STORE, EventBatch

@@ -9,7 +9,7 @@ import pytest
 import ray
 from ray_helpers import get, index_view, poll, prefixed, running, snapshot_view, tokens
 
-from actors.cluster import RayKVCluster
+from actors.cache.cluster import RayKVCluster
 
 
 @pytest.fixture(scope="module")

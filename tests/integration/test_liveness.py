@@ -17,10 +17,10 @@ import ray
 from ray_helpers import TPB, get, poll, running, tokens
 
 import raykv
-from actors.cluster import RayKVCluster
-from actors.liveness import CALL_TIMEOUT_S
-from actors.serve import RoutedRequest
-from actors.serve_kv import PDPairer
+from actors.cache.cluster import RayKVCluster
+from actors.cache.liveness import CALL_TIMEOUT_S
+from actors.serve.deployments import PDPairer
+from actors.serve.router import RoutedRequest
 from raykv.core.errors import TransferError, TransferFailure, UnavailableError
 from raykv.core.keys import ReuseScope
 from raykv.index.prefix_index import shard_of

@@ -17,7 +17,7 @@ import pytest
 import ray
 from ray_helpers import expected_route, get, poll, running, small_config, snapshot_view, tokens
 
-from actors.cluster import RayKVCluster
+from actors.cache.cluster import RayKVCluster
 from actors.testing import TestingCacheWorker
 from raykv.index.prefix_index import KEY_PREFIX, OP_STORE, REORDER_WINDOW, EventBatch
 

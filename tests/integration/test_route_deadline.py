@@ -17,9 +17,9 @@ from collections.abc import Iterator, Sequence
 
 from ray_helpers import get, poll, tokens
 
-from actors.cluster import RayKVCluster
-from actors.index import IndexClient
-from actors.liveness import ROUTE_BUDGET_MS
+from actors.cache.cluster import RayKVCluster
+from actors.cache.index import IndexClient
+from actors.cache.liveness import ROUTE_BUDGET_MS
 from raykv.core.types import WorkerId
 from raykv.index.prefix_index import RouteMatch, shard_of
 

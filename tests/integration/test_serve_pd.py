@@ -23,7 +23,7 @@ import ray  # noqa: E402
 from ray_helpers import load_example, serve_example  # noqa: E402
 
 import raykv  # noqa: E402
-from actors.cluster import RayKVCluster  # noqa: E402
+from actors.cache.cluster import RayKVCluster  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ served is wrong and no request fails because of the cache."""
 
 from __future__ import annotations
 
-from actors.soak import FAULT_KINDS, SoakArgs, report, run_soak
+from actors.bench.soak import FAULT_KINDS, SoakArgs, report, run_soak
 
 
 def test_short_soak_serves_only_right_pages(ray_local: None) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from ray_helpers import TPB, get, poll, running, snapshot_view, tokens
 
-from actors.cluster import RayKVCluster
+from actors.cache.cluster import RayKVCluster
 from raykv import CacheConfig, KVLayout, TierConfig, TransferError
 from raykv.transfer import AuthToken, PageClient, TransferConfig
 

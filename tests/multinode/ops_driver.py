@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 import raykv
-from actors.ray_util import shutdown_ray
+from actors.cache.ray_util import shutdown_ray
 
 
 def request(namespace: str, num_tokens: int) -> dict[str, Any]:

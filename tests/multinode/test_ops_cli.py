@@ -29,7 +29,7 @@ from typing import Any
 import psutil
 import pytest
 
-from actors.metrics import prometheus_names
+from actors.cache.metrics import prometheus_names
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "cluster" / "local_cluster.py"
@@ -51,7 +51,7 @@ def _run(args: list[str], env: dict[str, str], timeout: float = 120) -> subproce
 
 
 def _raykv(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return _run([sys.executable, "-m", "actors.cli", *args], env)
+    return _run([sys.executable, "-m", "actors.cli.main", *args], env)
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ def _driver(env: dict[str, str], *args: str) -> Any:
 
 def _watch(env: dict[str, str], namespace: str, reports: int) -> int:
     """``raykv status --watch 0.3`` until it printed ``reports`` tables, then Ctrl-C; its status."""
-    cmd = [sys.executable, "-m", "actors.cli", "status", "--namespace", namespace, "--watch", "0.3"]
+    cmd = [sys.executable, "-m", "actors.cli.main", "status", "--namespace", namespace, "--watch", "0.3"]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         seen = 0

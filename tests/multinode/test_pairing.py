@@ -1,5 +1,5 @@
 """Pairing by node: a Serve replica pairs with a CacheWorker on its own Ray node
-(``actors.serve_kv.pair_on_node``), claims it for its model, and on a node without one gets
+(``actors.serve.deployments.pair_on_node``), claims it for its model, and on a node without one gets
 NoWorkerOnNode (its connector then runs without raykv rather than storing into nothing).
 
 Workers on nodes 1 and 2 only (none on node 0), in a deployment started without a layout; the
@@ -16,7 +16,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray_helpers import get, running
 
-from actors.cluster import RayKVCluster
+from actors.cache.cluster import RayKVCluster
 from actors.testing import PairingProbe
 from raykv.integrations.vllm.link import DISABLED_KEY, open_link
 

@@ -18,7 +18,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray_helpers import TPB, get, poll, running, snapshot_view, tokens
 
-from actors.cluster import RayKVCluster
+from actors.cache.cluster import RayKVCluster
 from actors.testing import disaggregated_request
 from raykv import CacheConfig, KVLayout, TierConfig, TransferError
 from raykv.transfer import TransferConfig

@@ -21,7 +21,7 @@ from ray_helpers import (
     tokens,
 )
 
-from actors.cluster import RayKVCluster
+from actors.cache.cluster import RayKVCluster
 from raykv import TierKind
 
 from .conftest import NODE_RESOURCES, NUM_NODES

@@ -9,7 +9,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray_helpers import expected_route, get, index_view, poll, prefixed, running, snapshot_view, tokens
 
-from actors.cluster import RayKVCluster
+from actors.cache.cluster import RayKVCluster
 
 from .conftest import NODE_RESOURCES, NUM_NODES
 

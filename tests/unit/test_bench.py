@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from actors.cli import main as cli_main
+from actors.cli.main import main as cli_main
 from raykv.bench import run_benchmarks
 from raykv.bench.core_io import checksum_functions
 from raykv.bench.harness import Benchmark, Row, format_table, run_suite

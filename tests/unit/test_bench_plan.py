@@ -4,7 +4,7 @@ them and the import error, everything else runs, and the exit code says whether 
 The subprocess runs put a ``ray`` package on PYTHONPATH whose import raises ImportError (a broken
 or missing install); they run cheap selections (``bench transfer --quick``: its own rows, about
 5 s; ``bench routing``/``bench soak``: nothing runs). The default run's selection is
-checked in-process through :func:`actors.bench_plan.plan_suites` with an injected import check.
+checked in-process through :func:`actors.bench.plan.plan_suites` with an injected import check.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.bench_plan import Skip, named_only_missing, plan_suites
+from actors.bench.plan import Skip, named_only_missing, plan_suites
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BROKEN = "simulated broken install"
@@ -33,7 +33,13 @@ def no_ray_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def _bench(pythonpath: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", "import sys; from actors.cli import main; sys.exit(main())", "bench", *args],
+        [
+            sys.executable,
+            "-c",
+            "import sys; from actors.cli.main import main; sys.exit(main())",
+            "bench",
+            *args,
+        ],
         cwd=REPO_ROOT,
         env=dict(os.environ, PYTHONPATH=pythonpath),
         capture_output=True,

@@ -165,8 +165,8 @@ def test_app_configs_route_each_config_as_named(engines: str) -> None:
     require("ray.llm")
     from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
-    from actors import bench_serve_routers as routers
-    from actors.bench_serve_app import (
+    from actors.bench import serve_routers as routers
+    from actors.bench.serve_app import (
         PREFIX_AFFINITY,
         deployments_of,
         llm_config,

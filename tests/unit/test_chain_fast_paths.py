@@ -200,7 +200,7 @@ def test_slot_events_follow_the_latest_event_of_each_slot(batches, done, asked) 
 @given(st.lists(st.integers(0, 1000), min_size=1, max_size=40), st.data())
 def test_gpu_read_picks_source_slots_as_the_plain_loop(slots, data) -> None:
     """gpu_read's source slots of a chunk's records: one slice for a run of records, else the loop."""
-    from raykv.transfer.gpu_read import pick_slots
+    from raykv.transfer.paths.gpu_read import pick_slots
 
     lo = data.draw(st.integers(0, len(slots) - 1))
     run = list(range(lo, data.draw(st.integers(lo, len(slots)))))

@@ -18,7 +18,7 @@ import tomllib
 import yaml
 from deps import require
 
-from actors.settings import load_settings
+from actors.cache.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "cluster"

@@ -1,5 +1,5 @@
 """cluster/grafana-raykv.json against what raykv exports: every query names a series of
-actors.metrics.SERIES under the name Ray's Prometheus endpoint gives it, groups only by tags that
+actors.cache.metrics.SERIES under the name Ray's Prometheus endpoint gives it, groups only by tags that
 series has, and the panels the operations guide promises are there. SERIES itself is checked
 against the series WorkerMetrics, IndexMetrics and RouterMetrics create."""
 
@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from actors.metrics import SERIES, IndexMetrics, RouterMetrics, WorkerMetrics, prometheus_names
+from actors.cache.metrics import SERIES, IndexMetrics, RouterMetrics, WorkerMetrics, prometheus_names
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "cluster" / "grafana-raykv.json"
 NAME = re.compile(r"\b(ray_raykv_[a-z_]+|raykv_[a-z_]+)")

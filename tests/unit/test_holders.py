@@ -169,7 +169,7 @@ def _batch(worker: str, ops):
 
 
 def test_a_presized_index_never_moves_and_config_checks_the_capacity():
-    from actors.settings import ConfigError, DeploymentConfig, settings_from_dict
+    from actors.cache.settings import ConfigError, DeploymentConfig, settings_from_dict
 
     rng = random.Random(9)
     ix = PrefixIndex(capacity=50_000)

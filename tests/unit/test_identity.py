@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from actors.engines import EngineBindings
+from actors.cache.engines import EngineBindings
 from raykv import ConfigError, InvalidArgumentError, KVLayout, MultimodalItem, ReuseScope, block_keys
 from raykv.core.config import layout_difference
 from raykv.core.keys import clip_mm_items

@@ -274,7 +274,7 @@ def test_chain_scan_agrees_with_the_full_scan(make_manager, run_request, monkeyp
 def test_gpu_read_chunks_cover_the_records_with_a_short_last_chunk(count: int) -> None:
     """gpu_read's chunks: ascending from 0, none shorter than the minimum, one chunk when the
     records are few, and for 256 a last chunk of 8 (its insert is the one nothing overlaps)."""
-    from raykv.transfer.gpu_read import PIPELINE_MIN_CHUNK, chunk_starts
+    from raykv.transfer.paths.gpu_read import PIPELINE_MIN_CHUNK, chunk_starts
 
     starts = chunk_starts(count)
     sizes = [b - a for a, b in zip(starts, [*starts[1:], count])]

@@ -120,9 +120,9 @@ def test_no_module_imports_another_modules_private_names():
 # Private reads that are not another raykv module's internals: an object of the same class
 # (``__eq__``), a namedtuple's public-by-convention ``_fields``, and two third-party objects.
 ALLOWED_PRIVATE_READS = {
-    ("raykv.transfer.auth", "other._secret"),  # Token.__eq__ compares two tokens
-    ("raykv.transfer.serving", "LeasedBlock._fields"),  # namedtuple API
-    ("raykv.transfer.runtime", "ucxx.core._get_ctx"),  # ucxx has no public way to ask
+    ("raykv.transfer.net.auth", "other._secret"),  # Token.__eq__ compares two tokens
+    ("raykv.transfer.paths.serving", "LeasedBlock._fields"),  # namedtuple API
+    ("raykv.transfer.net.runtime", "ucxx.core._get_ctx"),  # ucxx has no public way to ask
     ("raykv.core.threads", "copy_threads()._max_workers"),  # ThreadPoolExecutor's size
     ("raykv.bench.gpu", "torch.cuda._sleep"),  # torch's only GPU-side sleep (GPU-time rows)
     ("raykv.core.tiers.cuda_calls", "torch._C"),  # the raw current stream (getattr, with a fallback)

@@ -205,7 +205,7 @@ class Guard(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, Guard())
-from actors.cli import main
+from actors.cli.main import main
 
 sys.exit(main(sys.argv[1:]))
 """

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors.cli import build_parser
-from actors.replay import in_process
+from actors.cli.main import build_parser
+from actors.replay.backends import in_process
 from raykv.core.types import WorkerId
 from raykv.replay.chat_text import ChatPrompts, chat_renderer, chat_text, chat_tokenizer
 from raykv.replay.engine import prepare, replay

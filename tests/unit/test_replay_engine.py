@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.replay import in_process
+from actors.replay.backends import in_process
 from raykv.core.errors import InvalidArgumentError
 from raykv.core.types import WorkerId
 from raykv.replay import GridSpec, TimingConfig, generate, run_grid

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.cli import build_parser
+from actors.cli.main import build_parser
 from raykv.core.errors import InvalidArgumentError
 from raykv.replay.families import DEFAULT_REQUESTS, FAMILIES, FamilySpec, generate_family
 from raykv.replay.trace import check_request, unique_blocks
@@ -75,7 +75,7 @@ def test_replay_command_prints_goal_lines_per_workload_and_one_summary(tmp_path:
 def test_routing_overrides_change_only_the_named_fields() -> None:
     from dataclasses import replace
 
-    from actors.replay_cli import routing_overrides
+    from actors.cli.replay import routing_overrides
     from raykv.routing.policy import DEFAULT_ROUTING
 
     assert routing_overrides("") == DEFAULT_ROUTING

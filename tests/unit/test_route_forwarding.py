@@ -25,11 +25,11 @@ require("ray.serve")
 
 from pydantic import BaseModel  # noqa: E402
 
-from actors.serve import CacheAwareRouter, CacheRanker, IndexView, RoutedRequest  # noqa: E402
-from actors.serve_fields import KEYS_FIELD, PULLS_FIELD  # noqa: E402
-from actors.serve_match import engine_route, forward_route  # noqa: E402
-from actors.vllm_link import RayDeploymentLink  # noqa: E402
-from actors.vllm_lookups import Query  # noqa: E402
+from actors.serve.fields import KEYS_FIELD, PULLS_FIELD  # noqa: E402
+from actors.serve.match import engine_route, forward_route  # noqa: E402
+from actors.serve.router import CacheAwareRouter, CacheRanker, IndexView, RoutedRequest  # noqa: E402
+from actors.vllm.link import RayDeploymentLink  # noqa: E402
+from actors.vllm.lookups import Query  # noqa: E402
 from raykv.core.keys import ReuseScope, block_keys  # noqa: E402
 from raykv.core.types import WorkerId  # noqa: E402
 from raykv.index.prefix_index import OP_STORE, EventBatch, PrefixIndex, RouteMatch  # noqa: E402

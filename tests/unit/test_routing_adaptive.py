@@ -116,18 +116,18 @@ def test_every_router_starts_from_the_one_default_configuration() -> None:
     the examples use DEFAULT_ROUTING (the replay and Serve change deployment facts only)."""
     from pathlib import Path
 
-    import actors.cluster
-    import actors.demo
-    import actors.serve_kv
+    import actors.cache.cluster
+    import actors.cli.demo
+    import actors.serve.deployments
     import raykv.bench.routing
-    from actors.serve import CacheRanker
+    from actors.serve.router import CacheRanker
     from raykv.replay.grid import GridSpec
     from raykv.replay.routers import RaykvRouter, replay_routing
     from raykv.routing.pd import PDConfig
 
     assert GridSpec().routing is DEFAULT_ROUTING and RaykvRouter().routing is DEFAULT_ROUTING
     assert PDConfig().routing is DEFAULT_ROUTING
-    from actors.settings import Settings
+    from actors.cache.settings import Settings
 
     assert Settings().routing is DEFAULT_ROUTING  # raykv up without a [routing] section
 
@@ -145,11 +145,11 @@ def test_every_router_starts_from_the_one_default_configuration() -> None:
         if getattr(replayed, f.name) == getattr(DEFAULT_ROUTING, f.name)
     }
     assert changed <= facts
-    assert "DEFAULT_ROUTING" in inspect.getsource(actors.cluster.RayKVCluster.pick_worker)
+    assert "DEFAULT_ROUTING" in inspect.getsource(actors.cache.cluster.RayKVCluster.pick_worker)
     assert "DEFAULT_ROUTING" in inspect.getsource(raykv.bench.routing)
-    assert "DEFAULT_ROUTING" in inspect.getsource(actors.serve_kv.PDPairer)  # pd_disagg's pairing
-    assert "GridSpec(" in inspect.getsource(actors.demo.run_ray_demo)  # GridSpec's routing: the default
-    assert "routing=" not in inspect.getsource(actors.demo.run_ray_demo)
+    assert "DEFAULT_ROUTING" in inspect.getsource(actors.serve.deployments.PDPairer)  # pd_disagg's pairing
+    assert "GridSpec(" in inspect.getsource(actors.cli.demo.run_ray_demo)  # GridSpec's routing: the default
+    assert "routing=" not in inspect.getsource(actors.cli.demo.run_ray_demo)
     examples = Path(__file__).resolve().parents[2] / "examples"
     for name in ("serve_app.py", "vllm_serve.py", "pd_disagg.py", "pd_disagg_core.py"):
         text = (examples / name).read_text()

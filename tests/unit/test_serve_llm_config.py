@@ -9,7 +9,7 @@ require("ray.llm")
 
 from ray.serve.llm import LLMConfig  # noqa: E402
 
-from actors.serve_llm import RaykvLLMServer, with_raykv  # noqa: E402
+from actors.serve.llm import RaykvLLMServer, with_raykv  # noqa: E402
 from raykv import ConfigError  # noqa: E402
 
 
@@ -48,8 +48,8 @@ def test_routers_key_requests_as_the_replicas_engines_do() -> None:
     falls back to load when they disagree, and to the deployment's block size when none told."""
     from types import SimpleNamespace
 
-    from actors.serve import key_scheme
-    from actors.serve_fields import KEYS_FIELD, keys_of
+    from actors.serve.fields import KEYS_FIELD, keys_of
+    from actors.serve.router import key_scheme
 
     model = bytes(range(32))
 

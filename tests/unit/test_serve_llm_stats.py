@@ -13,9 +13,9 @@ from deps import require
 
 require("ray.llm")
 
-from actors.serve_kv import ReplicaCache  # noqa: E402
-from actors.serve_llm import RaykvLLMServer  # noqa: E402
-from actors.worker import CacheWorker  # noqa: E402
+from actors.cache.worker import CacheWorker  # noqa: E402
+from actors.serve.deployments import ReplicaCache  # noqa: E402
+from actors.serve.llm import RaykvLLMServer  # noqa: E402
 from raykv.core.keys import ReuseScope  # noqa: E402
 
 
@@ -88,8 +88,8 @@ def test_a_chat_request_counts_its_rendered_prompt(monkeypatch: pytest.MonkeyPat
     """A chat request's prompt tokens (rendered with the model's tokenizer beside the request)
     count as queued until its first chunk; one the replica cannot render counts as a decode only
     and is served all the same."""
-    import actors.serve_llm as serve_llm
-    from actors.serve_prompts import RequestTokens
+    import actors.serve.llm as serve_llm
+    from actors.serve.prompts import RequestTokens
     from raykv.routing.local_tokenizer import build_chat_tokenizer
     from raykv.routing.prompts import PromptRenderer
 
@@ -179,14 +179,14 @@ def test_failed_probes_count_and_warn_once_a_minute(caplog: pytest.LogCaptureFix
     cache = ReplicaCache.__new__(ReplicaCache)  # the replica's state without a deployment
     cache.worker, cache.worker_id, cache.timeout_s = _DeadWorker(), "raykv-worker-0", 1.0
     cache.counters, cache.probe_warnings = collections.Counter(), WarnEvery(60.0)
-    with caplog.at_level("WARNING", logger="actors.serve_kv"):
+    with caplog.at_level("WARNING", logger="actors.serve.deployments"):
         assert [asyncio.run(cache.held([1, 2, 3])) for _ in range(5)] == [0] * 5
     assert cache.counters["probe_errors"] == 5
     assert [r.getMessage() for r in caplog.records] == [
         "raykv probe of raykv-worker-0 failed (1 in all, one warning a minute): actor died"
     ]
     cache.probe_warnings.at -= 60.0  # a minute later
-    with caplog.at_level("WARNING", logger="actors.serve_kv"):
+    with caplog.at_level("WARNING", logger="actors.serve.deployments"):
         asyncio.run(cache.held([1]))
     assert "(6 in all" in caplog.records[-1].getMessage()
 
@@ -218,7 +218,7 @@ def _done(value: Any) -> Any:
 
 @pytest.fixture
 def worker() -> Iterator[CacheWorker]:
-    from actors.replay import replay_config
+    from actors.replay.backends import replay_config
 
     state = CacheWorker("raykv-worker-0", 0, replay_config(4))
     yield state
@@ -249,7 +249,7 @@ def test_a_replica_reads_its_engines_timing_from_the_worker_and_keeps_it_on_fail
 
 
 def test_a_worker_keeps_each_engines_last_totals_and_rejects_bad_ones(worker: CacheWorker) -> None:
-    from actors.worker import MAX_ENGINES
+    from actors.cache.worker import MAX_ENGINES
     from raykv.core.errors import InvalidArgumentError
 
     worker.note_engine_timing("e1", [10, 20, 30, 40])
@@ -269,7 +269,7 @@ def test_a_worker_keeps_each_engines_last_totals_and_rejects_bad_ones(worker: Ca
 
 
 def test_status_shows_the_engines_microseconds_per_token(worker: CacheWorker) -> None:
-    from actors.ops import format_status
+    from actors.cli.ops import format_status
 
     row = {**worker.status(), "health": "ok"}
     assert row["engine_timing"] == [0, 0, 0, 0]
@@ -284,7 +284,7 @@ def test_status_shows_the_engines_microseconds_per_token(worker: CacheWorker) ->
 
 
 def test_status_shows_the_engines_store_inboxes(worker: CacheWorker) -> None:
-    from actors.ops import format_status
+    from actors.cli.ops import format_status
 
     page = worker.manager.config.layout.page_bytes
     worker.open_inboxes("e1", 2, 4 * page)

@@ -1,5 +1,5 @@
 """Chat and text requests get token ids: raykv.routing.prompts (the renderer) and the Serve
-router's use of it (actors.serve_prompts, CacheAwareRouter._request)."""
+router's use of it (actors.serve.prompts, CacheAwareRouter._request)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from actors.serve import CacheAwareRouter, CacheRanker, RoutedRequest
-from actors.serve_prompts import RequestTokens, renderable, tokenizer_source
+from actors.serve.prompts import RequestTokens, renderable, tokenizer_source
+from actors.serve.router import CacheAwareRouter, CacheRanker, RoutedRequest
 from raykv.routing.local_tokenizer import FIRST_WORD, build_chat_tokenizer, words
 from raykv.routing.prompts import PromptRenderer, Unrenderable
 
@@ -130,7 +130,7 @@ def _router(tokenizer: Any, budget_s: float = 5.0, metrics: Any = None) -> Cache
 def test_the_router_keys_chat_and_text_by_their_rendered_ids(tokenizer: Any) -> None:
     from metrics_support import Recorder
 
-    from actors.metrics import RouterMetrics
+    from actors.cache.metrics import RouterMetrics
 
     rec = Recorder()
     router = _router(tokenizer, metrics=RouterMetrics("app", backend=rec))

@@ -16,8 +16,8 @@ require("ray.serve")
 
 from import_support import toks  # noqa: E402
 
-from actors.serve import CacheRanker, IndexView, RoutedRequest, parse_request, scope_of  # noqa: E402
-from actors.serve_fields import CAPACITY_FIELD, PULLS_FIELD, TIMING_FIELD, worker_of  # noqa: E402
+from actors.serve.fields import CAPACITY_FIELD, PULLS_FIELD, TIMING_FIELD, worker_of  # noqa: E402
+from actors.serve.router import CacheRanker, IndexView, RoutedRequest, parse_request, scope_of  # noqa: E402
 from raykv.core.errors import ConfigError  # noqa: E402
 from raykv.core.keys import ReuseScope, block_keys, lora_id_from_name  # noqa: E402
 from raykv.core.types import WorkerId  # noqa: E402
@@ -361,7 +361,7 @@ def test_decisions_are_exported_by_outcome_with_time_and_learned_prices() -> Non
     a cache-aware one also records its time and the policy's prices after it."""
     from metrics_support import Recorder
 
-    from actors.metrics import RouterMetrics
+    from actors.cache.metrics import RouterMetrics
 
     rec = Recorder()
     index = FakeIndex()
@@ -410,7 +410,7 @@ def test_reported_capacities_reach_the_policy_and_turn_on_cold_placement() -> No
 def test_cold_placements_are_exported() -> None:
     from metrics_support import Recorder
 
-    from actors.metrics import RouterMetrics
+    from actors.cache.metrics import RouterMetrics
 
     rec = Recorder()
     index = FakeIndex()

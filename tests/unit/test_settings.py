@@ -1,4 +1,4 @@
-"""The configuration file (actors/settings.py) and ``raykv config``: TOML and RAYKV_* overrides
+"""The configuration file (actors/cache/settings.py) and ``raykv config``: TOML and RAYKV_* overrides
 validated into the config classes ``start()`` takes; errors name the key and what is allowed."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from actors.cli import main
-from actors.settings import (
+from actors.cache.settings import (
     NODE_IP,
     DeploymentConfig,
     Settings,
@@ -21,6 +20,7 @@ from actors.settings import (
     parse_size,
     settings_from_dict,
 )
+from actors.cli.main import main
 from raykv import CacheConfig, KVLayout, TierConfig
 from raykv.core.errors import ConfigError
 from raykv.routing.policy import RoutingConfig
@@ -242,7 +242,7 @@ def test_up_with_a_bad_config_fails_before_touching_ray(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[deployment]\nindex_shards = 0\n")
     code = (
-        "import sys; from actors.cli import main; rc = main(['up', '--config', sys.argv[1]]);"
+        "import sys; from actors.cli.main import main; rc = main(['up', '--config', sys.argv[1]]);"
         "assert 'ray' not in sys.modules, 'ray imported'; sys.exit(rc)"
     )
     done = subprocess.run(

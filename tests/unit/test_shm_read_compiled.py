@@ -29,8 +29,8 @@ from raykv.core import threads
 from raykv.core.errors import InvalidArgumentError
 from raykv.core.tiers import shm_directory
 from raykv.core.tiers.shm_directory import DirectoryView, Located, ShmDirectory
-from raykv.transfer import shm_read
-from raykv.transfer.results import PulledPages
+from raykv.transfer.pages.results import PulledPages
+from raykv.transfer.paths import shm_read
 
 pytestmark = [
     pytest.mark.skipif(shm_read._shmread is None, reason="raykv.native._shmread was not built"),

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 
 import pytest
 
-import actors.worker
-from actors.cluster import start
+import actors.cache.worker
+from actors.cache.cluster import start
+from actors.cache.transfer import WorkerTransfer
+from actors.cache.worker import CacheWorker
 from actors.testing import RequestOutcome, TestingCacheWorker
-from actors.transfer import WorkerTransfer
-from actors.worker import CacheWorker
 from raykv import CacheConfig, KVLayout, TierConfig, TransferError
 from raykv.core.errors import InvalidArgumentError
 from raykv.transfer import TransferConfig
@@ -39,7 +39,7 @@ def test_the_production_worker_has_no_test_hooks(layout: KVLayout) -> None:
     assert not hasattr(CacheWorker, "set_sink")  # the sink is a constructor argument (or attach)
     assert not hasattr(WorkerTransfer, "set_faults")  # faults are set by the testing worker only
     for name in ("ContentOracle", "RequestOutcome"):
-        assert not hasattr(actors.worker, name), f"actors/worker.py still uses {name}"
+        assert not hasattr(actors.cache.worker, name), f"actors/cache/worker.py still uses {name}"
     production = CacheWorker("p", 0, _config(layout), incarnation=1)
     try:
         assert not hasattr(production, "oracle")

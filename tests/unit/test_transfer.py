@@ -20,18 +20,11 @@ from transfer_support import commit, run, seq
 
 from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError
 from raykv.core.records import page_checksum
-from raykv.transfer import (
-    AuthToken,
-    PageClient,
-    PageServer,
-    TransferConfig,
-    get_runtime,
-    pull_into,
-    receive,
-    wire,
-)
+from raykv.transfer import AuthToken, PageClient, PageServer, TransferConfig, get_runtime, pull_into
 from raykv.transfer import client as client_module
-from raykv.transfer.importer import import_pulled
+from raykv.transfer.net import wire
+from raykv.transfer.pages import receive
+from raykv.transfer.paths.importer import import_pulled
 
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
 
@@ -446,7 +439,7 @@ def test_bench_rows_come_from_a_peer_process() -> None:
 def test_server_sees_a_peer_gone_by_eof_reset_or_closing_transport() -> None:
     """A reset while the server wrote leaves its reader an exception, not EOF: a stalled pull must
     still notice the peer is gone and end its lease (this once kept a lease for 30 s)."""
-    from raykv.transfer.serving import ServerConn
+    from raykv.transfer.paths.serving import ServerConn
 
     class Writer:
         def __init__(self, closing: bool) -> None:

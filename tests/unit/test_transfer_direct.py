@@ -1,4 +1,4 @@
-"""The ``direct`` pull path (raykv.transfer.device) between host-tier managers over UCX loopback.
+"""The ``direct`` pull path (raykv.transfer.paths.direct) between host-tier managers over UCX loopback.
 
 On this CPU-only machine the "device" is the host: pages land in a torch CPU buffer, digests are
 computed there and the import copies into the host top tier. tests/gpu/test_gpu_transfer.py runs
@@ -19,7 +19,7 @@ torch = require("torch")
 
 from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError  # noqa: E402
 from raykv.transfer import AuthToken, PageClient, PageServer, TransferConfig, get_runtime  # noqa: E402
-from raykv.transfer.device import (  # noqa: E402
+from raykv.transfer.paths.direct import (  # noqa: E402
     MAX_PIECES,
     SPLIT_BYTES,
     DirectPages,
@@ -114,7 +114,7 @@ def test_direct_pull_imports_verified_pages(
     blocks: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("raykv.transfer.device.SPLIT_BYTES", 1 << 20)  # 150 blocks: 4 messages
+    monkeypatch.setattr("raykv.transfer.paths.direct.SPLIT_BYTES", 1 << 20)  # 150 blocks: 4 messages
     src, dst, server, client = pair
     oracle = ContentOracle(BIG)
     keys = _commit(src, oracle, 1, blocks)

@@ -15,16 +15,12 @@ from deps import require
 from transfer_support import Pair, commit, host_pair, run, seq
 
 from raykv import ContentOracle, KVLayout, TransferError
-from raykv.transfer import (
-    TransferConfig,
-    pull_best,
-    pull_gpu_peer_into,
-    wire,
-)
-from raykv.transfer.gpu_land import leading_run
-from raykv.transfer.importer import PullOutcome, merge_outcomes
-from raykv.transfer.peer_pools import PoolInfo
-from raykv.transfer.shm import ShmMapping
+from raykv.transfer import TransferConfig, pull_best, pull_gpu_peer_into
+from raykv.transfer.net import wire
+from raykv.transfer.pages.shm import ShmMapping
+from raykv.transfer.paths.gpu_land import leading_run
+from raykv.transfer.paths.importer import PullOutcome, merge_outcomes
+from raykv.transfer.paths.peer_pools import PoolInfo
 
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
 

@@ -1,4 +1,4 @@
-"""The page server's guards (raykv.transfer.guard): what an unauthenticated peer can leave behind,
+"""The page server's guards (raykv.transfer.net.guard): what an unauthenticated peer can leave behind,
 the auth deadline, the read and idle timeouts, the connection caps. Every test ends with no
 connection, no lease and no file descriptor left over on the server's side."""
 
@@ -27,11 +27,12 @@ from transfer_support import (
     settle,
 )
 
-from actors.metrics import WorkerMetrics
+from actors.cache.metrics import WorkerMetrics
 from raykv import ContentOracle, KVLayout, TransferError
 from raykv.core.errors import ConfigError, TransferFailure
-from raykv.transfer import PageClient, TransferConfig, wire
-from raykv.transfer.guard import ConnectionSlots, LogLimiter
+from raykv.transfer import PageClient, TransferConfig
+from raykv.transfer.net import wire
+from raykv.transfer.net.guard import ConnectionSlots, LogLimiter
 
 Guarded = tuple[Pair, list[bytes], int]
 CFG = TransferConfig.loopback(

@@ -17,8 +17,9 @@ import pytest
 from transfer_support import Pair, commit, host_pair, run, seq
 
 from raykv import KVLayout, TransferError
-from raykv.transfer import PageClient, TransferConfig, landing, pull_into
-from raykv.transfer.importer import Lander, import_pulled
+from raykv.transfer import PageClient, TransferConfig, pull_into
+from raykv.transfer.pages import landing
+from raykv.transfer.paths.importer import Lander, import_pulled
 
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
 
@@ -151,7 +152,7 @@ def test_unverified_ucx_pages_are_checked_at_import(make_pair, oracle) -> None:
 
 
 def test_spare_buffers_are_reused_within_their_limit() -> None:
-    from raykv.transfer.receive import SpareBuffers
+    from raykv.transfer.pages.receive import SpareBuffers
 
     spare = SpareBuffers(limit=3 << 20)
     flat, rows = spare.take(4, 256 << 10)  # 1 MiB

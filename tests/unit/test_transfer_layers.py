@@ -6,8 +6,9 @@ import ast
 import pathlib
 
 import raykv.transfer
-from raykv.transfer import PATH_CLASSES, TransferConfig, TransferPath, wire
-from raykv.transfer.paths import REQUEST_PATHS
+from raykv.transfer import PATH_CLASSES, TransferConfig, TransferPath
+from raykv.transfer.net import wire
+from raykv.transfer.paths.registry import REQUEST_PATHS
 
 PACKAGE = pathlib.Path(raykv.transfer.__file__).parent
 
@@ -56,7 +57,7 @@ def test_one_class_per_path() -> None:
 
 
 def test_server_path_registry_answers_every_name() -> None:
-    from raykv.transfer.paths import server_paths
+    from raykv.transfer.paths.registry import server_paths
 
     class NoExport:
         available = False

@@ -21,12 +21,8 @@ from raykv import ContentOracle, KVLayout, TransferError, native
 from raykv.core.errors import InvalidArgumentError, StateError
 from raykv.core.tiers import shm_directory
 from raykv.core.tiers.shm_directory import DirectoryReader, ShmDirectory
-from raykv.transfer import (
-    TransferConfig,
-    pull_into,
-    pull_into_local,
-    shm_read,
-)
+from raykv.transfer import TransferConfig, pull_into, pull_into_local
+from raykv.transfer.paths import shm_read
 
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
 pytestmark = pytest.mark.skipif(not shm_directory.supported(), reason="one-sided reads need x86-64")

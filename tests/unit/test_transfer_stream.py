@@ -17,8 +17,9 @@ from transfer_support import Pair, commit, host_pair, run, seq
 
 from raykv import ContentOracle, KVLayout, TransferError
 from raykv.core.errors import OutOfPagesError, TransferFailure
-from raykv.transfer import TransferConfig, landing, pull_into
-from raykv.transfer.landing import Arrivals
+from raykv.transfer import TransferConfig, pull_into
+from raykv.transfer.pages import landing
+from raykv.transfer.pages.landing import Arrivals
 
 LAYOUT = KVLayout.uniform(num_layers=2, num_kv_heads=8, head_dim=128, tokens_per_block=16)  # 128 KiB
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0, chunk_bytes=256 << 10)

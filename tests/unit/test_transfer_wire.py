@@ -14,12 +14,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raykv import CacheConfig, CacheManager, ConfigError, KVLayout, TierConfig, TierKind, TransferError
-from raykv.transfer import AuthToken, TransferConfig, wire
-from raykv.transfer.auth import CLIENT_LABEL, SERVER_LABEL
-from raykv.transfer.payload import AUTO_SPLIT_CORES, chunk_counts, early_split, payload_counts, usable_cores
-from raykv.transfer.runtime import ByteBudget, active_transports, cancel_and_wait, transport_warnings
+from raykv.transfer import AuthToken, TransferConfig
+from raykv.transfer.net import wire
+from raykv.transfer.net.auth import CLIENT_LABEL, SERVER_LABEL
+from raykv.transfer.net.runtime import ByteBudget, active_transports, cancel_and_wait, transport_warnings
+from raykv.transfer.pages.payload import (
+    AUTO_SPLIT_CORES,
+    chunk_counts,
+    early_split,
+    payload_counts,
+    usable_cores,
+)
+from raykv.transfer.pages.shm import ShmMapping, consecutive, copy_rows
 from raykv.transfer.server import split_field as server_split
-from raykv.transfer.shm import ShmMapping, consecutive, copy_rows
 
 KEY = bytes(range(32))
 

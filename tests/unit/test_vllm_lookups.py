@@ -1,4 +1,4 @@
-"""The vLLM connector's lookup thread (actors.vllm_lookups) with a paired worker that hangs.
+"""The vLLM connector's lookup thread (actors.vllm.lookups) with a paired worker that hangs.
 
 A query's Future must stay cancellable while its batch waits on the worker: the scheduler side
 cancels a lookup past its budget and reads its outcome at once. When the thread marked the
@@ -17,7 +17,7 @@ from concurrent.futures import CancelledError
 
 import pytest
 
-from actors.vllm_lookups import LookupThread, Query
+from actors.vllm.lookups import LookupThread, Query
 from raykv.integrations.vllm.link import Match
 
 

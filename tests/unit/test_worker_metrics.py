@@ -1,4 +1,4 @@
-"""CacheWorker's Prometheus export (actors/metrics.py), in-process with a recording backend: the
+"""CacheWorker's Prometheus export (actors/cache/metrics.py), in-process with a recording backend: the
 series hold what the stats say, per tag, and a second export adds nothing."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from metrics_support import Recorder
 
-from actors.metrics import WorkerMetrics
+from actors.cache.metrics import WorkerMetrics
 from actors.testing import TestingCacheWorker
 from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError
 from raykv.transfer import PeerAddress, TransferConfig
@@ -65,7 +65,7 @@ def test_cache_and_transfer_series_follow_the_stats(workers, layout: KVLayout) -
 
 
 def test_failure_labels_are_exactly_the_enum_values() -> None:
-    from actors.metrics import REASON_LABELS, WorkerMetrics
+    from actors.cache.metrics import REASON_LABELS, WorkerMetrics
     from raykv.core.errors import TransferFailure
 
     assert {r.value for r in TransferFailure} == REASON_LABELS

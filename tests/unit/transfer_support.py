@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from raykv import CacheConfig, CacheManager, ContentOracle, KVLayout, TierConfig, TransferError
-from raykv.transfer import AuthToken, PageClient, PageServer, PeerAddress, TransferConfig, get_runtime, wire
-from raykv.transfer.connection import ClientConn, handshake
+from raykv.transfer import AuthToken, PageClient, PageServer, PeerAddress, TransferConfig, get_runtime
+from raykv.transfer.net import wire
+from raykv.transfer.net.connection import ClientConn, handshake
 
 
 def commit(mgr: CacheManager, oracle: ContentOracle, tokens: list[int]) -> list[bytes]:

@@ -23,8 +23,8 @@ import pytest
 import ray
 
 import raykv
-from actors.cluster import RayKVCluster
-from actors.ray_util import shutdown_ray
+from actors.cache.cluster import RayKVCluster
+from actors.cache.ray_util import shutdown_ray
 from actors.testing import TestingCacheWorker
 from raykv.integrations.vllm import testing
 

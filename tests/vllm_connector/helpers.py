@@ -8,7 +8,7 @@ from typing import Any
 
 import ray
 
-from actors.cluster import RayKVCluster
+from actors.cache.cluster import RayKVCluster
 from raykv import ReuseScope
 from raykv.integrations.vllm.testing import BLOCK_SIZE
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.ci_only
 # 4 vLLM engines start in Serve replicas (~2-2.5 min on an idle 2-core VM), then 4 phases of ~10 s
 @pytest.mark.timeout(1200)
 def test_quick_bench_serves_every_request_and_raykv_reuses_prefixes(ray_address: str, tmp_path: Path) -> None:
-    from actors.bench_serve import CONFIGS, run_serve_bench, settings_for
+    from actors.bench.serve import CONFIGS, run_serve_bench, settings_for
     from raykv.bench.serve_report import plot
 
     out = run_serve_bench(settings_for(quick=True), progress=False)

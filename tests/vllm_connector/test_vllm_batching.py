@@ -37,7 +37,7 @@ from deps import require
 
 require("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
 
-from actors.cluster import RayKVCluster  # noqa: E402
+from actors.cache.cluster import RayKVCluster  # noqa: E402
 from raykv.integrations.vllm import testing  # noqa: E402
 from raykv.integrations.vllm.testing import Result  # noqa: E402
 

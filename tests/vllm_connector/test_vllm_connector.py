@@ -18,7 +18,7 @@ require("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see REA
 
 import ray  # noqa: E402
 
-from actors.cluster import RayKVCluster  # noqa: E402
+from actors.cache.cluster import RayKVCluster  # noqa: E402
 from raykv import TierKind  # noqa: E402
 from raykv.integrations.vllm.link import open_link  # noqa: E402
 from raykv.integrations.vllm.scheduler import SchedulerSide  # noqa: E402

@@ -26,7 +26,7 @@ require("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see REA
 
 import ray  # noqa: E402
 
-from actors.cluster import RayKVCluster  # noqa: E402
+from actors.cache.cluster import RayKVCluster  # noqa: E402
 from raykv import ReuseScope, TierKind, block_keys  # noqa: E402
 from raykv.integrations.vllm.plan import rank_scope  # noqa: E402
 from raykv.integrations.vllm.testing import generate  # noqa: E402

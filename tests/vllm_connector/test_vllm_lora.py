@@ -27,7 +27,7 @@ from deps import require
 
 require("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see README)")
 
-from actors.cluster import RayKVCluster  # noqa: E402
+from actors.cache.cluster import RayKVCluster  # noqa: E402
 from raykv import ReuseScope  # noqa: E402
 
 from .helpers import TPB, held, prompt, wait_held  # noqa: E402

@@ -20,8 +20,8 @@ require("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see REA
 
 import ray  # noqa: E402
 
-from actors.cluster import RayKVCluster  # noqa: E402
-from actors.vllm_link import RayDeploymentLink  # noqa: E402
+from actors.cache.cluster import RayKVCluster  # noqa: E402
+from actors.vllm.link import RayDeploymentLink  # noqa: E402
 from raykv import ConfigError, ReuseScope  # noqa: E402
 
 from .helpers import TPB, held, prompt, wait_held, worker  # noqa: E402

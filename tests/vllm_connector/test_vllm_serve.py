@@ -21,7 +21,7 @@ require("ray.serve.llm")
 
 from ray_helpers import load_example  # noqa: E402
 
-from actors.cluster import RayKVCluster  # noqa: E402
+from actors.cache.cluster import RayKVCluster  # noqa: E402
 from raykv.integrations.vllm.testing import BLOCK_SIZE  # noqa: E402
 
 # Among the longest engine tests (eight Serve LLM engines, ~6 min on 2 cores): deselected by default,
@@ -168,7 +168,7 @@ def test_chat_and_text_are_routed_by_their_rendered_tokens(
     prompts (which the router does not render) is served, routed by load and counted."""
     from ray import serve
 
-    from actors.serve import router_counters
+    from actors.serve.router import router_counters
     from raykv.routing.local_tokenizer import save_chat_tokenizer
 
     save_chat_tokenizer(model_dir)

@@ -16,7 +16,7 @@ across each other, see raykv.integrations.vllm.testing). The stop test runs firs
 leaves worker 0 dead.
 
 Where the stall was (issue 40's probe: 120.5 s against 0.3 s): the lookup thread
-(actors.vllm_lookups) marked each lookup's Future running while its call to the stopped worker
+(actors.vllm.lookups) marked each lookup's Future running while its call to the stopped worker
 waited out ``timeout_s`` (10 s), so the scheduler side, giving up on it past its budget, could not
 cancel it and blocked on its outcome, 10 s per lookup batch, in vLLM's scheduler loop.
 
@@ -44,7 +44,7 @@ require("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see REA
 import ray  # noqa: E402
 
 import raykv  # noqa: E402
-from actors.cluster import RayKVCluster  # noqa: E402
+from actors.cache.cluster import RayKVCluster  # noqa: E402
 from actors.testing import TestingCacheWorker  # noqa: E402
 from raykv import CacheConfig, TierConfig  # noqa: E402
 from raykv.integrations.vllm import testing  # noqa: E402

@@ -168,7 +168,7 @@ class GpuPool(PageViews, PagePool):
         self.tensor = self._view()
         self.copier = CudaCopier(config.device)
         self.slot_directory = None
-        """Set while the tier is exported to same-node peers (:mod:`raykv.transfer.gpu_peer`):
+        """Set while the tier is exported to same-node peers (:mod:`raykv.transfer.paths.gpu_peer`):
         which committed block sits in which slot, for their one-sided reads."""
 
     def _make_arena(self, need: int, total: int) -> VmmArena | None:

@@ -83,7 +83,7 @@ def _layout(num_slots: int) -> tuple[int, dict[str, tuple[int, Any, tuple[int, .
 
 def offsets(num_slots: int) -> tuple[tuple[int, ...], int]:
     """The byte offsets of the gen, key, parent, meta, tags and cells arrays, and the table's
-    cell count (for the compiled reader, :func:`raykv.transfer.shm_read.compiled_reader`)."""
+    cell count (for the compiled reader, :func:`raykv.transfer.paths.shm_read.compiled_reader`)."""
     _, arrays = _layout(num_slots)
     names = ("gen", "key", "parent", "meta", "tags", "cells")
     return tuple(arrays[name][0] for name in names), _cells(num_slots)

@@ -57,7 +57,7 @@ Process topology (one engine, one CacheWorker on the same node):
 - worker process (vLLM's model runner): the data plane, no Ray. Pages move between the
   CacheWorker's tiers and the engine's KV tensors through raykv's page transfers. A CUDA engine
   first copies the blocks on the CacheWorker's GPU tier device to device from the tier itself,
-  mapped into the engine's process by CUDA IPC (:mod:`raykv.transfer.gpu_land`: a ``gpu_peer``
+  mapped into the engine's process by CUDA IPC (:mod:`raykv.transfer.paths.gpu_land`: a ``gpu_peer``
   request under the owner's lease, then one-sided reads re-checked after the copy); the rest
   come from the host tiers: one-sided
   reads of the CacheWorker's shared host tier (``TierConfig.host(..., shared=True)``, a file
@@ -80,7 +80,7 @@ backend's block format the engine's KV tensors are in: ``"cpu"``, ``"flash_attn"
 vLLM chose,
 see :mod:`~raykv.integrations.vllm.kv_blocks`; needed only for a backend raykv has not
 checked that stores blocks like one of these), ``link`` (``"module:attr"`` of the
-deployment link factory, default ``actors.vllm_link:RayDeploymentLink``), ``use_index`` (pull a
+deployment link factory, default ``actors.vllm.link:RayDeploymentLink``), ``use_index`` (pull a
 longer prefix from another worker, default True), ``inbox_bytes`` (the store inbox
 per rank, default 256 MiB; blocks a store finds no free slot for are counted as
 ``store_backpressure_blocks`` and offered again later), ``listen_host`` (where the page client

@@ -195,7 +195,7 @@ class BlockCopier:
     def load_device(self, pages: Any, slots: Sequence[int], block_ids: Sequence[int]) -> None:
         """Write page ``pages[slots[i]]`` into engine block ``block_ids[i]`` for every i, device
         to device: ``pages`` is a uint8 ``[num_pages, page_bytes]`` tensor on the engine's device
-        (a CacheWorker's GPU tier mapped into this process, :mod:`raykv.transfer.gpu_land`).
+        (a CacheWorker's GPU tier mapped into this process, :mod:`raykv.transfer.paths.gpu_land`).
         With the block kernel, one launch whose table is packed straight from ``slots`` and
         ``block_ids``; otherwise per chunk one gather of the pages (none when the slots are one
         run) and one scatter per layer. Returns once the engine's blocks are written.

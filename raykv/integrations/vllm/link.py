@@ -2,7 +2,7 @@
 
 raykv/ never imports ray, so the connector reaches the deployment through a
 :class:`DeploymentLink` built by a factory named in ``kv_connector_extra_config["link"]``
-(``"module:attribute"``, default :data:`DEFAULT_LINK`, :class:`actors.vllm_link.RayDeploymentLink`).
+(``"module:attribute"``, default :data:`DEFAULT_LINK`, :class:`actors.vllm.link.RayDeploymentLink`).
 The factory is called with the extra config (a dict) and returns a link, or raises when no
 deployment is reachable: :func:`open_link` then logs one warning and returns None, and the
 connector does nothing (every lookup misses, nothing is stored).
@@ -24,7 +24,7 @@ from raykv.transfer.inbox import InboxCommit
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LINK = "actors.vllm_link:RayDeploymentLink"
+DEFAULT_LINK = "actors.vllm.link:RayDeploymentLink"
 DISABLED_KEY = "disabled"
 """Extra config key: True runs the engine without raykv (a Serve replica on a node with no
 CacheWorker; the replica warned once)."""

@@ -1,8 +1,8 @@
 """The Serve router's match, carried by a request to its engine (``kv_transfer_params["raykv"]["route"]``).
 
-raykv's Serve router (``actors.serve.CacheAwareRouter``) asks the index where a request's
+raykv's Serve router (``actors.serve.router.CacheAwareRouter``) asks the index where a request's
 prefix is cached before it picks a replica. It writes that answer into the request it forwards
-(``actors.serve_match``), so the engine's lookup (the connector's scheduler side, through its
+(``actors.serve.match``), so the engine's lookup (the connector's scheduler side, through its
 :class:`~raykv.integrations.vllm.link.DeploymentLink`) asks only its paired CacheWorker and
 not the index again. The field, as :meth:`Route.field` writes it::
 

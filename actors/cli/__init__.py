@@ -1,0 +1,1 @@
+"""The ``raykv`` command: ``demo``, ``replay``, ``bench``, ``up``/``status``/``down``/``config``."""
