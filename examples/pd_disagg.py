@@ -32,7 +32,8 @@ from ray import serve
 
 import raykv
 from actors.serve.deployments import PDPairer, ReplicaCache
-from actors.serve.router import parse_request, router_config
+from actors.serve.routed import parse_request
+from actors.serve.router import router_config
 from raykv.core.types import WorkerId
 from raykv.integrations.hf import (
     HFKVAdapter,

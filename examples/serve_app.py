@@ -29,7 +29,8 @@ from ray import serve
 
 import raykv
 from actors.serve.deployments import ReplicaCache
-from actors.serve.router import parse_request, router_config, router_counters
+from actors.serve.routed import parse_request
+from actors.serve.router import router_config, router_counters
 from raykv.integrations.hf import (
     HFKVAdapter,
     generate_from_blocks,

@@ -26,7 +26,8 @@ from typing import Any
 
 from actors.cache.liveness import Pinger
 from actors.serve.fields import CAPACITY_FIELD, KEYS_FIELD, PULLS_FIELD, TIMING_FIELD, WORKER_FIELD
-from actors.serve.router import IndexLink, RoutedRequest, connect_index
+from actors.serve.ranking import IndexLink, connect_index
+from actors.serve.routed import RoutedRequest
 from raykv.core.errors import ConfigError
 from raykv.core.keys import ReuseScope
 from raykv.core.records import ExportedBlock

@@ -49,7 +49,8 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
 
 from actors.serve.deployments import NoWorkerOnNode, ReplicaCache
 from actors.serve.prompts import RequestTokens, renderable, tokenizer_source
-from actors.serve.router import RoutedRequest, parse_request, routed_request, router_config
+from actors.serve.routed import RoutedRequest, parse_request, routed_request
+from actors.serve.router import router_config
 from raykv.core.errors import ConfigError
 from raykv.integrations.vllm.link import DISABLED_KEY
 

@@ -1,7 +1,7 @@
 """The Serve router's match travels with the request to the engine it routes to.
 
 :class:`actors.serve.router.CacheAwareRouter` asks the index where a request's prefix is cached to rank
-the replicas (:meth:`actors.serve.router.CacheRanker.rank`). The replica's engine would then ask the
+the replicas (:meth:`actors.serve.ranking.CacheRanker.rank`). The replica's engine would then ask the
 index the same question (the vLLM connector's lookup: which other worker holds more than the
 paired one). Instead, :func:`engine_route` turns the router's answer into the field
 :class:`raykv.integrations.vllm.route.Route` describes (the leading blocks each of the best few

@@ -54,7 +54,7 @@ routing decision; ``routed`` is the router's own state update afterwards (timed 
 raykv the timed decision is the index route over the request's block keys, the reported loads
 and the cost model (with the hot-prefix rule); the keys themselves are computed before the loop
 (:func:`~raykv.replay.engine.prepare`, timed there: ``Prepared.keys_ns``), though raykv's Serve
-router hashes the prompt itself before it routes (``actors/serve/router.py``).
+router hashes the prompt itself before it routes (``actors/serve/ranking.py``).
 """
 
 from __future__ import annotations

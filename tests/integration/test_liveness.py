@@ -20,7 +20,7 @@ import raykv
 from actors.cache.cluster import RayKVCluster
 from actors.cache.liveness import CALL_TIMEOUT_S
 from actors.serve.deployments import PDPairer
-from actors.serve.router import RoutedRequest
+from actors.serve.routed import RoutedRequest
 from raykv.core.errors import TransferError, TransferFailure, UnavailableError
 from raykv.core.keys import ReuseScope
 from raykv.index.prefix_index import shard_of

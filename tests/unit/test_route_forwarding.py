@@ -27,7 +27,9 @@ from pydantic import BaseModel  # noqa: E402
 
 from actors.serve.fields import KEYS_FIELD, PULLS_FIELD  # noqa: E402
 from actors.serve.match import engine_route, forward_route  # noqa: E402
-from actors.serve.router import CacheAwareRouter, CacheRanker, IndexView, RoutedRequest  # noqa: E402
+from actors.serve.ranking import CacheRanker, IndexView  # noqa: E402
+from actors.serve.routed import RoutedRequest  # noqa: E402
+from actors.serve.router import CacheAwareRouter  # noqa: E402
 from actors.vllm.link import RayDeploymentLink  # noqa: E402
 from actors.vllm.lookups import Query  # noqa: E402
 from raykv.core.keys import ReuseScope, block_keys  # noqa: E402

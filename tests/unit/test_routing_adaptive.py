@@ -120,7 +120,7 @@ def test_every_router_starts_from_the_one_default_configuration() -> None:
     import actors.cli.demo
     import actors.serve.deployments
     import raykv.bench.routing
-    from actors.serve.router import CacheRanker
+    from actors.serve.ranking import CacheRanker
     from raykv.replay.grid import GridSpec
     from raykv.replay.routers import RaykvRouter, replay_routing
     from raykv.routing.pd import PDConfig

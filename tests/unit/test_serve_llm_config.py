@@ -48,8 +48,7 @@ def test_routers_key_requests_as_the_replicas_engines_do() -> None:
     falls back to load when they disagree, and to the deployment's block size when none told."""
     from types import SimpleNamespace
 
-    from actors.serve.fields import KEYS_FIELD, keys_of
-    from actors.serve.router import key_scheme
+    from actors.serve.fields import KEYS_FIELD, key_scheme, keys_of
 
     model = bytes(range(32))
 

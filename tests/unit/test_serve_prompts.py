@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 
 from actors.serve.prompts import RequestTokens, renderable, tokenizer_source
-from actors.serve.router import CacheAwareRouter, CacheRanker, RoutedRequest
+from actors.serve.ranking import CacheRanker
+from actors.serve.routed import RoutedRequest
+from actors.serve.router import CacheAwareRouter
 from raykv.routing.local_tokenizer import FIRST_WORD, build_chat_tokenizer, words
 from raykv.routing.prompts import PromptRenderer, Unrenderable
 

@@ -17,7 +17,8 @@ require("ray.serve")
 from import_support import toks  # noqa: E402
 
 from actors.serve.fields import CAPACITY_FIELD, PULLS_FIELD, TIMING_FIELD, worker_of  # noqa: E402
-from actors.serve.router import CacheRanker, IndexView, RoutedRequest, parse_request, scope_of  # noqa: E402
+from actors.serve.ranking import CacheRanker, IndexView  # noqa: E402
+from actors.serve.routed import RoutedRequest, parse_request, scope_of  # noqa: E402
 from raykv.core.errors import ConfigError  # noqa: E402
 from raykv.core.keys import ReuseScope, block_keys, lora_id_from_name  # noqa: E402
 from raykv.core.types import WorkerId  # noqa: E402
