@@ -24,7 +24,6 @@ from actors.cache.ray_util import shutdown_ray
 from actors.cache.settings import NODE_IP
 from raykv.core.errors import TransferError, TransferFailure
 from raykv.core.manager import CacheManager
-from raykv.core.types import TierKind
 from raykv.transfer import (
     AuthToken,
     PageClient,
@@ -32,12 +31,8 @@ from raykv.transfer import (
     PeerAddress,
     PullOutcome,
     TransferConfig,
-    get_runtime,
-    merge_outcomes,
-    pull_best,
-    pull_gpu_local,
 )
-from raykv.transfer.paths.importer import pull_into_local
+from raykv.transfer.planner import pull_pages
 
 log = logging.getLogger(__name__)
 
@@ -156,21 +151,7 @@ class WorkerTransfer:
         self, address: PeerAddress, keys: Sequence[bytes], prefer_shm: bool, verify: bool | None
     ) -> PullOutcome:
         assert self.client is not None
-        timeout = self.client.config.timeout_s + 10
-        if prefer_shm and verify is not True:  # same node, every key in the owner's directory
-            if self.manager.top_pool.kind is TierKind.GPU:
-                landed = pull_gpu_local(self.client, address, self.manager, keys)
-                if landed is not None and not landed[1]:
-                    return landed[0]
-                if landed is not None:  # a chunk changed mid-copy: the owner serves the rest
-                    rest = pull_best(self.client, address, self.manager, landed[1], prefer_shm, verify)
-                    second = get_runtime().run(rest, timeout)
-                    return merge_outcomes([landed[0], second], f"{landed[0].path}+{second.path}")
-            local = pull_into_local(self.client, address, self.manager, keys)
-            if local is not None:
-                return local
-        coro = pull_best(self.client, address, self.manager, keys, prefer_shm, verify)
-        return get_runtime().run(coro, timeout)
+        return pull_pages(self.client, address, self.manager, keys, prefer_shm, verify)
 
     def stats(self) -> dict[str, Any]:
         """Server and client counters (per path), the leases and connections the server holds

@@ -246,7 +246,8 @@ def insert_staged(mgr: PageStore, records: BlockRecords, staged: Staged) -> Impo
     """Cache the staged blocks, parents first (:meth:`PageStore.cache_blocks`; one chain when the
     stage is a chain of records all new and none in the tree yet, the usual stage). A block
     that another import added meanwhile (only possible while a held stage waited unlocked)
-    keeps its page; the staged copy is released. Under the lock."""
+    keeps its page; the staged copy is released and the key reported ``already_present``; one
+    a salt's quota refuses is released too and reported ``refused``. Under the lock."""
     unhold(mgr, staged)
     keys, n = records.keys, len(records.keys)
     keys_ = cast(Sequence[BlockKey], keys)
@@ -264,7 +265,7 @@ def insert_staged(mgr: PageStore, records: BlockRecords, staged: Staged) -> Impo
         if refused:
             mgr.pools[0].release([staged.pages[j].slot for j in refused])
         fit = len(keys_) - len(refused)
-        return ImportResult(tuple(keys_[:fit]), tuple(keys_[fit:]))
+        return ImportResult(tuple(keys_[:fit]), (), tuple(keys_[fit:]))
     new = staged.new
     skipped = mgr.cache_blocks(
         [keys_[i] for i in new],
@@ -276,10 +277,12 @@ def insert_staged(mgr: PageStore, records: BlockRecords, staged: Staged) -> Impo
     )
     if skipped:
         mgr.pools[0].release([staged.pages[j].slot for j in skipped])
-    raced = {keys_[new[j]] for j in skipped}
-    done = [keys_[i] for i in new if keys_[i] not in raced]
-    stored = set(done)
-    return ImportResult(tuple(done), tuple(k for k in keys_ if k not in stored))
+    missed = {keys_[new[j]] for j in skipped}  # cached meanwhile, or refused by a salt's quota
+    over_quota = {k for k in missed if mgr.tree.get(k) is None}
+    done = [keys_[i] for i in new if keys_[i] not in missed]
+    stored = set(done) | over_quota
+    present = tuple(k for k in keys_ if k not in stored)
+    return ImportResult(tuple(done), present, tuple(k for k in keys_ if k in over_quota))
 
 
 def import_pages(

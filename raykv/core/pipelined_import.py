@@ -224,6 +224,7 @@ def _settle(
     inserted, once the loop ends; a chunk that is not inserted is given back."""
     imported: list[BlockKey] = []
     present: list[BlockKey] = []
+    refused: list[BlockKey] = []
     settled, stopped, previous = 0, None, None
     for k, (part, handle, first, end) in enumerate(staged):
         if k < len(staged) - 1:  # while the chunk's copy may still run, not amid the inserts, and
@@ -246,8 +247,9 @@ def _settle(
         previous = part
         imported += done.imported
         present += done.already_present
+        refused += done.refused
         settled = end
-    return Pipelined(ImportResult(tuple(imported), tuple(present)), settled, stopped)
+    return Pipelined(ImportResult(tuple(imported), tuple(present), tuple(refused)), settled, stopped)
 
 
 def _shifted(part: Staged, first: int) -> Staged:

@@ -141,10 +141,13 @@ class ProbeResult:
 
 @dataclass(frozen=True)
 class ImportResult:
-    """Keys imported as new committed blocks, and keys that were already present (skipped)."""
+    """What an import did with each key: ``imported`` as a new committed block,
+    ``already_present`` (cached already, skipped), or ``refused`` (not cached: its salt is over
+    ``max_blocks_per_salt`` with nothing of its own to drop; see :mod:`raykv.core.quota`)."""
 
     imported: tuple[BlockKey, ...]
     already_present: tuple[BlockKey, ...]
+    refused: tuple[BlockKey, ...] = ()
 
 
 @dataclass(frozen=True)

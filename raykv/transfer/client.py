@@ -397,18 +397,29 @@ class PageClient:
         self.count(shm_read.PATH, endpoint, len(checked), landed[1])
         return landed[0]
 
-    def land_gpu(self, peer: Peer, keys: Sequence[bytes], device: int, land: GpuLand) -> GpuLanding:
+    def land_gpu(
+        self,
+        peer: Peer,
+        keys: Sequence[bytes],
+        device: int,
+        land: GpuLand,
+        one_sided: bool = True,
+        request: bool = True,
+    ) -> GpuLanding:
         """Land the pages of ``keys`` from a same-node ``peer``'s GPU tier straight into this
-        process's device memory (``land``: :data:`raykv.transfer.paths.gpu_land.GpuLand`, on CUDA device
-        ``device``): one-sided when the owner's directory lists every key, else one ``gpu_peer``
-        request per batch. Returns how many leading keys landed and by which path (0 and None
-        when the path is not available: another node, no GPU tier, switched off). TransferError
-        when a request failed or its lease did not hold: nothing ``land`` wrote may be used then."""
+        process's device memory (``land``: :data:`raykv.transfer.paths.gpu_land.GpuLand`, on CUDA
+        device ``device``): one-sided (``gpu_read``, when ``one_sided``) if the owner's directory
+        lists every key, else, when ``request``, one ``gpu_peer`` request per batch. Returns how
+        many leading keys landed and by which path (0 and None when the path is not available:
+        another node, no GPU tier, switched off). TransferError when a request failed or its lease
+        did not hold: nothing ``land`` wrote may be used then."""
         checked, endpoint = pull_request(peer, keys)
         if not checked or endpoint in self.gpu_pools.refused:  # no GPU path to this peer
             return GpuLanding(0, None)
-        if gpu_land.land_gpu_local(self, endpoint, checked, device, land):
+        if one_sided and gpu_land.land_gpu_local(self, endpoint, checked, device, land):
             return GpuLanding(len(checked), gpu_land.LOCAL_PATH)
+        if not request:
+            return GpuLanding(0, None)
         got = gpu_land.land_gpu_request(self, endpoint, checked, device, land)
         landed = int(self.runtime.run(self.guard(endpoint, None, got), self.config.timeout_s + 5) or 0)
         return GpuLanding(landed, gpu_land.PATH if landed else None)

@@ -26,7 +26,6 @@ import logging
 import mmap
 import os
 import secrets
-import stat
 import tempfile
 import threading
 import time
@@ -49,6 +48,7 @@ from raykv.core.manager import CacheManager
 from raykv.core.records import BlockRecords
 from raykv.core.tiers.base import is_run
 from raykv.core.tiers.host import SHM_DIR
+from raykv.transfer.pages.shm import MapStep, OwnerFileError, map_owner_file
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +104,9 @@ class InboxCommit:
 @dataclass(frozen=True)
 class InboxResult:
     """What one :meth:`Inboxes.commit` call did: blocks ``stored`` (new here), ``present``
-    (held already), ``refused`` (not committed), one short reason per refused commit, and the
-    call's wall time in microseconds (``commit_us``: keying, checks and the copy into the tier)."""
+    (held already), ``refused`` (not committed: a bad commit, or the salt's quota), one short
+    reason per refused commit or quota refusal, and the call's wall time in microseconds
+    (``commit_us``: keying, checks and the copy into the tier)."""
 
     stored: int = 0
     present: int = 0
@@ -114,23 +115,21 @@ class InboxResult:
     commit_us: int = 0
 
 
+_REFUSALS: dict[MapStep, str] = {
+    "name": "{path!r} is not a raykv inbox",
+    "open": "cannot open the inbox {path!r} ({reason})",
+    "size": "the inbox {path!r} has an unexpected size",
+    "map": "cannot map the inbox {path!r} ({reason})",
+}
+
+
 def _map(path: str, size: int, writable: bool) -> mmap.mmap:
-    """Map ``path`` (a regular raykv inbox file of exactly ``size`` bytes); StateError otherwise."""
-    if not os.path.basename(path).startswith(INBOX_PREFIX):
-        raise StateError(f"{path!r} is not a raykv inbox")
-    flags = (os.O_RDWR if writable else os.O_RDONLY) | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC
+    """Map ``path`` (a regular raykv inbox file of exactly ``size`` bytes, page tables filled);
+    StateError otherwise."""
     try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        raise StateError(f"cannot open the inbox {path!r} ({exc.strerror})") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
-            raise StateError(f"the inbox {path!r} has an unexpected size")
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=prot)
-    finally:
-        os.close(fd)
+        return map_owner_file(path, INBOX_PREFIX, size, writable, _POPULATE)
+    except OwnerFileError as exc:
+        raise StateError(_REFUSALS[exc.step].format(path=path, reason=exc.strerror)) from None
 
 
 class _Segment:
@@ -344,8 +343,10 @@ class Inboxes:
         reasons: list[str] = []
         for item in commits:
             try:
-                new, held = self._commit_one(item)
-                stored, present = stored + new, present + held
+                new, held, quota = self._commit_one(item)
+                stored, present, refused = stored + new, present + held, refused + quota
+                if quota:
+                    reasons.append(f"{quota} blocks refused by the salt's quota (max_blocks_per_salt)")
             except RayKVError as exc:
                 refused += len(item.slots) if isinstance(item, InboxCommit) else 0
                 reasons.append(f"{type(exc).__name__}: {exc}"[:200])
@@ -359,8 +360,9 @@ class Inboxes:
             counters["commit_us"] += took
         return InboxResult(stored, present, refused, tuple(reasons), took)
 
-    def _commit_one(self, item: InboxCommit) -> tuple[int, int]:
-        """Import one commit's blocks; (new, already held). Frees its slots."""
+    def _commit_one(self, item: InboxCommit) -> tuple[int, int, int]:
+        """Import one commit's blocks; (new, already held, refused by the salt's quota). Frees
+        its slots."""
         if not isinstance(item, InboxCommit):
             raise InvalidArgumentError("commit", f"must be an InboxCommit, got {type(item).__name__}")
         inbox = self._by_lease.get(item.lease_id)
@@ -372,7 +374,7 @@ class Inboxes:
             result = self.manager.import_pages(records, rows, None, False)
         finally:
             inbox.release(item.slots)
-        return len(result.imported), len(result.already_present)
+        return len(result.imported), len(result.already_present), len(result.refused)
 
     def _records(self, item: InboxCommit) -> BlockRecords:
         """The commit's blocks, keyed here from its parent key, tokens, scope and items."""

@@ -1,5 +1,5 @@
 """A client process for tests/gpu/test_gpu_peer_isolated.py: pulls every key from a page server
-into a GPU tier on its (only visible) device with ``pull_best``, checks every byte with the device
+into a GPU tier on its (only visible) device with ``pull_pages``, checks every byte with the device
 oracle, and prints one JSON line: the path taken and whether every page matched."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ def main() -> int:
 
     from raykv.bench.gpu_transfer import gpu_manager
     from raykv.gpu_oracle import DeviceOracle
-    from raykv.transfer import PageClient, PeerAddress, TransferConfig, get_runtime, pull_best
+    from raykv.transfer import PageClient, PeerAddress, TransferConfig
+    from raykv.transfer.planner import pull_pages
 
     spec = json.loads(sys.argv[1])
     token = bytes.fromhex(os.environ["RAYKV_TRANSFER_TOKEN"])
@@ -22,7 +23,7 @@ def main() -> int:
     mgr = gpu_manager(spec["page_kib"], len(keys), device=0)
     client = PageClient(token, TransferConfig(host="127.0.0.1", timeout_s=60.0))
     try:
-        outcome = get_runtime().run(pull_best(client, PeerAddress("127.0.0.1", spec["port"]), mgr, keys), 90)
+        outcome = pull_pages(client, PeerAddress("127.0.0.1", spec["port"]), mgr, keys)
         blocks = [mgr.tree.get(k) for k in keys]  # type: ignore[call-overload]
         slots = [int(b.page.slot) for b in blocks if b is not None]
         pool = mgr.top_pool

@@ -2,7 +2,7 @@
 
 The owner runs with CUDA_VISIBLE_DEVICES=0, the puller with CUDA_VISIBLE_DEVICES=1: the puller
 maps memory of a device it cannot see. Either the driver allows it (the pull takes gpu_peer) or
-it refuses and ``pull_best`` falls back to UCX; in both cases every byte must match the oracle.
+it refuses and ``pull_pages`` falls back to UCX; in both cases every byte must match the oracle.
 Skipped without 2 CUDA devices, or without ucxx (a failure instead under RAYKV_REQUIRE_DEPS=1).
 """
 

@@ -32,11 +32,11 @@ from raykv.transfer import (  # noqa: E402
     PeerAddress,
     TransferConfig,
     get_runtime,
-    pull_best,
     pull_gpu_peer_into,
     pull_into,
 )
 from raykv.transfer.paths.direct import pull_direct_into  # noqa: E402
+from raykv.transfer.planner import pull_pages  # noqa: E402
 
 SCENARIO = Scenario("64x512KiB", 512, 64)
 CFG = TransferConfig(host="127.0.0.1", timeout_s=30.0, connect_timeout_s=10.0)
@@ -162,15 +162,15 @@ def test_gpu_peer_pull_of_a_scattered_subset_and_unknown_keys(remote: Remote) ->
     _verify(remote.mgr, keys[:1])
 
 
-def test_pull_best_prefers_gpu_peer_and_honours_the_switch(remote: Remote) -> None:
+def test_pull_pages_prefers_gpu_peer_and_honours_the_switch(remote: Remote) -> None:
     remote.mgr.clear_reusable()
-    outcome = get_runtime().run(pull_best(remote.client, remote.peers["staged"], remote.mgr, remote.keys), 60)
+    outcome = pull_pages(remote.client, remote.peers["staged"], remote.mgr, remote.keys)
     assert outcome.path in ("gpu_peer", "gpu_read") and outcome.complete
     _verify(remote.mgr, remote.keys)
     remote.mgr.clear_reusable()
     off = PageClient(remote.token, CFG.replace(use_gpu_peer=False))
     try:
-        outcome = get_runtime().run(pull_best(off, remote.peers["staged"], remote.mgr, remote.keys), 60)
+        outcome = pull_pages(off, remote.peers["staged"], remote.mgr, remote.keys)
     finally:
         off.close()
     assert outcome.path == "ucx" and outcome.complete

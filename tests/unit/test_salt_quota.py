@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from raykv import ReuseScope
+from raykv import ReuseScope, block_keys
 from raykv.core.config import CacheConfig
 from raykv.core.errors import ConfigError
 
@@ -109,6 +109,28 @@ def test_imported_blocks_count_in_their_scope(make_manager, oracle, run_request)
     dst.check_invariants()
     assert held(dst, A) == N and held(dst, B) == N
     assert oracle.verify_manager(dst) == 2 * N
+
+
+@pytest.mark.parametrize("blocks", [1, 2], ids=["one block", "a chain"])
+def test_an_import_over_quota_reports_its_blocks_refused(make_manager, oracle, run_request, blocks) -> None:
+    """Blocks a salt's quota refuses are reported ``refused``, not ``already_present``, and are
+    not cached; blocks cached already stay ``already_present``."""
+    src = make_manager(16)
+    run_request(src, prompt(1, 7, blocks=blocks), scope=A)
+    run_request(src, prompt(2, 0), scope=B)
+    a_keys = [bytes(k) for k in block_keys(prompt(1, 7, blocks=blocks), TPB, A)]
+    b_keys = [bytes(k) for k in block_keys(prompt(2, 0), TPB, B)]
+    exported = src.export_blocks([*a_keys, *b_keys])
+    dst = make_manager(16, max_blocks_per_salt=N)
+    run_request(dst, prompt(2, 0), scope=B)  # B's blocks are here already
+    first = run_request(dst, prompt(1, 0, blocks=N), scope=A, close=False)  # holds all of A's quota
+    result = dst.import_blocks(exported)
+    dst.check_invariants()
+    assert result.imported == () and result.refused == tuple(a_keys)
+    assert result.already_present == tuple(b_keys)
+    assert all(dst.tree.get(k) is None for k in a_keys)
+    first.close()
+    assert oracle.verify_manager(dst) == N + 2
 
 
 def test_random_interleaving_keeps_every_tenant_within_quota(make_manager, oracle) -> None:

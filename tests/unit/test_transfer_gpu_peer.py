@@ -1,13 +1,12 @@
 """The gpu_peer path's negotiation on machines without a GPU tier (the copy itself: tests/gpu).
 
 A server without an exportable GPU tier does not offer the path; a client asks for it only when
-offered; ``pull_best`` then takes shm/ucx. A peer that asks anyway is refused with "unavailable"
+offered; ``pull_pages`` then takes shm/ucx. A peer that asks anyway is refused with "unavailable"
 and holds no lease. Content is checked with the oracle; invariants hold on both managers.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import pytest
@@ -15,12 +14,13 @@ from deps import require
 from transfer_support import Pair, commit, host_pair, run, seq
 
 from raykv import ContentOracle, KVLayout, TransferError
-from raykv.transfer import TransferConfig, pull_best, pull_gpu_peer_into
+from raykv.transfer import TransferConfig, pull_gpu_peer_into
 from raykv.transfer.net import wire
 from raykv.transfer.pages.shm import ShmMapping
 from raykv.transfer.paths.gpu_land import leading_run
 from raykv.transfer.paths.importer import PullOutcome, merge_outcomes
 from raykv.transfer.paths.peer_pools import PoolInfo
+from raykv.transfer.planner import pull_pages
 
 CFG = TransferConfig.loopback(timeout_s=20.0, connect_timeout_s=5.0)
 
@@ -55,9 +55,9 @@ def test_gpu_peer_pull_without_a_gpu_is_unavailable_and_changes_nothing(
     pair.settled()
 
 
-def test_pull_best_falls_back_to_shared_memory(pair: Pair, oracle: ContentOracle) -> None:
+def test_pull_pages_falls_back_to_shared_memory(pair: Pair, oracle: ContentOracle) -> None:
     keys = commit(pair.src, oracle, seq(2, 6))
-    outcome = run(pull_best(pair.client, pair.server.address, pair.dst, keys))  # type: ignore[arg-type]
+    outcome = pull_pages(pair.client, pair.address, pair.dst, keys)
     assert isinstance(outcome, PullOutcome)
     assert outcome.path == "shm" and outcome.complete and list(outcome.imported) == keys
     for key in keys:
@@ -110,7 +110,6 @@ def test_merged_outcomes_concatenate_in_pull_order() -> None:
     assert m.imported == (k[0], k[2]) and m.already_present == (k[1],)
     assert m.missing == (k[2], k[3]) and m.dropped == (k[4],) and m.nbytes == 15 and m.seconds == 0.75
     assert merge_outcomes([a], "x") is a
-    assert asyncio.iscoroutinefunction(pull_best)
 
 
 def test_land_gpu_from_a_host_only_owner_lands_nothing_and_asks_nothing(

@@ -55,6 +55,7 @@ from raykv.integrations.vllm.plan import (
 )
 from raykv.transfer import PageClient, TransferConfig
 from raykv.transfer.inbox import InboxCommit, InboxWriter
+from raykv.transfer.planner import GPU_PEER, GPU_READ, SHM_READ, Endpoints, plan_paths
 
 log = logging.getLogger(__name__)
 
@@ -221,22 +222,36 @@ class WorkerSide:
         return [bytes(k) for k in block_keys(tokens, self.tpb, scope, items)[op.first_block :]]
 
     def _load(self, op: LoadOp) -> int:
-        """Load the leading pages of ``op`` that the CacheWorker still has; how many. A CUDA
-        engine takes those on the CacheWorker's GPU tier first (device to device), then the rest
-        from its host tiers."""
+        """Load the leading pages of ``op`` that the CacheWorker still has; how many. The paths
+        are tried in the planner's order (:func:`raykv.transfer.planner.plan_paths`: on a CUDA
+        engine its GPU tier one-sided, its shared host tier one-sided, its GPU tier by request,
+        then a host request), each step taking the pages the ones before did not land."""
         keys, ids = self._keys(op), op.blocks()
-        if not keys:
-            return 0
-        done = self._load_gpu(op.req_id, keys, ids) if self._on_cuda() else 0
-        if done == len(keys):
-            return done
-        return done + self._load_host(op.req_id, keys[done:], ids[done:])
+        assert self.client is not None
+        done = 0
+        for step in plan_paths(Endpoints(on_gpu=self._on_cuda()), self.client.config):
+            if done == len(keys):
+                break
+            done += self._load_step(step, op.req_id, keys[done:], ids[done:])
+        return done
 
-    def _load_gpu(self, req_id: str, keys: list[bytes], ids: list[Any]) -> int:
+    def _load_step(self, step: str, req_id: str, keys: list[bytes], ids: list[Any]) -> int:
+        """One step of a load's plan: how many leading pages of ``keys`` it landed in ``ids``."""
+        if step in (GPU_READ, GPU_PEER):
+            return self._load_gpu(req_id, keys, ids, step)
+        if step == SHM_READ:
+            assert self.client is not None and self.link is not None
+            landed = self.client.land_local(
+                self.link.address, keys, lambda pulled, confirm: self._land(req_id, ids, pulled, confirm)
+            )
+            return 0 if landed is None else int(landed)
+        return self._pull(req_id, keys, ids)
+
+    def _load_gpu(self, req_id: str, keys: list[bytes], ids: list[Any], step: str) -> int:
         """Copy the leading pages of ``keys`` that are on the CacheWorker's GPU tier straight
-        from it (mapped into this process, :meth:`raykv.transfer.PageClient.land_gpu`) into
-        engine blocks ``ids``; how many (0 when that path is not available or failed: the host
-        paths then overwrite whatever it wrote)."""
+        from it (mapped into this process, :meth:`raykv.transfer.PageClient.land_gpu`; one-sided
+        for ``gpu_read``, by request for ``gpu_peer``) into engine blocks ``ids``; how many (0
+        when that path is not available or failed: later steps then overwrite what it wrote)."""
         assert self.client is not None and self.link is not None and self.copier is not None
         copier, device = self.copier, self.copier.device.index or 0
 
@@ -245,7 +260,9 @@ class WorkerSide:
             confirm()
 
         try:
-            landing = self.client.land_gpu(self.link.address, keys, device, land)
+            landing = self.client.land_gpu(
+                self.link.address, keys, device, land, one_sided=step == GPU_READ, request=step == GPU_PEER
+            )
         except TransferError as exc:
             log.info("raykv: GPU-tier load of %d blocks failed (%s); trying the host paths", len(keys), exc)
             return 0
@@ -253,15 +270,11 @@ class WorkerSide:
             self._count(req_id, f"path_{landing.path}", 1)
         return landing.landed
 
-    def _load_host(self, req_id: str, keys: list[bytes], ids: list[Any]) -> int:
-        """Load the leading pages of ``keys`` from the CacheWorker's host tiers into engine
-        blocks ``ids`` (one-sided when its shared tier lists them all, else a pull); how many."""
+    def _pull(self, req_id: str, keys: list[bytes], ids: list[Any]) -> int:
+        """The last step of a load: ask the CacheWorker for the leading pages of ``keys`` (its
+        page server answers ``shm`` or ``ucx``) and copy them into engine blocks ``ids``; how
+        many. Skipped (0) for :data:`LATE_COOLDOWN_S` after the worker failed to answer."""
         assert self.client is not None and self.link is not None
-        direct = self.client.land_local(
-            self.link.address, keys, lambda pulled, confirm: self._land(req_id, ids, pulled, confirm)
-        )
-        if direct is not None:
-            return int(direct)
         if time.monotonic() < self._pulls_after:  # the worker did not answer lately: no waiting
             self._count(req_id, "loads_skipped_late", 1)
             return 0
@@ -289,7 +302,7 @@ class WorkerSide:
     def _land(self, req_id: str, ids: list[Any], pulled: Any, confirm: Any) -> int:
         """Copy one-sided rows (views of the CacheWorker's shared tier) straight into the
         engine's blocks ``ids``, then ``confirm`` they did not change meanwhile (else it raises
-        and :meth:`_load_host` pulls again, overwriting the blocks)."""
+        and the plan's next step pulls them, overwriting the blocks)."""
         assert self.copier is not None
         self.copier.load(pulled.data, ids)
         confirm()

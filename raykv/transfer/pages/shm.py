@@ -4,6 +4,9 @@ The owner keeps its host tier in a /dev/shm file (``TierConfig.shared``); a clie
 node maps that file with PROT_READ once per server and, for each pull, copies the leased pages
 with one memcpy when their slots are consecutive (a gather otherwise). The owner holds a block
 lease for the duration, so the pages neither move nor change while they are copied.
+
+:func:`map_owner_file` is the checked open-and-map both this reader and an engine's inbox writer
+(:mod:`raykv.transfer.inbox`) use on a file another process owns.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import mmap
 import os
 import stat
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +33,54 @@ def consecutive(slots: Sequence[int]) -> bool:
     return not len(slots) or is_run(slots)
 
 
+MapStep = Literal["name", "open", "size", "map"]
+
+
+class OwnerFileError(Exception):
+    """Why :func:`map_owner_file` refused a file: ``step`` is "name" (not the owner's prefix),
+    "open", "size" (not a regular file of exactly the expected size) or "map" (fstat or mmap
+    failed); ``strerror`` is the OS's reason for "open" and "map", else None. Callers turn it into
+    their own error."""
+
+    def __init__(self, step: MapStep, strerror: str | None = None) -> None:
+        super().__init__(step, strerror)
+        self.step: MapStep = step
+        self.strerror = strerror
+
+
+def map_owner_file(path: str, prefix: str, size: int, writable: bool = False, flags: int = 0) -> mmap.mmap:
+    """Map all ``size`` bytes of ``path``, a file another process owns, MAP_SHARED (or'd with
+    ``flags``, e.g. MAP_POPULATE), read-only or, with ``writable``, read-write. The file must be
+    named ``prefix...``, and be a regular file (O_NOFOLLOW: not a symlink) of exactly ``size``
+    bytes. Returns the mapping; the descriptor is closed before returning (the mapping keeps the
+    file). Raises OwnerFileError naming the step that failed; nothing is left open then."""
+    if not os.path.basename(path).startswith(prefix):
+        raise OwnerFileError("name")
+    mode = os.O_RDWR if writable else os.O_RDONLY
+    try:
+        fd = os.open(path, mode | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise OwnerFileError("open", exc.strerror) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            raise OwnerFileError("size")
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | flags, prot=prot)
+    except OSError as exc:
+        raise OwnerFileError("map", exc.strerror) from None
+    finally:
+        os.close(fd)
+
+
+_SHM_REFUSALS: dict[MapStep, str] = {
+    "name": "shared tier path is not a raykv host-tier file",
+    "open": "cannot open the peer's shared tier ({})",
+    "size": "the peer's shared tier has an unexpected size",
+    "map": "cannot map the peer's shared tier ({})",
+}
+
+
 class ShmMapping:
     """A read-only mapping of a peer's shared host tier, as an array [num_slots, page_bytes].
 
@@ -37,27 +89,11 @@ class ShmMapping:
     """
 
     def __init__(self, path: str, num_slots: int, page_bytes: int) -> None:
-        if not os.path.basename(path).startswith(SHM_PREFIX):
-            raise TransferError("shared tier path is not a raykv host-tier file", reason=TransferFailure.SHM)
-        size = num_slots * page_bytes
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            message = f"cannot open the peer's shared tier ({exc.strerror})"
+            self._mmap = map_owner_file(path, SHM_PREFIX, num_slots * page_bytes)
+        except OwnerFileError as exc:
+            message = _SHM_REFUSALS[exc.step].format(exc.strerror)
             raise TransferError(message, reason=TransferFailure.SHM) from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
-                raise TransferError(
-                    "the peer's shared tier has an unexpected size", reason=TransferFailure.SHM
-                )
-            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        except OSError as exc:
-            raise TransferError(
-                f"cannot map the peer's shared tier ({exc.strerror})", reason=TransferFailure.SHM
-            ) from None
-        finally:
-            os.close(fd)
         self.path = path
         self.array: npt.NDArray[np.uint8] = np.frombuffer(self._mmap, dtype=np.uint8).reshape(
             num_slots, page_bytes

@@ -195,28 +195,6 @@ class DirectPath(TransferPath):
                 s.cancel()
             raise
 
-    async def pull(
-        self,
-        client: PullClient,
-        peer: Peer,
-        keys: Sequence[bytes],
-        device: Any,
-        timeout_s: float | None = None,
-    ) -> DirectPages:
-        """:func:`pull_direct`."""
-        return await pull_direct(client, peer, keys, device, timeout_s)
-
-    async def pull_into(
-        self,
-        client: PullClient,
-        peer: Peer,
-        manager: CacheManager,
-        keys: Sequence[bytes],
-        timeout_s: float | None = None,
-    ) -> PullOutcome:
-        """:func:`pull_direct_into`."""
-        return await pull_direct_into(client, peer, manager, keys, timeout_s)
-
 
 # ---- receiver ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -394,8 +372,8 @@ def import_direct(manager: CacheManager, pages: DirectPages, priority: int = DEF
 
     Since this import became the shared procedure (issue 39): a key repeated within ``pages``
     (``pull_direct`` never returns one) is refused like that, where it used to be imported once;
-    a block the salt's quota refuses (``max_blocks_per_salt``) is reported with
-    ``already_present``, as on every other path, where it used to be reported as ``dropped``.
+    a block the salt's quota refuses (``max_blocks_per_salt``) is reported in ``refused``, as on
+    every other path.
     """
     prio = check_priority(priority)
     page = manager.layout.page_bytes
@@ -423,6 +401,7 @@ def import_direct(manager: CacheManager, pages: DirectPages, priority: int = DEF
         path=pages.path,
         nbytes=pages.nbytes,
         seconds=pages.seconds,
+        refused=result.refused,
     )
 
 

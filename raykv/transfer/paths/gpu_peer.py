@@ -24,7 +24,7 @@ under the owner's lease (a checksum guards transit, not memory; the token guards
 The path needs both processes on one node (equal node ids), a VMM pool on the owner, a GPU top
 tier on the client, and ``TransferConfig.use_gpu_peer`` on both sides; otherwise
 :func:`pull_gpu_peer_into` raises TransferError with reason "unavailable" and
-:func:`pull_best` takes the host path.
+:func:`raykv.transfer.planner.pull_pages` goes on to the host paths.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from raykv.transfer.pages.landing import LeaseCheck, run_checked
 from raykv.transfer.paths.base import TransferPath
 from raykv.transfer.paths.gpu_land import PATH, ask_gpu_pool
 from raykv.transfer.paths.gpu_read import LOCAL_PATH, copy_from, pull_local
-from raykv.transfer.paths.importer import PullOutcome, importable_prefix, merge_outcomes, pull_into
+from raykv.transfer.paths.importer import PullOutcome, importable_prefix, merge_outcomes
 from raykv.transfer.paths.pull_client import PullClient
 from raykv.transfer.paths.serving import PullRequest, ServerConn
 
@@ -354,39 +354,8 @@ async def _pull_batch(
         path=PATH,
         nbytes=len(result.imported) * header.page_bytes,
         seconds=0.0,
+        refused=result.refused,
     )
-
-
-# ---- both paths ---------------------------------------------------------------------------------
-async def pull_best(
-    client: PullClient,
-    peer: Peer,
-    manager: CacheManager,
-    keys: Sequence[bytes],
-    prefer_shm: bool = True,
-    verify: bool | None = None,
-) -> PullOutcome:
-    """Pull ``keys`` into ``manager`` on the fastest path: ``gpu_peer`` first where it is
-    available, then :func:`raykv.transfer.paths.importer.pull_into` (shm or ucx) for the keys it did not
-    bring (held off the peer's GPU tier, or all of them when the path is unavailable). Errors as
-    for :func:`pull_into`; a failed second pull leaves the first one's blocks imported."""
-    first: PullOutcome | None = None
-    if manager.top_pool.kind is TierKind.GPU and client.config.use_gpu_peer:
-        try:
-            first = await pull_gpu_peer_into(client, peer, manager, keys)
-        except TransferError as exc:
-            if exc.reason is not TransferFailure.UNAVAILABLE:
-                raise
-    if first is None:
-        return await pull_into(client, peer, manager, keys, prefer_shm, verify)
-    rest = [*first.missing, *first.dropped]
-    if not rest:
-        return first
-    order = {k: i for i, k in enumerate(keys)}
-    rest.sort(key=lambda k: order[k])
-    second = await pull_into(client, peer, manager, rest, prefer_shm, verify)
-    merged = merge_outcomes([first, second], f"{PATH}+{second.path}")
-    return dataclasses.replace(merged, missing=second.missing, dropped=second.dropped)
 
 
 class GpuPeerPath(TransferPath):
@@ -403,15 +372,3 @@ class GpuPeerPath(TransferPath):
         if self.export is None:
             raise TransferError("this server exports no GPU tier", reason=TransferFailure.UNAVAILABLE)
         await self.export.serve(conn, pull)
-
-    async def pull_into(
-        self,
-        client: PullClient,
-        peer: Peer,
-        manager: CacheManager,
-        keys: Sequence[bytes],
-        timeout_s: float | None = None,
-        priority: int = DEFAULT_PRIORITY,
-    ) -> PullOutcome:
-        """:func:`pull_gpu_peer_into`."""
-        return await pull_gpu_peer_into(client, peer, manager, keys, timeout_s, priority)

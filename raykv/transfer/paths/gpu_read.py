@@ -75,8 +75,9 @@ def pull_gpu_local(
     outcome and the keys the owner must still serve (a chunk changed while it was copied; the
     earlier chunks are imported), or None, with nothing imported, when the path cannot serve the
     keys (not connected yet, a key not in the owner's directory, the first chunk changed). The
-    caller then uses :func:`pull_best` for the keys left. ValueError for malformed or duplicate
-    keys; import errors raise as for :func:`pull_gpu_peer_into`."""
+    caller then takes the next step of its plan (:func:`raykv.transfer.planner.pull_pages`) for
+    the keys left. ValueError for malformed or duplicate keys; import errors raise as for
+    :func:`raykv.transfer.paths.gpu_peer.pull_gpu_peer_into`."""
     checked, endpoint = pull_request(peer, keys)
     prio = check_priority(priority)
     start = time.perf_counter()
@@ -157,6 +158,7 @@ def _land_local(
         path=LOCAL_PATH,
         nbytes=len(done.result.imported) * manager.layout.page_bytes,
         seconds=time.perf_counter() - start,
+        refused=done.result.refused,
     )
     return outcome, keys[done.settled :] if done.stopped is not None else []
 
@@ -216,26 +218,3 @@ class GpuReadPath(TransferPath):
 
     name: ClassVar[str] = LOCAL_PATH
     one_sided: ClassVar[bool] = True
-
-    async def pull_into(
-        self,
-        client: PullClient,
-        peer: tuple[str, int],
-        manager: CacheManager,
-        keys: list[BlockKey],
-        priority: Priority,
-        start: float,
-    ) -> tuple[PullOutcome, list[BlockKey]] | None:
-        """:func:`pull_local` (from the runtime loop)."""
-        return await pull_local(client, peer, keys, manager, priority, start)
-
-    def pull_into_here(
-        self,
-        client: PullClient,
-        peer: Peer,
-        manager: CacheManager,
-        keys: list[bytes],
-        priority: int = DEFAULT_PRIORITY,
-    ) -> tuple[PullOutcome, list[BlockKey]] | None:
-        """:func:`pull_gpu_local` (in the calling thread)."""
-        return pull_gpu_local(client, peer, manager, keys, priority)

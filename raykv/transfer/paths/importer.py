@@ -44,7 +44,8 @@ class PullOutcome:
 
     ``imported``: new committed blocks; ``already_present``: pulled but cached here already;
     ``missing``: the peer did not have them; ``dropped``: pulled but not importable (a parent
-    missing, e.g. because an earlier key was missing on the peer).
+    missing, e.g. because an earlier key was missing on the peer); ``refused``: pulled and
+    importable, but not cached: the salt's quota here refused them (``max_blocks_per_salt``).
     """
 
     imported: tuple[BlockKey, ...]
@@ -54,11 +55,12 @@ class PullOutcome:
     path: str
     nbytes: int
     seconds: float
+    refused: tuple[BlockKey, ...] = ()
 
     @property
     def complete(self) -> bool:
         """True when every requested key is now cached here."""
-        return not self.missing and not self.dropped
+        return not self.missing and not self.dropped and not self.refused
 
 
 def importable_prefix(manager: CacheManager, records: BlockRecords) -> int:
@@ -194,6 +196,7 @@ def _outcome(pulled: PulledPages, result: ImportResult, n: int, start: float | N
         path=pulled.path,
         nbytes=pulled.nbytes,
         seconds=pulled.seconds if start is None else time.perf_counter() - start,
+        refused=result.refused,
     )
 
 
@@ -257,4 +260,5 @@ def merge_outcomes(outcomes: Sequence[PullOutcome], path: str) -> PullOutcome:
         path=path,
         nbytes=sum(o.nbytes for o in outcomes),
         seconds=sum(o.seconds for o in outcomes),
+        refused=tuple(k for o in outcomes for k in o.refused),
     )
