@@ -77,6 +77,19 @@ def test_latent_pages_round_trip_in_every_physical_order(dtype: str) -> None:
             assert not _bits(got[rest]).any()
 
 
+def test_cpu_latent_loads_assign_whole_blocks_where_pages_are_the_blocks() -> None:
+    """A latent block has one head, so in every physical order its bytes are one run, token
+    after token: the page region verbatim, and CPU loads assign whole blocks (the round trip
+    above checks their content). Key and value pages of several heads in head-major blocks are
+    not, and go through the reorder."""
+    layout = mla_layout(len(LAYERS), LATENT, TOKENS, "float32")
+    for order, kernel in ORDERS:
+        assert BlockCopier(layout, LAYERS, _latents(order, kernel, "float32"), "mla").verbatim, order
+    kv = KVLayout.uniform(len(LAYERS), 2, 8, TOKENS, "float32")
+    caches = vllm_kv_caches(LAYERS, BLOCKS, 2, TOKENS, 8, "float32", order="LBHNC")
+    assert not BlockCopier(kv, LAYERS, caches, "cpu").verbatim
+
+
 def _spec(**changes: Any) -> Any:
     iface = require("vllm.v1.kv_cache_interface")
     fields = dict(block_size=TOKENS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)

@@ -97,6 +97,7 @@ class BlockCopier:
         self._page_shape = tuple(self._engine_parts[0][0].shape[1:])
         self._dtype = tensors[0].dtype
         self._np_blocks = [_numpy_rows(b) for b in self._blocks] if self.device.type == "cpu" else None
+        self.verbatim = self._verbatim()
         self._chunk = max(1, chunk_bytes // self.page_bytes)
         self._scratch: Any = None
         self._staging = None
@@ -138,6 +139,34 @@ class BlockCopier:
             if part[0].numel() * part.element_size() != region.nbytes:
                 raise InvalidArgumentError("kv_caches", f"{name}: {tuple(tensor.shape)} does not fit")
         return blocks
+
+    def _verbatim(self) -> bool:
+        """Whether, on a CPU engine, every layer's page regions are its blocks' bytes verbatim:
+        the regions follow one another and cover a block exactly, and the format's view of a
+        block lists its bytes in memory order (engine_native pages; an MLA engine's one-head
+        latent blocks). Checked once on a random probe block: then loads assign whole blocks."""
+        import torch
+
+        if self._np_blocks is None or any(b is None for b in self._np_blocks):
+            return False
+        if self.native:
+            return True
+        first = self._np_blocks[0]
+        assert first is not None
+        block_bytes = int(first.shape[1])
+        for regions in self._regions:
+            ends = [r.offset + r.nbytes for r in regions]
+            if ends[-1] - regions[0].offset != block_bytes or any(
+                r.offset != end for r, end in zip(regions[1:], ends)
+            ):
+                return False
+        probe = np.random.default_rng(7).integers(0, 256, (1, self.page_bytes), dtype=np.uint8)
+        block = torch.empty((1, *self._block_shape), dtype=self._dtype)
+        for part, region in zip(self._parts(block), self._regions[0]):
+            part.copy_(self._page(_as_tensor(probe), region))
+        start = self._regions[0][0].offset
+        written = block.reshape(1, -1).view(torch.uint8).numpy()
+        return bool(np.array_equal(written[0], probe[0, start : start + block_bytes]))
 
     def _parts(self, blocks: Any) -> tuple[Any, ...]:
         """The page regions' parts of ``blocks`` (``[m, r, H, N, C]``), in region order."""
@@ -254,7 +283,7 @@ class BlockCopier:
         """Write page rows ``src`` into the layer's blocks ``pick``: ``index_copy_`` per region,
         or for a CPU engine (whose torch scatter is slower than a memcpy per block) numpy fancy
         assignment of whole blocks, through a scratch buffer in block order unless the page
-        region is the block itself (engine_native)."""
+        regions are the block's bytes verbatim (:attr:`verbatim`)."""
         import torch
 
         regions = self._regions[layer]
@@ -262,9 +291,9 @@ class BlockCopier:
         if whole is None:
             for part, region in zip(self._engine_parts[layer], regions):
                 part.index_copy_(0, pick[0], self._page(src, region))
-        elif self.native:
-            region = regions[0]
-            whole[pick[1]] = src.numpy()[:, region.offset : region.offset + region.nbytes]
+        elif self.verbatim:
+            start = regions[0].offset
+            whole[pick[1]] = src.numpy()[:, start : start + whole.shape[1]]
         else:
             scratch = self._scratch_rows(len(pick[1]))
             for part, region in zip(self._parts(scratch), regions):
