@@ -153,7 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
         "suite",
         nargs="?",
         default=None,
-        choices=["core", "index", "routing", "gpu", "transfer", "vllm", "scheduler", "soak", "serve"],
+        choices=[
+            "core",
+            "index",
+            "routing",
+            "gpu",
+            "host_loads",
+            "transfer",
+            "vllm",
+            "scheduler",
+            "soak",
+            "serve",
+        ],
         help="default: all (soak, vllm, scheduler and serve only when named)",
     )
     bench.add_argument("--quick", action="store_true", help="short run (CI)")
