@@ -3,8 +3,12 @@
 To free a slot on level L the planner takes L's eviction candidates in policy order and either
 demotes one to level L+1 (after recursively making room there) or, when nothing can be made room
 for below, drops it if it is droppable: a committed block with no children left, no holder and no
-pin. The plan is a list of steps; the manager executes the drops first (children before
-parents), then the moves, coldest level first, so every move finds the slot its plan reserved.
+pin. A planner made with ``prefer_drop`` drops a droppable candidate rather than demote it, which
+keeps the slots below for pages that can only move (a request's private pages): the store plans
+that way when the first plan fails (:meth:`raykv.core.store.PageStore.plan_room`).
+
+The plan is a list of steps; the manager executes the drops first (children before parents),
+then the moves, coldest level first, so every move finds the slot its plan reserved.
 If the goal cannot be met, the plan is discarded and nothing has changed: that is how
 OutOfPagesError and ``resume() -> False`` leave state untouched.
 """
@@ -30,9 +34,13 @@ class Step:
 
 
 class RoomPlanner:
-    """Plans evictions over ``free`` slot counts per level; never mutates the cache."""
+    """Plans evictions over ``free`` slot counts per level; never mutates the cache.
+    ``prefer_drop``: drop droppable candidates instead of demoting them (see the module docstring)."""
 
-    def __init__(self, free: list[int], policy: EvictionPolicy, exclude: set[int]) -> None:
+    def __init__(
+        self, free: list[int], policy: EvictionPolicy, exclude: set[int], prefer_drop: bool = False
+    ) -> None:
+        self.prefer_drop = prefer_drop
         self.free = list(free)
         self.policy = policy
         self.exclude = exclude
@@ -86,6 +94,9 @@ class RoomPlanner:
             step = self.steps.get(page.uid)
             if step is not None and (step.dst != level):
                 continue  # already moved away or dropped in this plan
+            if self.prefer_drop and self._droppable(page):
+                self._plan(page, level, None)
+                return True
             if level + 1 < self.levels and self.make_room(level + 1, 1):
                 self._plan(page, level, level + 1)
                 return True

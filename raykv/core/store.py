@@ -212,9 +212,16 @@ class PageStore:
     # ---- room and pages ------------------------------------------------------------------------
     def plan_room(self, level: int, count: int, exclude: set[int]) -> RoomPlanner | None:
         """A plan that frees ``count`` slots on ``level`` without touching ``exclude`` pages
-        (uids), or None when impossible. Nothing changes until :meth:`execute` runs the plan."""
-        planner = RoomPlanner([p.num_free for p in self.pools], self.policy, exclude)
-        return planner if planner.make_room(level, count) else None
+        (uids), or None when impossible. Nothing changes until :meth:`execute` runs the plan.
+
+        The first plan demotes before it drops (data stays cached); when it cannot free enough,
+        a second one drops every droppable candidate first, so the slots below go to pages that
+        can only move (demoting a droppable block there could leave such a page no room)."""
+        for prefer_drop in (False, True):
+            planner = RoomPlanner([p.num_free for p in self.pools], self.policy, exclude, prefer_drop)
+            if planner.make_room(level, count):
+                return planner
+        return None
 
     def execute(self, planner: RoomPlanner) -> None:
         """Carry out a plan from :meth:`plan_room`: drops first, then moves, coldest first."""

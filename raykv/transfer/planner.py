@@ -45,8 +45,6 @@ from raykv.transfer.paths.importer import PullOutcome, merge_outcomes, pull_into
 from raykv.transfer.paths.pull_client import PullClient
 
 GPU_READ, SHM_READ, GPU_PEER, SHM, UCX = "gpu_read", "shm_read", "gpu_peer", "shm", "ucx"
-ONE_SIDED = frozenset({GPU_READ, SHM_READ})
-"""The steps that send no request (skipped, not failed, when they cannot serve their keys)."""
 
 
 @dataclass(frozen=True)
