@@ -134,8 +134,13 @@ class PageClient:
         timeout_s: float | None = None,
         out: npt.NDArray[np.uint8] | None = None,
         verify: bool | None = None,
+        one_sided: bool = True,
     ) -> PulledPages:
         """Pull the committed blocks among ``keys`` from ``peer`` (see module docstring).
+
+        ``one_sided``: first try a one-sided read (with ``prefer_shm``, unless ``verify``); a
+        caller that already tried one itself (a step of :mod:`raykv.transfer.planner`) passes
+        False so the directory is not searched again.
 
         ``verify``: compare every page with the sender's checksum here (TransferError with
         reason "integrity" and ``bad_keys`` on a mismatch). None (default): on over ``ucx``, and
@@ -158,7 +163,7 @@ class PageClient:
         start = time.perf_counter()
         if not checked:
             return merge([], [], 0.0)
-        if prefer_shm and verify is not True:
+        if one_sided and prefer_shm and verify is not True:
             fast = self._read_local(endpoint, checked, out)
             if fast is not None:
                 return fast
@@ -175,8 +180,10 @@ class PageClient:
         prefer_shm: bool = True,
         timeout_s: float | None = None,
         verify: bool | None = None,
+        one_sided: bool = True,
     ) -> T:
-        """Pull like :meth:`pull` and return ``land(pulled, confirm)``, run in a worker thread.
+        """Pull like :meth:`pull` (``one_sided`` too) and return ``land(pulled, confirm)``, run in
+        a worker thread.
 
         ``pulled.data`` is valid during the call only: over ``shm`` the peer's shared tier itself
         (a read-only view of one run of slots, else a gathered copy), leased until ``confirm()``
@@ -191,7 +198,7 @@ class PageClient:
         loop = asyncio.get_running_loop()
         if not checked:
             return await run_land(land, merge([], [], 0.0), LeaseCheck(loop))
-        if prefer_shm and verify is not True:
+        if one_sided and prefer_shm and verify is not True:
             local = await shm_read.land_on_loop(self._local.get(endpoint), checked, land)
             if local is not None:
                 self.count(shm_read.PATH, endpoint, len(checked), local[1])
@@ -244,14 +251,16 @@ class PageClient:
         prefer_shm: bool = True,
         verify: bool | None = None,
         out: npt.NDArray[np.uint8] | None = None,
+        one_sided: bool = True,
     ) -> PulledPages:
-        """:meth:`pull` from any other thread; a one-sided same-node read runs in this thread."""
-        if prefer_shm and verify is not True:
+        """:meth:`pull` from any other thread; a one-sided same-node read (``one_sided``) runs in
+        this thread, and the request, if one is needed, on the runtime loop."""
+        if one_sided and prefer_shm and verify is not True:
             checked, endpoint = pull_request(peer, keys)
             fast = self._read_local(endpoint, checked, out) if checked else None
             if fast is not None:
                 return fast
-        pull = self.pull(peer, keys, prefer_shm, verify=verify, out=out)
+        pull = self.pull(peer, keys, prefer_shm, verify=verify, out=out, one_sided=False)
         return self.runtime.run(pull, self.config.timeout_s + 5)
 
     def pull_many_sync(

@@ -164,7 +164,8 @@ def _gpu_peer(
 def _request(
     client: PullClient, peer: Peer, mgr: CacheManager, keys: list[bytes], ends: Endpoints
 ) -> PullOutcome | None:
-    return _run(client, pull_into(client, peer, mgr, keys, ends.prefer_shm, ends.verify))
+    # the plan's one-sided steps came first: the request does not search the directory again
+    return _run(client, pull_into(client, peer, mgr, keys, ends.prefer_shm, ends.verify, one_sided=False))
 
 
 _STEPS: dict[str, Step] = {

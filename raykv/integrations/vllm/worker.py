@@ -279,7 +279,9 @@ class WorkerSide:
             self._count(req_id, "loads_skipped_late", 1)
             return 0
         try:
-            pulled = self.client.pull_sync(self.link.address, keys, out=self._buffer(len(keys)))
+            pulled = self.client.pull_sync(
+                self.link.address, keys, out=self._buffer(len(keys)), one_sided=False
+            )
         except TransferError as exc:
             if exc.reason in (TransferFailure.TIMEOUT, TransferFailure.CONNECT):
                 self._pulls_after = time.monotonic() + LATE_COOLDOWN_S

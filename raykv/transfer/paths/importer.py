@@ -226,8 +226,10 @@ async def pull_into(
     keys: Sequence[bytes],
     prefer_shm: bool = True,
     verify: bool | None = None,
+    one_sided: bool = True,
 ) -> PullOutcome:
     """Pull ``keys`` from ``peer`` and import them into ``manager`` (on the runtime loop).
+    ``one_sided`` as in ``PageClient.pull``.
 
     TransferError for any transfer or import failure: nothing is imported, the caller recomputes.
     ``verify`` as in ``PageClient.pull`` (over ``ucx`` the pages are verified as they arrive, the
@@ -235,7 +237,7 @@ async def pull_into(
     A pull cancelled (or timed out) while its import is underway waits for the import to stop;
     only an import already past the peer's confirmation stands.
     """
-    return await client.pull_land(peer, keys, Lander(manager), prefer_shm, verify=verify)
+    return await client.pull_land(peer, keys, Lander(manager), prefer_shm, verify=verify, one_sided=one_sided)
 
 
 def pull_into_local(

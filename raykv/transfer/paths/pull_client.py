@@ -69,6 +69,7 @@ class PullClient(Protocol):
         prefer_shm: bool = True,
         timeout_s: float | None = None,
         verify: bool | None = None,
+        one_sided: bool = True,
     ) -> T:
         """Pull and land (see :meth:`raykv.transfer.client.PageClient.pull_land`)."""
         ...
