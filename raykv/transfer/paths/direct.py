@@ -48,7 +48,7 @@ from raykv.transfer.net.connection import ClientConn
 from raykv.transfer.net.runtime import cancel_and_wait
 from raykv.transfer.pages.payload import LeasedPayload
 from raykv.transfer.paths.base import TransferPath
-from raykv.transfer.paths.importer import PullOutcome, importable_prefix, refusals
+from raykv.transfer.paths.importer import PullOutcome, import_outcome, importable_prefix, refusals
 from raykv.transfer.paths.pull_client import PullClient
 from raykv.transfer.paths.serving import PullRequest, ServerConn
 
@@ -393,16 +393,7 @@ def import_direct(manager: CacheManager, pages: DirectPages, priority: int = DEF
         n = importable_prefix(manager, records)
         with refusals(pages.keys, n):
             result = import_written(manager, records.head(n), write, prio)
-    return PullOutcome(
-        imported=result.imported,
-        already_present=result.already_present,
-        missing=pages.missing,
-        dropped=pages.keys[n:],
-        path=pages.path,
-        nbytes=pages.nbytes,
-        seconds=pages.seconds,
-        refused=result.refused,
-    )
+    return import_outcome(pages, result, n, None)
 
 
 def _write_top(manager: CacheManager, slots: list[PageId], data: Any, rows: list[int]) -> None:

@@ -23,6 +23,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -116,7 +117,7 @@ def _import_pulled(
             if n
             else ImportResult((), ())
         )
-    return _outcome(pulled, result, n, start)
+    return import_outcome(pulled, result, n, start)
 
 
 def _import_streamed(
@@ -147,7 +148,7 @@ def _import_streamed(
         result = import_written(manager, head, write, DEFAULT_PRIORITY, land) if n else ImportResult((), ())
     if not placed:  # nothing new: the outcome still waits for the payload's verdict
         land()
-    return _outcome(pulled, result, n, start)
+    return import_outcome(pulled, result, n, start)
 
 
 def _copy_as_arrived(
@@ -185,9 +186,26 @@ def refusals(keys: Sequence[BlockKey], n: int) -> Iterator[None]:
         raise TransferError(f"import refused: {exc}", reason=TransferFailure.REJECTED) from None
 
 
-def _outcome(pulled: PulledPages, result: ImportResult, n: int, start: float | None) -> PullOutcome:
-    """What an import of ``pulled``'s first ``n`` pages did (``seconds`` as in
-    :func:`_import_pulled`)."""
+class Landed(Protocol):
+    """What :func:`import_outcome` reads of the pages of one pull (:class:`PulledPages`, or the
+    ``direct`` path's pages): their keys in request order, the keys the peer did not have, the
+    path, the payload's bytes and the pull's seconds."""
+
+    @property
+    def keys(self) -> tuple[BlockKey, ...]: ...
+    @property
+    def missing(self) -> tuple[BlockKey, ...]: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def seconds(self) -> float: ...
+
+
+def import_outcome(pulled: Landed, result: ImportResult, n: int, start: float | None) -> PullOutcome:
+    """What an import of ``pulled``'s first ``n`` pages did: the rest are ``dropped``;
+    ``seconds`` since ``start`` (None: the pull's own ``seconds``)."""
     return PullOutcome(
         imported=result.imported,
         already_present=result.already_present,
