@@ -30,5 +30,6 @@ setup(
             extra_compile_args=["-O3", "-ffp-contract=off"],
         ),
         Extension("raykv.native._slots", ["raykv/native/_slots.c"], optional=True, extra_compile_args=["-O3"]),
+        Extension("raykv.native._gather", ["raykv/native/_gather.c"], optional=True, extra_compile_args=["-O3"]),
     ]
 )

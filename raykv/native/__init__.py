@@ -1,6 +1,6 @@
 """The optional compiled pieces of raykv and the one place that loads them.
 
-``pip install`` builds five C extensions through ``setup.py`` when a C compiler and the Python
+``pip install`` builds six C extensions through ``setup.py`` when a C compiler and the Python
 headers are present. They are optional: without them the install goes on and Python does the same
 work, slower. Each can also be switched off at run time with an environment variable:
 
@@ -13,6 +13,7 @@ extension      speeds up                                                        
                and keying prompts (:mod:`raykv.routing.session_keys`)
 ``_cost``      the routing decision's cost loop (:mod:`raykv.routing.policy`)      ``RAYKV_PURE_COST=1``
 ``_slots``     planning GPU page copy batches (:mod:`raykv.core.tiers.copy_plan`)  ``RAYKV_PURE_SLOTS=1``
+``_gather``    an owner's copy of engine blocks (:mod:`raykv.transfer.kv_share`)    ``RAYKV_PURE_GATHER=1``
 =============  ==================================================================  =========================
 
 :func:`load` is what the modules above call; :func:`status` is what ``raykv info`` and CI print.
@@ -31,6 +32,7 @@ SWITCHES: dict[str, str] = {
     "_chain": "RAYKV_PURE_CHAIN",
     "_cost": "RAYKV_PURE_COST",
     "_slots": "RAYKV_PURE_SLOTS",
+    "_gather": "RAYKV_PURE_GATHER",
 }
 
 _built: dict[str, ModuleType | None] = {}

@@ -13,6 +13,12 @@ owner's), imports them through ``CacheManager.import_pages`` (the one commit pat
 slots, whatever the outcome. A store that finds no free slots is the engine's backpressure: it
 is counted and offered again later, never silently dropped.
 
+Each lease also names the owner's store socket (:mod:`raykv.transfer.kv_share`, started with the
+first inbox where engine memory can be shared): a CPU engine whose pages are its blocks verbatim
+stores through it with one copy (the owner reads the engine's shared KV memory), and uses its
+inbox only when that path is unavailable. Both paths key and commit the same way
+(:func:`raykv.transfer.kv_share.protocol.commit_records`) and count into :attr:`Inboxes.counters`.
+
 States: FREE (0) -> HELD (1) by the engine, HELD -> FREE by the owner only. A slot the engine marks
 HELD but never commits stays held until the inbox closes (the engine unbinds, or opens its inboxes
 anew). No locks are needed: each transition has one writer, and a commit reaches the owner only
@@ -21,7 +27,6 @@ after the engine wrote the rows it names.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import mmap
 import os
@@ -36,18 +41,14 @@ import numpy as np
 import numpy.typing as npt
 
 from raykv.core.errors import InvalidArgumentError, OutOfMemoryError, RayKVError, StateError
-from raykv.core.keys import (
-    MultimodalItem,
-    ReuseScope,
-    chain_keys,
-    check_mm_items,
-    clip_mm_items,
-    tokens_to_array,
-)
+from raykv.core.keys import MultimodalItem, ReuseScope
 from raykv.core.manager import CacheManager
 from raykv.core.records import BlockRecords
 from raykv.core.tiers.base import is_run
 from raykv.core.tiers.host import SHM_DIR
+from raykv.transfer.kv_share.memory import supported as sharing_supported
+from raykv.transfer.kv_share.owner import StoreOutcome, StoreServer
+from raykv.transfer.kv_share.protocol import commit_records
 from raykv.transfer.pages.shm import MapStep, OwnerFileError, map_owner_file
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,9 @@ class InboxLease:
     slots: int
     page_bytes: int
     rank: int = 0
+    socket: str = ""
+    """The owner's store socket (:mod:`raykv.transfer.kv_share`): a CPU engine that can share its
+    KV memory stores through it with one copy; empty when the owner runs none."""
 
     @property
     def size(self) -> int:
@@ -159,7 +163,7 @@ class Inbox:
     """The owner's side of one inbox (a fresh file, every slot FREE). OutOfMemoryError when
     /dev/shm cannot hold it; InvalidArgumentError for fewer than one slot."""
 
-    def __init__(self, slots: int, page_bytes: int, rank: int = 0) -> None:
+    def __init__(self, slots: int, page_bytes: int, rank: int = 0, socket: str = "") -> None:
         if slots < 1 or page_bytes < 1:
             raise InvalidArgumentError("slots", f"need >= 1 slot, got {slots} x {page_bytes}")
         size = _header_bytes(slots) + slots * page_bytes
@@ -173,7 +177,7 @@ class Inbox:
             raise OutOfMemoryError(f"inbox: cannot reserve {size} bytes in {directory}: {exc}") from None
         finally:
             os.close(fd)
-        self.lease = InboxLease(path, secrets.randbits(63), slots, page_bytes, rank)
+        self.lease = InboxLease(path, secrets.randbits(63), slots, page_bytes, rank, socket)
         self._segment = _Segment(mapping, slots, page_bytes)
 
     def take(self, slots: Sequence[int]) -> npt.NDArray[np.uint8]:
@@ -285,8 +289,43 @@ class Inboxes:
         self._by_engine: dict[str, list[Inbox]] = {}
         self._by_lease: dict[int, Inbox] = {}
         self._lock = threading.Lock()
-        self.counters = {"stored": 0, "present": 0, "refused": 0, "commits": 0, "commit_us": 0}
-        """Blocks stored, present and refused, commits and their microseconds, since start."""
+        self.counters = {
+            "stored": 0,
+            "present": 0,
+            "refused": 0,
+            "commits": 0,
+            "commit_us": 0,
+            "shared_stores": 0,
+            "shared_us": 0,
+            "abandoned": 0,
+        }
+        """Blocks stored, present and refused (either path), inbox commits and their
+        microseconds, shared-memory store requests and their microseconds, and blocks of
+        shared-memory stores the engine abandoned, since start."""
+        self._server: StoreServer | None = None
+        self._server_failed = False
+
+    def _store_socket(self) -> str:
+        """The store socket's path, its server started on first use; empty where engines cannot
+        share their memory or the socket cannot be made (logged once)."""
+        with self._lock:
+            if self._server is None and not self._server_failed and sharing_supported():
+                try:
+                    self._server = StoreServer(self.manager, self._by_lease.__contains__, self._count_shared)
+                except OSError as exc:
+                    self._server_failed = True
+                    log.warning("inboxes: no store socket (%s); engines store through their inboxes", exc)
+            return self._server.path if self._server is not None else ""
+
+    def _count_shared(self, outcome: StoreOutcome) -> None:
+        with self._lock:
+            c = self.counters
+            c["stored"] += outcome.stored
+            c["present"] += outcome.present
+            c["refused"] += outcome.refused
+            c["abandoned"] += outcome.abandoned
+            c["shared_stores"] += 1
+            c["shared_us"] += outcome.us
 
     def open(self, engine: str, ranks: int, nbytes: int) -> tuple[InboxLease, ...]:
         """One inbox of ``nbytes`` (whole pages of the manager's layout) for each of the engine's
@@ -300,9 +339,10 @@ class Inboxes:
         if type(nbytes) is not int or not page <= nbytes * ranks <= self.max_bytes:
             raise InvalidArgumentError("nbytes", f"need {page} .. {self.max_bytes // ranks} bytes per rank")
         made: list[Inbox] = []
+        path = self._store_socket()
         try:
             for rank in range(ranks):
-                made.append(Inbox(nbytes // page, page, rank))
+                made.append(Inbox(nbytes // page, page, rank, path))
         except BaseException:
             for inbox in made:
                 inbox.close()
@@ -327,6 +367,10 @@ class Inboxes:
         """Close every inbox (the owner is shutting down or laying its pages out anew)."""
         for engine in list(self._by_engine):
             self.close_engine(engine)
+        with self._lock:
+            server, self._server = self._server, None
+        if server is not None:
+            server.close()
 
     def engines(self) -> dict[str, dict[str, int]]:
         """Per engine: ``inboxes``, ``slots`` and ``held`` (slots written, not committed yet)."""
@@ -379,20 +423,7 @@ class Inboxes:
     def _records(self, item: InboxCommit) -> BlockRecords:
         """The commit's blocks, keyed here from its parent key, tokens, scope and items."""
         tpb = self.manager.config.layout.tokens_per_block
-        n, first = len(item.slots), item.first_block
-        if type(first) is not int or first < 0 or (item.parent is None) != (first == 0):
-            raise InvalidArgumentError("parent", "need a parent key exactly when first_block > 0")
-        if not isinstance(item.scope, ReuseScope):
-            raise InvalidArgumentError("scope", "must be a ReuseScope")
-        parent = item.scope.root_key() if item.parent is None else item.parent
-        if type(parent) is not bytes or len(parent) != 32:
-            raise InvalidArgumentError("parent", "must be a 32-byte key")
-        tokens = tokens_to_array(item.tokens)
-        end = (first + n) * tpb
-        if len(tokens) < end:
-            raise InvalidArgumentError("tokens", f"{len(tokens)} tokens for blocks up to {first + n}")
-        items = clip_mm_items(check_mm_items(item.mm_items, None), end)
-        keys = chain_keys(parent, tokens[:end], tpb, first, items)
-        parents = [parent, *keys[:-1]]
-        roots = [first == 0] + [False] * (n - 1)
-        return BlockRecords(keys, parents, roots, list(itertools.repeat(tpb, n)))
+        first = item.first_block
+        return commit_records(
+            tpb, len(item.slots), first, item.parent, item.scope, item.tokens, item.mm_items
+        )

@@ -370,6 +370,7 @@ def test_an_mla_engine_loads_latents_as_vllms_own_example_connector_does(
         wait_held(dep, 0, tokens, 6, ReuseScope(), timeout=30)
         again = generate(llm, tokens)
     assert first.raykv["hit_blocks"] == 0 and first.raykv["staged_blocks"] == 6
+    assert first.raykv["shared_store_blocks"] == first.raykv["stored_blocks"] == 6  # one copy
     assert again.raykv["loaded_blocks_ok"] == 6 and again.raykv.get("load_errors", 0) == 0
     assert again.raykv["prefilled_tokens"] == 5
 

@@ -168,6 +168,30 @@ class BlockCopier:
         written = block.reshape(1, -1).view(torch.uint8).numpy()
         return bool(np.array_equal(written[0], probe[0, start : start + block_bytes]))
 
+    def shared_segments(self) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]] | None:
+        """For a CPU engine whose pages are its blocks verbatim (:attr:`verbatim`): the memory
+        ranges its KV tensors live in (``[(address, bytes), ...]``, each storage once) and the
+        segments a page is made of (``[(address of block 0's bytes, block stride, bytes), ...]``
+        in page order), as :class:`raykv.transfer.kv_share.engine.SharedKV` takes them. None
+        where a page is not its layers' blocks back to back from byte 0."""
+        if not self.verbatim or self._np_blocks is None:
+            return None
+        segments, memories, offset = [], {}, 0
+        for blocks, np_blocks, regions in sorted(
+            zip(self._blocks, self._np_blocks, self._regions), key=lambda t: t[2][0].offset
+        ):
+            assert np_blocks is not None
+            if regions[0].offset != offset:
+                return None
+            length = int(np_blocks.shape[1])
+            segments.append((int(np_blocks.ctypes.data), int(np_blocks.strides[0]), length))
+            offset += length
+            storage = blocks.untyped_storage()
+            memories[int(storage.data_ptr())] = int(storage.nbytes())
+        if offset != self.page_bytes:
+            return None
+        return sorted(memories.items()), segments
+
     def _parts(self, blocks: Any) -> tuple[Any, ...]:
         """The page regions' parts of ``blocks`` (``[m, r, H, N, C]``), in region order."""
         if self.native:

@@ -13,13 +13,22 @@ every step's metadata; on first sight the worker side opens:
   CacheWorker in the background while the request waited) is loaded the same way in the step that
   carries it, a step without a forward pass too, and its request is reported finished receiving
   through ``get_finished`` in that step, with its failed blocks in the same step's load errors.
-- the inbox its CacheWorker leased it (:mod:`raykv.transfer.inbox`; one per rank, in host shared
-  memory). A store copies the engine's blocks straight from its KV tensors into free inbox slots
-  (one copy; page-locked for CUDA so the device copy is a DMA) and reports the slots with the
-  blocks' tokens, scope and parent key; the scheduler side hands them to the CacheWorker, which
-  keys the blocks itself, commits them into its own pages and frees the slots. A store that finds
-  too few free slots writes the leading blocks that fit: the others are counted
-  (``store_backpressure_blocks``) and offered again in a later step while the request lives.
+- stores. On a CPU engine whose pages are its blocks verbatim (``engine_native``; MLA latents),
+  the worker side shares its KV memory read-only with its CacheWorker
+  (:mod:`raykv.transfer.kv_share`): a step's stores are one request naming the blocks, their
+  tokens, scope and parent key; the CacheWorker keys the blocks itself, copies them straight out
+  of the engine's memory into its pages (the one copy), commits them and answers, all within the
+  step (vLLM may reuse a block once the step ends). A store not answered within
+  :data:`STORE_WAIT_S` is abandoned (the CacheWorker discards it; its blocks are reported
+  unstored and offered again) and stores take the inbox for :data:`LATE_COOLDOWN_S`. Otherwise,
+  and on CUDA engines, stores go through the inbox its CacheWorker leased it
+  (:mod:`raykv.transfer.inbox`; one per rank, in host shared memory): the worker side copies the
+  engine's blocks from its KV tensors into free inbox slots (page-locked for CUDA so the device
+  copy is a DMA) and reports the slots with the blocks' tokens, scope and parent key; the
+  scheduler side hands them to the CacheWorker, which keys the blocks itself, commits them into
+  its own pages (a second copy) and frees the slots. A store that finds too few free slots
+  writes the leading blocks that fit: the others are counted (``store_backpressure_blocks``) and
+  offered again in a later step while the request lives.
 
 Under tensor parallelism every rank runs one worker side for its own KV heads: it stages and loads
 pages keyed in :func:`~raykv.integrations.vllm.plan.rank_scope` (the load ops carry the prompt
@@ -54,7 +63,10 @@ from raykv.integrations.vllm.plan import (
     rank_scope,
 )
 from raykv.transfer import PageClient, TransferConfig
-from raykv.transfer.inbox import InboxCommit, InboxWriter
+from raykv.transfer.inbox import InboxCommit, InboxLease, InboxWriter
+from raykv.transfer.kv_share.engine import SharedKV
+from raykv.transfer.kv_share.memory import supported as sharing_supported
+from raykv.transfer.kv_share.protocol import commit_wire
 from raykv.transfer.planner import GPU_PEER, GPU_READ, SHM_READ, Endpoints, plan_paths
 
 log = logging.getLogger(__name__)
@@ -63,6 +75,10 @@ LATE_COOLDOWN_S = 5.0
 """After a pull from the paired worker timed out (or could not connect), loads take only the
 one-sided reads, which need nothing from the worker, for this long; pages those cannot read are
 recomputed at once instead of each load waiting ``load_budget_ms`` for a stalled worker."""
+STORE_WAIT_S = 0.25
+"""The most a shared-memory store waits for the CacheWorker's copy and commit (a 64 MiB store takes
+about 10 ms on a 2-core VM): past it the store is abandoned, as a stalled worker must not stall
+its engine's steps."""
 MAX_CHAINS = 4096
 """Requests whose last stored block key the worker side remembers (their next store's parent)."""
 
@@ -100,6 +116,9 @@ class WorkerSide:
         self.link: EngineLink | None = None
         self.client: PageClient | None = None
         self.inbox: InboxWriter | None = None
+        self.shared: SharedKV | None = None
+        """The KV memory shared with the CacheWorker (CPU engines): stores of one copy."""
+        self._shared_after = 0.0  # shared stores wait for the worker again from then
         self._rows = np.empty((0, layout.page_bytes), dtype=np.uint8)
         self._rows_tensor: Any = None  # owns self._rows when they are page-locked
         self._failed: set[int] = set()
@@ -147,6 +166,8 @@ class WorkerSide:
         except StateError as exc:
             log.warning("raykv: cannot map the inbox of %s (%s); nothing is stored", link.worker, exc)
             return
+        if not self._on_cuda():
+            self._share(lease, min(STORE_WAIT_S, link.load_budget_ms / 1e3))
         if self._on_cuda():
             from raykv.core.tiers.cuda_util import try_host_register
 
@@ -156,6 +177,29 @@ class WorkerSide:
                 log.info("raykv: the inbox is not page-locked (%s); stores stage", refused)
             else:
                 self._inbox_pinned = int(rows.ctypes.data)
+
+    def _share(self, lease: InboxLease, timeout_s: float) -> None:
+        """Share the engine's KV memory with the CacheWorker for one-copy stores
+        (:mod:`raykv.transfer.kv_share`) where the pages are the blocks verbatim; else (or when
+        the worker runs no store socket or refuses) stores go through the inbox."""
+        if not lease.socket or self.groups is not None or not isinstance(self.copier, BlockCopier):
+            return
+        described = self.copier.shared_segments()
+        if described is None or not sharing_supported():
+            return
+        memories, segments = described
+        try:
+            self.shared = SharedKV(
+                lease.socket,
+                lease.lease_id,
+                memories,
+                segments,
+                self.copier.num_blocks,
+                self.layout.page_bytes,
+                timeout_s,
+            )
+        except StateError as exc:
+            log.info("raykv: stores go through the inbox (%s)", exc)
 
     def _on_cuda(self) -> bool:
         """Whether the engine's KV tensors are on a CUDA device."""
@@ -338,9 +382,62 @@ class WorkerSide:
             self._open(meta.link)
         if self.inbox is None or self.copier is None:
             return
+        shared: list[StoreOp] = []
         for op in meta.stores:
-            if op.end_block > op.first_block:
+            if op.end_block <= op.first_block:
+                continue
+            if self._shares(op):
+                shared.append(op)
+            else:
                 self._store(op)
+        if shared:
+            self._store_shared(shared)
+
+    def _shares(self, op: StoreOp) -> bool:
+        """Whether ``op`` goes through the shared memory: it is shared, the worker answered
+        lately, and every block of the store lies in it."""
+        if self.shared is None or time.monotonic() < self._shared_after:
+            return False
+        return self.shared.covers(op.blocks()[op.first_block : op.end_block])
+
+    def _store_shared(self, ops: list[StoreOp]) -> None:
+        """One request for every store of ``ops``: the CacheWorker copies their blocks out of
+        the shared memory into its pages and commits them before it answers. A store it did
+        not answer in time is abandoned and its blocks reported unstored (offered again while
+        the request lives), as are all of them when the connection broke (later stores then go
+        through the inbox); blocks it refused are counted, as the inbox's commits count them."""
+        assert self.shared is not None
+        start = time.perf_counter()
+        commits = []
+        for op in ops:
+            scope = rank_scope(op.scope, self.rank, self.ranks)
+            tokens = op.tokens[: op.end_block * self.tpb]
+            parent = self._parent(op.req_id, tokens, op.first_block, op.mm_items, scope)
+            blocks = op.blocks()[op.first_block : op.end_block]
+            commits.append(commit_wire(blocks, op.first_block, parent, tokens, scope, op.mm_items, op.req_id))
+        try:
+            answer = self.shared.store(commits)
+        except StateError as exc:
+            log.warning("raykv: shared stores stop (%s); stores go through the inbox", exc)
+            self.shared.close()
+            self.shared, answer = None, None
+        took = time.perf_counter() - start
+        if answer is None and self.shared is not None:
+            self._shared_after = time.monotonic() + LATE_COOLDOWN_S
+        total = sum(op.end_block - op.first_block for op in ops)
+        for i, op in enumerate(ops):
+            n = op.end_block - op.first_block
+            stored, present, refused, abandoned = answer["per"][i] if answer is not None else (0, 0, 0, n)
+            self._count(op.req_id, "staged_blocks", n)
+            self._count(op.req_id, "shared_store_blocks", n)
+            self._count(op.req_id, "store_us", int(took * 1e6 * n / total))
+            self._count(op.req_id, "stored_blocks", stored + present)
+            for name, value in (("store_refused_blocks", refused), ("store_abandoned_blocks", abandoned)):
+                if value:
+                    self._count(op.req_id, name, value)
+            if abandoned:
+                unstored = self._report.unstored
+                unstored[op.req_id] = min(op.first_block, unstored.get(op.req_id, op.first_block))
 
     def _store(self, op: StoreOp) -> None:
         """Copy blocks ``op.first_block ..`` into free slots and add their commit to the report.
@@ -429,9 +526,12 @@ class WorkerSide:
         return report if report else None
 
     def close(self) -> None:
-        """Drop the page client and unmap the inbox."""
+        """Drop the page client, the store socket and unmap the inbox."""
         if self.client is not None:
             self.client.close()
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
         if self._inbox_pinned:
             from raykv.core.tiers.cuda_util import host_unregister
 
