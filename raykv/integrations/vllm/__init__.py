@@ -108,9 +108,14 @@ pages came: ``gpu_peer``, ``gpu_read``, ``shm_read``, ``shm``, ``ucx``), ``dma_d
 load was planned), ``pulled_tokens`` (the tokens of the blocks that fetch brought to the paired
 worker), ``prefilled_tokens`` and ``prefill_us`` (the prompt tokens the engine computed, and the
 wall time from planning the step that computed the first of them to planning the step after the
-last), ``offered_blocks``, ``staged_blocks`` (written into the inbox) and ``store_us`` (the
-wall time of those copies), ``store_backpressure_blocks``, ``model`` (the engine's model fingerprint, hex:
-the scope of its keys, :mod:`~raykv.integrations.vllm.identity`), ``worker`` and
+last), ``offered_blocks``, ``staged_blocks`` (handed to the worker: written into the inbox,
+or copied by the worker out of the engine's shared KV memory) and ``store_us`` (the wall time of
+the worker side's part: its copies into the inbox, or its wait for the worker's one copy and
+commit), ``shared_store_blocks`` (the one-copy stores' blocks), ``stored_blocks`` and
+``store_refused_blocks`` (of one-copy stores, as the worker answered), ``store_abandoned_blocks``
+(one-copy stores not answered within ``STORE_WAIT_S``: offered again),
+``store_backpressure_blocks``, ``model`` (the engine's model fingerprint, hex: the scope of its
+keys, :mod:`~raykv.integrations.vllm.identity`), ``worker`` and
 ``blocks`` (leading blocks the deployment holds or was offered: the prompt's, and with
 ``store_generated`` those of generated tokens too; a PD proxy hands these to the
 decode engine's request as ``kv_transfer_params``). The worker side's

@@ -428,8 +428,9 @@ class WorkerSide:
         for i, op in enumerate(ops):
             n = op.end_block - op.first_block
             stored, present, refused, abandoned = answer["per"][i] if answer is not None else (0, 0, 0, n)
-            self._count(op.req_id, "staged_blocks", n)
-            self._count(op.req_id, "shared_store_blocks", n)
+            if n > abandoned:
+                self._count(op.req_id, "staged_blocks", n - abandoned)
+                self._count(op.req_id, "shared_store_blocks", n - abandoned)
             self._count(op.req_id, "store_us", int(took * 1e6 * n / total))
             self._count(op.req_id, "stored_blocks", stored + present)
             for name, value in (("store_refused_blocks", refused), ("store_abandoned_blocks", abandoned)):
