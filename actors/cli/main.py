@@ -159,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
             "routing",
             "gpu",
             "host_loads",
+            "stores",
             "transfer",
             "vllm",
             "scheduler",

@@ -16,6 +16,8 @@ absolute figures, are what to compare across machines. Suites:
 ``host_loads`` the vLLM connector's worker-side loads from a CacheWorker's shared host tier into
           a CUDA engine's blocks vs a raw pinned host-to-device copy
           (:mod:`raykv.bench.vllm_host_loads`; needs CUDA, not vLLM)
+``stores`` the vLLM connector's worker-side stores from a CPU engine, one copy (shared KV memory)
+          and two (inbox), vs a memcpy (:mod:`raykv.bench.vllm_stores`; needs torch, not vLLM)
 
 The suites of :data:`CUDA_SUITES` are left out of :func:`run_all_benchmarks` without a CUDA device.
 
@@ -64,6 +66,12 @@ def _host_loads(quick: bool) -> tuple[list[Benchmark], str]:
     return suite(quick)
 
 
+def _stores(quick: bool) -> tuple[list[Benchmark], str]:
+    from raykv.bench.vllm_stores import suite
+
+    return suite(quick)
+
+
 def _routing(quick: bool) -> tuple[list[Benchmark], str]:
     from raykv.bench.routing import suite
 
@@ -77,6 +85,7 @@ SUITES: dict[str, Callable[[bool], tuple[list[Benchmark], str]]] = {
     "transfer": _transfer,
     "gpu": _gpu,
     "host_loads": _host_loads,
+    "stores": _stores,
 }
 """Suite name -> builder of (benchmarks, description line). Later suites register here."""
 CUDA_SUITES = frozenset({"gpu", "host_loads"})
