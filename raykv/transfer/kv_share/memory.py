@@ -22,6 +22,7 @@ import platform
 import stat
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -55,7 +56,7 @@ class SharedRegion:
     size: int
 
 
-def _libc_mmap() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+def _libc_mmap() -> Any:
     libc = ctypes.CDLL(None, use_errno=True)
     fn = libc.mmap
     fn.restype = ctypes.c_void_p
