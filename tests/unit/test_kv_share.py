@@ -43,10 +43,13 @@ def _layout() -> Any:
     return native_layout(len(NAMES), 2, 8, TPB, "float32")
 
 
-@pytest.fixture
-def owner() -> Iterator[Owner]:
+@pytest.fixture(params=["host", "disk"])
+def owner(request: pytest.FixtureRequest) -> Iterator[Owner]:
+    """An owner whose top tier is a host tier (the gather writes its rows) or, for the other
+    branch of the writer, a disk tier (the gather writes host rows, then the tier's write)."""
     layout = _layout()
-    manager = CacheManager(CacheConfig(layout, (TierConfig.host(64 * layout.page_bytes),)))
+    top = TierConfig.host if request.param == "host" else TierConfig.disk
+    manager = CacheManager(CacheConfig(layout, (top(64 * layout.page_bytes),)))
     inboxes = Inboxes(manager)
     yield manager, inboxes
     inboxes.close()
