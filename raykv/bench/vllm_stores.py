@@ -63,7 +63,8 @@ class _Setup:
         tier = TierConfig.host((samples + 2) * blocks * page, pin_memory=False, shared=True)
         self.manager = CacheManager(CacheConfig(self.layout, (tier,)))
         self.inboxes = Inboxes(self.manager)
-        caches = vllm_kv_caches(NAMES, 2 * blocks + 2, HEADS, TOKENS, HEAD, "float32", "cpu", order="LBHNC")
+        # an engine of 4 stores' blocks (the quick run's 64 MiB is over memory.MIN_BYTES too)
+        caches = vllm_kv_caches(NAMES, 4 * blocks + 2, HEADS, TOKENS, HEAD, "float32", "cpu", order="LBHNC")
         for tensor in caches.values():
             tensor.copy_(torch.randn(tensor.shape))
         self.side = WorkerSide(self.layout, NAMES)

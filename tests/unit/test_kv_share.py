@@ -33,7 +33,7 @@ NAMES = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 PROMPT = list(range(100, 100 + 8 * TPB))
 SCOPE = ReuseScope(None, 7, b"m" * 32)
 Owner = tuple[CacheManager, Inboxes]
-BLOCKS = 512  # 512 blocks x 2 layers x 512 bytes: whole pages around most blocks
+BLOCKS = 40_000  # x 2 layers x 512 bytes: 39 MiB, over memory.MIN_BYTES (a mapping of its own)
 
 
 def _layout() -> Any:
@@ -96,12 +96,12 @@ def _held(manager: CacheManager, keys: list[bytes]) -> int:
 
 
 def test_sharing_keeps_the_bytes_and_the_owner_sees_later_writes() -> None:
-    data = np.arange(3 << 20, dtype=np.uint32)  # 12 MiB, not page-aligned at its ends
+    data = np.arange(12 << 20, dtype=np.uint32)  # 48 MiB, not page-aligned at its ends
     address, nbytes = int(data.ctypes.data), data.nbytes
     region = memory.share_memory(address, nbytes)
     assert region is not None and region.start % memory.PAGE == 0
     assert region.start >= address and region.start + region.size <= address + nbytes
-    assert np.array_equal(data, np.arange(3 << 20, dtype=np.uint32))  # bytes kept, array works
+    assert np.array_equal(data, np.arange(12 << 20, dtype=np.uint32))  # bytes kept, array works
     reader = memory.ReadOnlyRegion(region.fd, region.start, region.size)
     try:
         index = (region.start - address) // 4 + 1000
@@ -111,9 +111,27 @@ def test_sharing_keeps_the_bytes_and_the_owner_sees_later_writes() -> None:
         assert ctypes.string_at(reader.address + address + index * 4 - region.start, 4) == b"\xef\xbe\xad\xde"
     finally:
         reader.close()
-    assert memory.share_memory(address + 1, 100) is None  # no whole page
+    assert memory.share_memory(address + 1, 100) is None  # under MIN_BYTES: maybe the malloc heap
     with pytest.raises(InvalidArgumentError):
         memory.share_memory(0, 10)
+
+
+def test_a_child_forked_after_sharing_does_not_inherit_the_shared_pages() -> None:
+    """A MAP_SHARED range would be shared with a forked child instead of copied on write: the
+    moved pages are MADV_DONTFORK, absent from the child."""
+    import os
+
+    data = np.zeros(40 << 20, dtype=np.uint8)
+    region = memory.share_memory(int(data.ctypes.data), data.nbytes)
+    assert region is not None
+    os.close(region.fd)
+    pid = os.fork()
+    if pid == 0:  # the child: is any mapping over the region's first page?
+        with open("/proc/self/maps") as maps:
+            spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in maps]
+        os._exit(1 if any(lo <= region.start < hi for lo, hi in spans) else 0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
 
 @pytest.mark.parametrize("pure", [False, True], ids=["native", "python"])

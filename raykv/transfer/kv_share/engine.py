@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from raykv.core.errors import StateError
-from raykv.transfer.kv_share.memory import PAGE, SharedRegion, share_memory
+from raykv.transfer.kv_share.memory import MIN_BYTES, PAGE, SharedRegion, share_memory
 from raykv.transfer.kv_share.protocol import recv_frame, send_frame
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class SharedKV:
         self._seq = 0
         regions = [r for r in (share_memory(a, n) for a, n in memories) if r is not None]
         if not regions:
-            raise StateError("no whole page of the engine's KV memory to share")
+            raise StateError(f"no range of the engine's KV memory is {MIN_BYTES >> 20} MiB or more")
         self.covered = _covered(regions, segments, num_blocks)
         epoch_fd = os.memfd_create("raykv-engine-epoch", os.MFD_CLOEXEC)
         fds = [r.fd for r in regions] + [epoch_fd]

@@ -34,6 +34,12 @@ PAGE = mmap.PAGESIZE
 CHUNK = 64 << 20
 """Bytes moved onto the memfd per step: at most this much memory is held twice while sharing."""
 _MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)
+MIN_BYTES = 32 << 20
+"""The smallest range :func:`share_memory` takes. glibc serves every allocation of at least this
+size (its largest mmap threshold) from a mapping of its own, so the pages moved belong to that
+allocation alone; a smaller range may lie in the malloc heap, whose pages other allocations
+reuse once it is freed."""
+_MADV_DONTFORK = getattr(mmap, "MADV_DONTFORK", 10)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 """The owner maps an engine's memory with its page tables filled: a first gather would otherwise
 take a fault per 4 KiB page (measured: a 64 MiB store ran at 0.34x a memcpy, its gather alone
@@ -64,14 +70,27 @@ def _libc_mmap() -> Any:
     return fn
 
 
+def _madvise() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.madvise
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
 def share_memory(address: int, nbytes: int) -> SharedRegion | None:
     """Back the whole pages of ``[address, address + nbytes)`` by a new memfd, bytes kept, in
     chunks of :data:`CHUNK` (the old pages of a chunk are freed as it moves). The range must be
-    memory of this process that nothing else writes meanwhile (a KV cache before its first
-    step). Returns the region, or None when the range holds no whole page. StateError when the
-    kernel refuses the memfd or a mapping: chunks moved before stay moved (their bytes kept)."""
+    one allocation of at least :data:`MIN_BYTES` of this process that nothing else writes
+    meanwhile (a KV cache before its first step). The moved pages are marked MADV_DONTFORK: a
+    child forked later does not inherit them (a shared mapping would otherwise be shared with it
+    instead of copied on write). Returns the region, or None when the range is smaller than
+    :data:`MIN_BYTES`. StateError when the kernel refuses the memfd or a mapping: chunks moved
+    before stay moved (their bytes kept)."""
     if type(address) is not int or type(nbytes) is not int or address <= 0 or nbytes < 0:
         raise InvalidArgumentError("address", "need a positive address and a size")
+    if nbytes < MIN_BYTES:
+        return None
     start = -(-address // PAGE) * PAGE
     end = (address + nbytes) // PAGE * PAGE
     if end <= start:
@@ -92,6 +111,8 @@ def share_memory(address: int, nbytes: int) -> SharedRegion | None:
             flags = mmap.MAP_SHARED | _MAP_FIXED
             got = remap(start + offset, n, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
             if got != start + offset:
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+            if _madvise()(start + offset, n, _MADV_DONTFORK) != 0:
                 raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
     except OSError as exc:
         os.close(fd)
