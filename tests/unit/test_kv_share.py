@@ -204,8 +204,10 @@ def test_hellos_without_a_lease_or_of_another_page_size_are_refused(owner: Owner
     with pytest.raises(StateError, match="page"):
         SharedKV(lease.socket, lease.lease_id, memories, segments, BLOCKS, copier.page_bytes * 2, 5.0)
     short = [(a, s, n // 2) for a, s, n in segments]
-    with pytest.raises(StateError, match="segments"):
-        SharedKV(lease.socket, lease.lease_id, memories, short, BLOCKS, copier.page_bytes, 5.0)
+    huge = [(a, 1 << 60, n) for a, s, n in segments]  # would overflow the owner's address math
+    for bad in (short, huge):
+        with pytest.raises(StateError, match="segments"):
+            SharedKV(lease.socket, lease.lease_id, memories, bad, BLOCKS, copier.page_bytes, 5.0)
     shared = SharedKV(lease.socket, lease.lease_id, memories, segments, BLOCKS, copier.page_bytes, 5.0)
     inboxes.close_engine("engine-a")  # the lease ends: later stores are refused
     with pytest.raises(StateError, match="lease"):

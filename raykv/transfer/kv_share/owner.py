@@ -146,6 +146,12 @@ def _described(msg: dict[str, Any], fds: int, page_bytes: int) -> tuple[list[tup
         not isinstance(seg, list) or len(seg) != 3 or any(type(v) is not int for v in seg) for seg in segments
     ):
         raise InvalidArgumentError("segments", "each segment is [address, stride, length], ints")
+    if (
+        type(blocks) is not int
+        or blocks < 1
+        or any(a < 0 or s < 0 or a + (blocks - 1) * s + n >= 1 << 56 for a, s, n in segments)
+    ):  # Python ints: every address computed later fits int64 with room to spare
+        raise InvalidArgumentError("segments", "addresses, strides and block count out of range")
     table = np.asarray(segments, dtype=np.int64).reshape(len(segments), 3)
     if int(table[:, 2].sum()) != page_bytes or (table[:, 2] <= 0).any() or (table[:, :2] < 0).any():
         raise InvalidArgumentError("segments", f"segments must make a page of {page_bytes} bytes")
