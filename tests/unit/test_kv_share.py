@@ -216,6 +216,20 @@ def test_hellos_without_a_lease_or_of_another_page_size_are_refused(owner: Owner
     assert len(manager.tree) == 0
 
 
+def test_a_connection_that_never_says_hello_is_closed(owner: Owner, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from raykv.transfer.kv_share import owner as owner_module
+
+    monkeypatch.setattr(owner_module, "HELLO_TIMEOUT_S", 0.2)
+    _, inboxes = owner
+    (lease,) = inboxes.open("engine-a", 1, 4 * _layout().page_bytes)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(lease.socket)
+        assert sock.recv(1) == b""  # closed by the owner, nothing answered
+
+
 class _SlowServer(StoreServer):
     """A store server whose gather waits for ``release`` (the engine meanwhile gives up)."""
 

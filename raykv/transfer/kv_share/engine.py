@@ -76,6 +76,8 @@ class SharedKV:
             send_frame(self._sock, hello, fds)
             answer, _ = recv_frame(self._sock)
         except (OSError, EOFError) as exc:
+            if hasattr(self, "_sock"):
+                self._sock.close()
             raise StateError(f"the store socket {path!r} failed: {exc}") from None
         finally:
             for fd in fds:  # the owner has its own; the mappings keep the memory

@@ -51,6 +51,10 @@ from raykv.transfer.kv_share.protocol import commit_records, parse_commit, recv_
 log = logging.getLogger(__name__)
 
 MAX_SEGMENTS = 1 << 16
+MAX_CONNECTIONS = 256
+"""Connections served at once (one per engine rank); more are closed at once."""
+HELLO_TIMEOUT_S = 10.0
+"""A connection must say hello within this long (its thread is then freed)."""
 
 
 @dataclass(frozen=True)
@@ -199,7 +203,7 @@ class StoreServer:
                 return  # closed
             uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
             with self._lock:
-                if self._closed or uid != os.getuid():
+                if self._closed or uid != os.getuid() or len(self._conns) >= MAX_CONNECTIONS:
                     conn.close()
                     continue
                 self._conns.add(conn)
@@ -208,9 +212,11 @@ class StoreServer:
     def _serve(self, conn: socket.socket) -> None:
         memory: EngineMemory | None = None
         try:
+            conn.settimeout(HELLO_TIMEOUT_S)
             memory = self._hello(conn)
             if memory is None:
                 return
+            conn.settimeout(None)  # an engine may store nothing for a long while
             while True:
                 msg, _ = recv_frame(conn)
                 send_frame(conn, self._store(memory, msg))
