@@ -62,6 +62,7 @@ PROMPTS = 6  # served before the stall, then again with as many new ones
 MAX_TOKENS = 6
 HOST_PAGES = 512  # every prompt of both tests fits: nothing is evicted
 BASE_RUNS = 3  # the no-connector time is the median of this many runs
+STOPS = 3  # stop episodes of the stop test; its connector time is their median
 
 
 @dataclass(frozen=True)
@@ -157,18 +158,30 @@ def _check(
 @pytest.mark.timeout(900)
 def test_engine_keeps_serving_while_its_worker_is_stopped(rig: Rig, baseline: Any) -> None:
     """Worker 0 stopped (SIGSTOP) after it stored 6 prompts: those 6 again plus 6 new ones
-    generate the no-connector tokens within the issue's bound. Resumed (SIGCONT) afterwards."""
-    first = _prompts(4000)
-    batch = first + _prompts(4100)
-    want, base = _stored_then_reference(rig, baseline, first, batch)
+    generate the no-connector tokens within the issue's bound. Resumed (SIGCONT) afterwards.
+    :data:`STOPS` such episodes, each on prompts of its own: the connector's time is their
+    median, as the no-connector time is a median (one stopped batch on the 2-core VM took
+    0.56-0.73 s against a no-connector median of 0.25 s, in back-to-back runs of the same code)."""
     pid = _pid(rig.deployment, 0)
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        got, took = _serve(rig.engine, batch)
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    _check("stopped worker", got, want, took, base)
-    assert _pid(rig.deployment, 0) == pid  # it answers again
+    figures = []
+    for episode in range(STOPS):
+        first = _prompts(4000 + 1000 * episode)
+        batch = first + _prompts(4100 + 1000 * episode)
+        want, base = _stored_then_reference(rig, baseline, first, batch)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            got, took = _serve(rig.engine, batch)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert got == want, f"stopped worker, episode {episode}: tokens differ from the no-connector engine's"
+        assert _pid(rig.deployment, 0) == pid  # it answers again
+        print(
+            f"\nstopped worker, episode {episode}: no connector {base:.3f} s, with the connector {took:.3f} s"
+        )
+        figures.append((took, base))
+    took = statistics.median(t for t, _ in figures)
+    base = statistics.median(b for _, b in figures)
+    _check(f"stopped worker, median of {STOPS}", want, want, took, base)
 
 
 @contextlib.contextmanager
