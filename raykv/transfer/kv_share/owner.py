@@ -44,9 +44,10 @@ from raykv.core import threads
 from raykv.core.errors import InvalidArgumentError, RayKVError, StateError
 from raykv.core.export_import import import_written
 from raykv.core.manager import CacheManager
+from raykv.core.tiers.copy_plan import runs
 from raykv.core.types import DEFAULT_PRIORITY, PageId, TierKind
 from raykv.transfer.kv_share.memory import PAGE, ReadOnlyRegion, gather
-from raykv.transfer.kv_share.protocol import commit_records, parse_commit, recv_frame, send_frame
+from raykv.transfer.kv_share.protocol import close_fds, commit_records, parse_commit, recv_frame, send_frame
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +95,7 @@ class EngineMemory:
             taken += 1
             self.epoch_page: ReadOnlyRegion | None = ReadOnlyRegion(fds[-1], 0, PAGE)
         except BaseException:
-            for fd in fds[taken:]:
-                _close(fd)
+            close_fds(fds[taken:])
             self.epoch_page = None
             self.close()
             raise
@@ -160,13 +160,6 @@ def _described(msg: dict[str, Any], fds: int, page_bytes: int) -> tuple[list[tup
     if int(table[:, 2].sum()) != page_bytes or (table[:, 2] <= 0).any() or (table[:, :2] < 0).any():
         raise InvalidArgumentError("segments", f"segments must make a page of {page_bytes} bytes")
     return pairs, table, blocks
-
-
-def _close(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
 
 
 class StoreServer:
@@ -241,8 +234,7 @@ class StoreServer:
             if msg.get("page") != page:
                 raise InvalidArgumentError("page", f"pages of {msg.get('page')} bytes for a worker of {page}")
         except RayKVError as exc:
-            for fd in fds:
-                _close(fd)
+            close_fds(fds)
             send_frame(conn, {"error": f"{type(exc).__name__}: {exc}"[:300]})
             return None
         try:
@@ -361,14 +353,9 @@ def _gather_slots(
     lengths: npt.NDArray[np.int64],
 ) -> list[None]:
     """Pages ``sources[i]`` into rows ``slots[i]`` of ``array``: one gather per run of slots."""
-    ids = [int(s) for s in slots]
-    i = 0
-    while i < len(ids):
-        j = i + 1
-        while j < len(ids) and ids[j] == ids[j - 1] + 1:
-            j += 1
-        _gather_rows(array[ids[i] : ids[i] + j - i], sources[i:j], lengths)
-        i = j
+    ids = np.asarray(slots, dtype=np.int64)
+    for i, slot, count in runs(np.arange(len(ids), dtype=np.int64), ids):
+        _gather_rows(array[slot : slot + count], sources[i : i + count], lengths)
     return []
 
 

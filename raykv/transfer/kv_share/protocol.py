@@ -22,6 +22,7 @@ owner answers it and goes on), a bad frame a StateError (the owner closes the co
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import struct
 from collections.abc import Sequence
@@ -81,10 +82,10 @@ def recv_frame(sock: socket.socket, want_fds: bool = False) -> tuple[dict[str, A
             raise StateError("a store frame that is not a map")
         return msg, fds
     except (ValueError, msgpack.UnpackException) as exc:
-        _close_all(fds)
+        close_fds(fds)
         raise StateError(f"an undecodable store frame ({type(exc).__name__})") from None
     except BaseException:
-        _close_all(fds)
+        close_fds(fds)
         raise
 
 
@@ -101,9 +102,8 @@ def _recv_exact(sock: socket.socket, n: int, eof_ok: bool = False) -> bytes:
     return b"".join(parts)
 
 
-def _close_all(fds: Sequence[int]) -> None:
-    import os
-
+def close_fds(fds: Sequence[int]) -> None:
+    """Close each of ``fds``, ignoring those already closed."""
     for fd in fds:
         try:
             os.close(fd)
