@@ -30,12 +30,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
-from raykv.bench.harness import Benchmark, Row, module_main, paired_seconds
+from raykv.bench.harness import Benchmark, Row, module_main, paired_seconds, timed
 from raykv.core.config import CacheConfig, TierConfig
 from raykv.core.keys import ReuseScope, block_keys
 from raykv.core.manager import CacheManager
@@ -132,7 +130,7 @@ def _row(shared: bool, nbytes: int, repeats: int) -> Row:
             setup.check()
             return took
 
-        ours_s, base_s = paired_seconds(ours, _copy(dst, src), repeats, warmup=1)
+        ours_s, base_s = paired_seconds(ours, timed(lambda: np.copyto(dst, src)), repeats, warmup=1)
         name = "one copy (shared KV memory)" if shared else "two copies (inbox)"
         info = f"{blocks} blocks of {page >> 10} KiB; the worker side's store as save() runs it"
         if shared and setup.side.shared is None:
@@ -152,15 +150,6 @@ def _row(shared: bool, nbytes: int, repeats: int) -> Row:
 
 def _rows(shared: bool, nbytes: int, repeats: int) -> list[Row]:
     return [_row(shared, nbytes, repeats)]
-
-
-def _copy(dst: Any, src: Any) -> Callable[[], float]:
-    def sample() -> float:
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        return time.perf_counter() - start
-
-    return sample
 
 
 def suite(quick: bool) -> tuple[list[Benchmark], str]:

@@ -410,9 +410,7 @@ class WorkerSide:
         start = time.perf_counter()
         commits = []
         for op in ops:
-            scope = rank_scope(op.scope, self.rank, self.ranks)
-            tokens = op.tokens[: op.end_block * self.tpb]
-            parent = self._parent(op.req_id, tokens, op.first_block, op.mm_items, scope)
+            scope, tokens, parent = self._keyed(op, op.end_block)
             blocks = op.blocks()[op.first_block : op.end_block]
             commits.append(commit_wire(blocks, op.first_block, parent, tokens, scope, op.mm_items, op.req_id))
         try:
@@ -463,9 +461,7 @@ class WorkerSide:
         end = first + fit
         try:
             self._write(slots, blocks[:fit])
-            scope = rank_scope(op.scope, self.rank, self.ranks)
-            tokens = op.tokens[: end * self.tpb]
-            parent = self._parent(op.req_id, tokens, first, op.mm_items, scope)
+            scope, tokens, parent = self._keyed(op, end)
         except BaseException:
             self.inbox.cancel(slots)
             raise
@@ -486,6 +482,13 @@ class WorkerSide:
         buffer = self._buffer(len(slots))
         self.copier.save(blocks, buffer)
         rows[np.asarray(slots, dtype=np.intp)] = buffer
+
+    def _keyed(self, op: StoreOp, end: int) -> tuple[ReuseScope, tuple[int, ...], bytes | None]:
+        """What a commit of ``op``'s blocks up to ``end`` names: this rank's scope, the tokens
+        through block ``end - 1`` and the key of the block before ``op.first_block``."""
+        scope = rank_scope(op.scope, self.rank, self.ranks)
+        tokens = op.tokens[: end * self.tpb]
+        return scope, tokens, self._parent(op.req_id, tokens, op.first_block, op.mm_items, scope)
 
     def _parent(
         self,

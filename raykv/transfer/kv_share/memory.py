@@ -16,6 +16,7 @@ reads do (:mod:`raykv.core.tiers.shm_directory`).
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import platform
@@ -62,20 +63,23 @@ class SharedRegion:
     size: int
 
 
-def _libc_mmap() -> Any:
+@functools.cache
+def _libc() -> tuple[Any, Any]:
+    """libc's ``mmap`` and ``madvise`` with their signatures (errno kept), loaded once."""
     libc = ctypes.CDLL(None, use_errno=True)
-    fn = libc.mmap
-    fn.restype = ctypes.c_void_p
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    return fn
-
-
-def _madvise() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = libc.madvise
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return fn
+    remap, advise = libc.mmap, libc.madvise
+    remap.restype = ctypes.c_void_p
+    remap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    advise.restype = ctypes.c_int
+    advise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return remap, advise
 
 
 def share_memory(address: int, nbytes: int) -> SharedRegion | None:
@@ -102,7 +106,7 @@ def share_memory(address: int, nbytes: int) -> SharedRegion | None:
         raise StateError(f"cannot create a memfd for engine memory ({exc.strerror})") from None
     try:
         os.ftruncate(fd, size)
-        remap = _libc_mmap()
+        remap, advise = _libc()
         for offset in range(0, size, CHUNK):
             n = min(CHUNK, size - offset)
             view = (ctypes.c_char * n).from_address(start + offset)
@@ -112,7 +116,7 @@ def share_memory(address: int, nbytes: int) -> SharedRegion | None:
             got = remap(start + offset, n, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, offset)
             if got != start + offset:
                 raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-            if _madvise()(start + offset, n, _MADV_DONTFORK) != 0:
+            if advise(start + offset, n, _MADV_DONTFORK) != 0:
                 raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
     except OSError as exc:
         os.close(fd)
