@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -70,3 +73,41 @@ def wait_held(
     while held(deployment, index, tokens, salt).num_blocks < blocks:
         assert time.monotonic() < deadline, f"worker {index} never held {blocks} blocks"
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def engine_on(
+    layout: Any,
+    workers: int,
+    model_dir: str,
+    ray_address: str,
+    paired: int,
+    connector: dict[str, Any] | None = None,
+    **engine: Any,
+) -> Iterator[tuple[RayKVCluster, Any]]:
+    """A deployment of ``workers`` testing workers with pages of ``layout``, and an engine with
+    ``engine`` settings (and ``connector`` extra config) paired with worker ``paired``; both shut
+    down on exit."""
+    from vllm import LLM
+
+    import raykv
+    from actors.testing import TestingCacheWorker
+    from raykv.integrations.vllm import testing
+
+    namespace = f"raykv-{uuid.uuid4().hex[:8]}"
+    config = testing.deployment_config(layout, host_pages=64)
+    deployment = raykv.start(
+        num_workers=workers, config=config, namespace=namespace, worker_class=TestingCacheWorker
+    )
+    try:
+        kwargs = testing.engine_kwargs(model_dir, **engine)
+        kwargs["kv_transfer_config"] = testing.connector_config(
+            namespace, ray_address, worker=paired, **(connector or {})
+        )
+        llm = LLM(**kwargs)
+        try:
+            yield deployment, llm
+        finally:
+            testing.shutdown_engine(llm)
+    finally:
+        deployment.shutdown()

@@ -11,9 +11,7 @@ on with other work. Outputs are compared bit for bit with the ``baseline`` engin
 
 from __future__ import annotations
 
-import contextlib
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +31,16 @@ from raykv.integrations.vllm.testing import generate  # noqa: E402
 from raykv.routing.pd import PDConfig, choose_pair  # noqa: E402
 from raykv.routing.policy import RoutingConfig, WorkerLoad  # noqa: E402
 
-from .helpers import TPB, engine_model, held, prompt, usable_blocks, wait_held, worker  # noqa: E402
+from .helpers import (  # noqa: E402
+    TPB,
+    engine_model,
+    engine_on,
+    held,
+    prompt,
+    usable_blocks,
+    wait_held,
+    worker,
+)
 
 ENGINE_B_TIMEOUT_S = 4.0  # engine_b's timeout_s (conftest)
 
@@ -199,35 +206,6 @@ def test_request_aborted_while_its_async_load_waits_frees_its_blocks(
     _same(generate(llm, other), generate(baseline, other))
 
 
-@contextlib.contextmanager
-def _engine_on(
-    layout: Any, workers: int, model_dir: str, ray_address: str, paired: int, **engine: Any
-) -> Iterator[tuple[RayKVCluster, Any]]:
-    """A deployment of ``workers`` testing workers with pages of ``layout``, and an engine with
-    ``engine`` settings paired with worker ``paired``; both shut down on exit."""
-    from vllm import LLM
-
-    import raykv
-    from actors.testing import TestingCacheWorker
-    from raykv.integrations.vllm import testing
-
-    namespace = f"raykv-{uuid.uuid4().hex[:8]}"
-    config = testing.deployment_config(layout, host_pages=64)
-    deployment = raykv.start(
-        num_workers=workers, config=config, namespace=namespace, worker_class=TestingCacheWorker
-    )
-    try:
-        kwargs = testing.engine_kwargs(model_dir, **engine)
-        kwargs["kv_transfer_config"] = testing.connector_config(namespace, ray_address, worker=paired)
-        llm = LLM(**kwargs)
-        try:
-            yield deployment, llm
-        finally:
-            testing.shutdown_engine(llm)
-    finally:
-        deployment.shutdown()
-
-
 @pytest.mark.timeout(600)
 def test_a_tensor_parallel_engine_loads_each_ranks_own_heads(
     model_dir: str, ray_address: str, monkeypatch: pytest.MonkeyPatch
@@ -242,7 +220,7 @@ def test_a_tensor_parallel_engine_loads_each_ranks_own_heads(
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank (one NUMA node here)
     layout = testing.tiny_layout(num_key_value_heads=1)
-    with _engine_on(layout, 2, model_dir, ray_address, 1, tensor_parallel_size=2) as (one_rank, llm):
+    with engine_on(layout, 2, model_dir, ray_address, 1, tensor_parallel_size=2) as (one_rank, llm):
         tokens = prompt(41, 3 * TPB + 5)
         first = generate(llm, tokens)
         assert first.raykv.get("staged_blocks") == 3  # rank 0's figures: its 3 blocks
@@ -315,7 +293,7 @@ def test_an_fp8_kv_cache_round_trips_bit_exact(model_dir: str, ray_address: str)
     layout = KVLayout.uniform(
         f["num_hidden_layers"], f["num_key_value_heads"], f["head_dim"], TPB, "float8_e4m3fn"
     )
-    with _engine_on(layout, 1, model_dir, ray_address, 0, kv_cache_dtype="fp8") as (fp8, llm):
+    with engine_on(layout, 1, model_dir, ray_address, 0, kv_cache_dtype="fp8") as (fp8, llm):
         tokens = prompt(43, 3 * TPB + 5)
         first = generate(llm, tokens)
         wait_held(fp8, 0, tokens, 3, ReuseScope(), timeout=30)
@@ -365,7 +343,7 @@ def test_an_mla_engine_loads_latents_as_vllms_own_example_connector_does(
     model = testing.save_tiny_mla(str(tmp_path_factory.mktemp("tiny-mla")))
     tokens = prompt(47, 6 * testing.MLA_BLOCK_SIZE + 5)
     block = testing.MLA_BLOCK_SIZE
-    with _engine_on(testing.tiny_mla_layout(), 1, model, ray_address, 0, block_size=block) as (dep, llm):
+    with engine_on(testing.tiny_mla_layout(), 1, model, ray_address, 0, block_size=block) as (dep, llm):
         first = generate(llm, tokens)
         wait_held(dep, 0, tokens, 6, ReuseScope(), timeout=30)
         again = generate(llm, tokens)
@@ -397,7 +375,7 @@ def test_a_tensor_parallel_mla_engine_stores_one_set_of_latent_pages(
     model = testing.save_tiny_mla(str(tmp_path_factory.mktemp("tiny-mla-tp")))
     tokens = prompt(53, 6 * testing.MLA_BLOCK_SIZE + 5)
     engine = dict(block_size=testing.MLA_BLOCK_SIZE, tensor_parallel_size=2)
-    with _engine_on(testing.tiny_mla_layout(), 1, model, ray_address, 0, **engine) as (dep, llm):
+    with engine_on(testing.tiny_mla_layout(), 1, model, ray_address, 0, **engine) as (dep, llm):
         first = generate(llm, tokens)
         wait_held(dep, 0, tokens, 6, ReuseScope(), timeout=30)
         again = generate(llm, tokens)
@@ -435,7 +413,7 @@ def sliding_window(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -
             layer_types=["sliding_attention", "full_attention"],
             sliding_window=40,
         )
-        with _engine_on(testing.tiny_layout(), 2, model, ray_address, 0) as (dep, llm):
+        with engine_on(testing.tiny_layout(), 2, model, ray_address, 0) as (dep, llm):
             plain = LLM(**testing.engine_kwargs(model))
             try:
                 yield SlidingWindow(model, dep, llm, plain)

@@ -10,12 +10,9 @@ it runs again.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,44 +22,18 @@ require("vllm", reason="vllm is not installed (pip install -e '.[vllm]', see REA
 
 import ray  # noqa: E402
 
-import raykv  # noqa: E402
-from actors.cache.cluster import RayKVCluster  # noqa: E402
-from actors.testing import TestingCacheWorker  # noqa: E402
 from raykv.integrations.vllm import testing  # noqa: E402
 from raykv.integrations.vllm.testing import generate  # noqa: E402
 from raykv.integrations.vllm.worker import STORE_WAIT_S  # noqa: E402
 from raykv.transfer.kv_share import memory  # noqa: E402
 
-from .helpers import TPB, prompt, wait_held, worker  # noqa: E402
+from .helpers import TPB, engine_on, prompt, wait_held, worker  # noqa: E402
 
 # An engine start and six requests (~60 s on 2 cores): run by CI with `pytest -m ci_only`.
 pytestmark = [
     pytest.mark.ci_only,
     pytest.mark.skipif(not memory.supported(), reason="engine memory is shared on Linux x86-64 only"),
 ]
-
-
-@contextlib.contextmanager
-def _native_engine(model_dir: str, ray_address: str) -> Iterator[tuple[RayKVCluster, Any]]:
-    """A one-worker deployment laid out for ``engine_native`` pages and an engine paired with it."""
-    from vllm import LLM
-
-    layout = testing.tiny_layout(page_layout="engine_native")
-    namespace = f"raykv-{uuid.uuid4().hex[:8]}"
-    config = testing.deployment_config(layout, host_pages=64)
-    deployment = raykv.start(1, config, namespace=namespace, worker_class=TestingCacheWorker)
-    try:
-        kwargs = testing.engine_kwargs(model_dir)
-        kwargs["kv_transfer_config"] = testing.connector_config(
-            namespace, ray_address, worker=0, page_layout="engine_native"
-        )
-        llm = LLM(**kwargs)
-        try:
-            yield deployment, llm
-        finally:
-            testing.shutdown_engine(llm)
-    finally:
-        deployment.shutdown()
 
 
 def _same(got: Any, want: Any) -> None:
@@ -75,7 +46,9 @@ def test_one_copy_stores_are_exact_and_a_stopped_worker_does_not_stall_them(
     baseline: Any, model_dir: str, ray_address: str
 ) -> None:
     tokens, other = prompt(61, 6 * TPB + 3), prompt(67, 6 * TPB + 3)
-    with _native_engine(model_dir, ray_address) as (dep, llm):
+    layout = testing.tiny_layout(page_layout="engine_native")
+    native = {"page_layout": "engine_native"}
+    with engine_on(layout, 1, model_dir, ray_address, 0, connector=native) as (dep, llm):
         first = generate(llm, tokens, max_tokens=4)
         assert first.raykv["shared_store_blocks"] == first.raykv["stored_blocks"] == 6
         assert "store_abandoned_blocks" not in first.raykv
